@@ -1,0 +1,3 @@
+"""Duet's MLX inference engine."""
+
+__version__ = "0.1.0"

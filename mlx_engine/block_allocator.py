@@ -1,0 +1,119 @@
+"""KV block bookkeeping: free list, reference counts, copy-on-write, and the prefix index.
+
+Blocks are integers ``1..num_blocks-1``; block 0 is the null block (padding in block
+tables, scratch target for padded writes) and is never handed out.
+
+A block is in exactly one of three states:
+- in use: ``ref[b] > 0`` (held by one or more sequences),
+- cached: ``ref[b] == 0`` but registered in the prefix index, so a new request can
+  revive it; it sits in the LRU free queue and is evicted when allocation reaches it,
+- free: ``ref[b] == 0`` and not cached.
+
+The free queue is ordered least-recently-released first, so allocation evicts the
+coldest cached prefixes first (vLLM's block pool works the same way).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .prefix_index import PrefixIndex
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks < 2:
+            raise ValueError("need at least 2 KV blocks (block 0 is reserved)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        # ordered set of blocks with ref == 0; first = next to be (re)used
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.index = PrefixIndex(block_size) if enable_prefix_cache else None
+        self.evictions = 0
+        self.on_evict = None  # optional callback(block_id, tokens_key) for a disk tier
+
+    # --- counts ---------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (free or evictable cached)."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return 0 if self.index is None else len(self.index)
+
+    # --- alloc / free ---------------------------------------------------------
+    def allocate(self, n: int = 1) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            if self.index is not None and self.index.contains_block(b):
+                self.index.remove_block(b)
+                self.evictions += 1
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def incref(self, b: int) -> None:
+        if self.ref[b] == 0:
+            self._free.pop(b)
+        self.ref[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; the tail of a sequence is released first so it is evicted first."""
+        for b in reversed(blocks):
+            if b == 0:
+                continue
+            if self.ref[b] <= 0:
+                raise AssertionError(f"double free of KV block {b}")
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self._free[b] = None
+
+    def fork(self, blocks: list[int]) -> list[int]:
+        """Share all blocks with a new sequence (n > 1 sampling); writes go through ``make_writable``."""
+        for b in blocks:
+            self.incref(b)
+        return list(blocks)
+
+    def make_writable(self, b: int) -> tuple[int, bool]:
+        """Copy-on-write: returns (block to write into, whether its content must be copied from ``b``)."""
+        if self.ref[b] == 1 and (self.index is None or not self.index.contains_block(b)):
+            return b, False
+        (new,) = self.allocate(1)
+        self.free([b])
+        return new, True
+
+    # --- prefix cache -----------------------------------------------------------
+    def match_prefix(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """Blocks caching the longest full-block prefix of ``tokens[:max_tokens]``; each gets a reference."""
+        if self.index is None:
+            return []
+        blocks = self.index.match(tokens, max_tokens)
+        for b in blocks:
+            self.incref(b)
+        return blocks
+
+    def register(self, tokens: list[int], blocks: list[int], num_full: int) -> None:
+        """Make the first ``num_full`` full blocks of a sequence matchable by later requests."""
+        if self.index is not None and num_full > 0:
+            self.index.insert(tokens[: num_full * self.block_size], blocks[:num_full])
+
+    def check_invariants(self) -> None:
+        for b in range(1, self.num_blocks):
+            assert self.ref[b] >= 0
+            assert (self.ref[b] == 0) == (b in self._free), f"block {b}: ref {self.ref[b]}"
+        assert 0 not in self._free
+        if self.index is not None:
+            self.index.check_invariants()

@@ -1,0 +1,367 @@
+"""The asyncio-facing Engine: one worker thread owns the model and serves every caller.
+
+    engine = Engine.load(None)                      # the bundled model
+    async for ev in engine.generate(GenerationRequest(messages=[...])):
+        print(ev.text, end="")
+
+Callers submit requests from any event loop; the worker runs scheduler steps
+(continuous batching, chunked prefill, paged KV, prefix cache) and pushes events back to
+each caller's loop. Leaving the ``async for`` early cancels the request, and its KV
+blocks are released before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .backend import backend_name, total_memory_bytes
+from .blas import active_blas
+from .block_allocator import BlockAllocator
+from .detokenizer import StreamingDetokenizer
+from .kv_pool import KVPool
+from .loader import LoadedModel, load_model
+from .model_runner import ModelRunner, Row
+from .request import GenerationEvent, GenerationRequest, RequestError, TokenLogprob, Usage
+from .sampler import SamplerRow, make_rng, sample
+from .scheduler import QueueFullError, Scheduler, SchedulerConfig, Sequence
+from .stop_strings import StopMatcher
+from .tokenizer import TemplateError
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "QueueFullError", "RequestError"]
+
+
+@dataclass
+class EngineConfig:
+    kv_bits: int | None = None  # 8 or 4 to quantize the KV cache
+    kv_group_size: int = 32
+    cache_gb: float | None = None  # KV pool budget; default min(4 GiB, 15% of memory)
+    block_size: int = 16
+    max_batch_tokens: int = 512
+    prefill_chunk: int = 256
+    max_running: int = 64
+    max_queue: int = 256
+    prefix_cache: bool = True
+    weights: str = "auto"  # "dense", "quantized" or "auto" (dense on CPU, quantized on GPU)
+
+
+@dataclass
+class EngineStats:
+    model: str
+    backend: str
+    blas: str
+    weight_format: str
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_bytes: int
+    kv_bits: int | None
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    steps: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass(eq=False)
+class _Active:
+    req: GenerationRequest
+    seq: Sequence
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    detok: StreamingDetokenizer
+    stopper: StopMatcher
+    rng: object
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_last: float | None = None
+    done: bool = False
+
+    def emit(self, ev: GenerationEvent) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.context_length = loaded.context_length
+        self._cv = threading.Condition()
+        self._inbox: list[_Active] = []
+        self._cancels: set[str] = set()
+        self._active: dict[str, _Active] = {}
+        self._stopping = False
+        self._steps = 0
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._worker, name="duet-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._init_error is not None:
+            raise self._init_error
+
+    @classmethod
+    def load(cls, model: str | None = None, *, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        return cls(load_model(model, weights=config.weights), config)
+
+    # --- set-up on the worker thread (MLX streams are per thread) -----------------
+    def _build(self) -> None:
+        c, m = self.config, self.loaded
+        if c.kv_bits not in (None, 4, 8):
+            raise ValueError("kv_bits must be 4 or 8")
+        budget = (c.cache_gb * 2**30) if c.cache_gb else min(4 * 2**30, 0.15 * total_memory_bytes())
+        per_token = m.num_layers * KVPool.bytes_per_token_per_layer(
+            m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
+        )
+        num_blocks = max(2, int(budget // (per_token * c.block_size)))
+        self.pool = KVPool(
+            m.num_layers, num_blocks, c.block_size, m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
+        )
+        self.allocator = BlockAllocator(num_blocks, c.block_size, enable_prefix_cache=c.prefix_cache)
+        self.scheduler = Scheduler(
+            self.allocator,
+            SchedulerConfig(c.max_batch_tokens, min(c.prefill_chunk, c.max_batch_tokens), c.max_running, c.max_queue),
+        )
+        self.runner = ModelRunner(m.model, self.pool)
+
+    # --- public API -------------------------------------------------------------
+    def prepare_prompt(self, request: GenerationRequest) -> list[int]:
+        """Prompt token ids for a request; raises RequestError for anything invalid."""
+        if (request.prompt is None) == (request.messages is None):
+            raise RequestError("give exactly one of prompt or messages", "messages")
+        if request.max_tokens is None or request.max_tokens <= 0:
+            raise RequestError("max_tokens must be a positive integer", "max_tokens")
+        request.sampling.validate(self.tokenizer.vocab_size)
+        if request.messages is not None:
+            if not request.messages:
+                raise RequestError("messages must not be empty", "messages")
+            try:
+                text = self.tokenizer.apply_chat_template(request.messages, True, request.tools)
+            except TemplateError as e:
+                raise RequestError(str(e), "messages") from e
+            ids = self.tokenizer.encode(text, add_special_tokens=True)
+        elif isinstance(request.prompt, str):
+            if not request.prompt:
+                raise RequestError("prompt must not be empty", "prompt")
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        else:
+            ids = [int(t) for t in request.prompt]
+            if not ids:
+                raise RequestError("prompt must not be empty", "prompt")
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise RequestError("prompt token ids must be inside the vocabulary", "prompt")
+        if len(ids) >= self.context_length:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens but the model's context is {self.context_length} tokens",
+                "messages" if request.messages is not None else "prompt",
+            )
+        if not self.scheduler.can_ever_fit(len(ids) + 1):
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, more than the KV cache holds "
+                f"({(self.allocator.num_blocks - 1) * self.allocator.block_size} tokens); raise cache_gb",
+                "prompt",
+            )
+        return ids
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        if self._stopping:
+            raise RuntimeError("the engine is shut down")
+        ids = self.prepare_prompt(request)
+        cap = min(self.context_length, (self.allocator.num_blocks - 1) * self.allocator.block_size)
+        seq = Sequence(request.request_id, list(ids), len(ids), min(len(ids) + request.max_tokens, cap))
+        active = _Active(
+            req=request,
+            seq=seq,
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+            detok=StreamingDetokenizer(self.tokenizer),
+            stopper=StopMatcher(list(request.stop)),
+            rng=make_rng(request.sampling.seed),
+        )
+        with self._cv:
+            if request.request_id in self._active or any(a.req.request_id == request.request_id for a in self._inbox):
+                raise RequestError(f"request id {request.request_id!r} is already running", "request_id")
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.config.max_queue} waiting)")
+            self._inbox.append(active)
+            self._cv.notify()
+        finished = False
+        try:
+            while True:
+                ev = await active.queue.get()
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        with self._cv:
+            self._cancels.add(request_id)
+            self._cv.notify()
+
+    def stats(self) -> EngineStats:
+        a, s = self.allocator, self.scheduler
+        return EngineStats(
+            model=self.model_name,
+            backend=backend_name(),
+            blas=active_blas(),
+            weight_format=self.loaded.weight_format,
+            running=len(s.running),
+            waiting=len(s.waiting) + len(self._inbox),
+            kv_blocks_total=a.num_blocks - 1,
+            kv_blocks_used=a.num_used,
+            kv_blocks_cached=a.num_cached,
+            kv_bytes=self.pool.nbytes,
+            kv_bits=self.config.kv_bits,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            preemptions=s.preemptions,
+            steps=self._steps,
+        )
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # --- worker -----------------------------------------------------------------
+    def _worker(self) -> None:
+        try:
+            self._build()
+        except BaseException as e:  # reported to the constructor
+            self._init_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            with self._cv:
+                while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work()):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, set()
+                stopping = self._stopping
+            for a in inbox:
+                self._active[a.req.request_id] = a
+                self.scheduler.waiting.append(a.seq)
+            for rid in cancels:
+                if rid in self._active:
+                    self._finish(self._active[rid], "cancelled")
+            if stopping:
+                for a in list(self._active.values()):
+                    self._finish(a, "error", "the engine shut down")
+                return
+            try:
+                self._step()
+            except Exception as e:  # a failed step fails its requests, never the engine
+                traceback.print_exc()
+                for a in list(self._active.values()):
+                    if a.seq.status == "running":
+                        self._finish(a, "error", f"generation failed: {e}")
+
+    def _step(self) -> None:
+        step = self.scheduler.schedule()
+        if not step:
+            if self.scheduler.has_work():
+                time.sleep(0.001)  # waiting on blocks that nothing running will free: wait for cancels
+            return
+        self._steps += 1
+        rows, sampled = [], []
+        for rid, n in step.items():
+            seq = self._active[rid].seq
+            rows.append(Row(seq.tokens[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.blocks))
+        logits = self.runner.forward(rows)
+        for i, (rid, n) in enumerate(step.items()):
+            seq = self._active[rid].seq
+            seq.num_computed += n
+            self.allocator.register(seq.tokens, seq.blocks, seq.num_computed // self.allocator.block_size)
+            if seq.num_computed == len(seq.tokens):
+                sampled.append(i)
+        if not sampled:
+            return
+        actives = [self._active[list(step)[i]] for i in sampled]
+        srows = []
+        for a in actives:
+            c = a.req.constraint
+            srows.append(
+                SamplerRow(
+                    params=a.req.sampling,
+                    rng=a.rng,
+                    prompt_ids=a.seq.tokens[: a.seq.num_prompt],
+                    output_ids=a.seq.tokens[a.seq.num_prompt :],
+                    allowed=c.allowed_tokens() if c is not None else None,
+                )
+            )
+        idx = mx.array(sampled) if len(sampled) != len(rows) else None
+        results = sample(logits if idx is None else logits[idx], srows)
+        now = time.perf_counter()
+        for a, r in zip(actives, results, strict=True):
+            self._on_token(a, r, now)
+
+    def _on_token(self, a: _Active, r, now: float) -> None:
+        seq, req, tok = a.seq, a.req, int(r.token_id)
+        if a.t_first is None:
+            a.t_first = now
+        a.t_last = now
+        seq.tokens.append(tok)
+        if req.constraint is not None:
+            req.constraint.accept(tok)
+        lp = []
+        if req.sampling.logprobs:
+            piece = self.tokenizer.piece
+            lp = [TokenLogprob(tok, piece(tok), float(r.logprob), tuple((t, piece(t), float(v)) for t, v in r.top))]
+        if (tok in self.tokenizer.eos_token_ids and not req.ignore_eos) or tok in req.stop_token_ids:
+            a.emit(GenerationEvent(req.request_id, "", [tok], lp))
+            self._finish(a, "stop", stop_reason=tok)
+            return
+        text, hit = a.stopper.feed(a.detok.add(tok))
+        a.emit(GenerationEvent(req.request_id, text, [tok], lp))
+        if hit is not None:
+            self._finish(a, "stop", stop_reason=hit, flush=False)
+        elif req.constraint is not None and req.constraint.is_finished():
+            self._finish(a, "stop")
+        elif len(seq.tokens) >= seq.max_total:
+            self._finish(a, "length")
+
+    def _finish(self, a: _Active, reason: str, error: str | None = None, stop_reason=None, flush: bool = True) -> None:
+        if a.done:
+            return
+        a.done = True
+        self.scheduler.finish(a.seq)
+        del self._active[a.req.request_id]
+        text = ""
+        if flush and reason in ("stop", "length"):
+            tail, hit = a.stopper.feed(a.detok.flush())
+            text = tail if hit is not None else tail + a.stopper.flush()
+        seq = a.seq
+        n_out = seq.num_generated
+        usage = Usage(prompt_tokens=seq.num_prompt, completion_tokens=n_out, cached_tokens=seq.num_cached)
+        if a.t_first is not None:
+            usage.ttft_s = a.t_first - a.t_submit
+            usage.prefill_tps = (seq.num_prompt - seq.num_cached) / max(usage.ttft_s, 1e-9)
+            if n_out > 1 and a.t_last is not None and a.t_last > a.t_first:
+                usage.decode_tps = (n_out - 1) / (a.t_last - a.t_first)
+        a.emit(GenerationEvent(a.req.request_id, text, [], [], reason, usage, error, stop_reason))

@@ -1,0 +1,128 @@
+"""The paged KV pool: per-layer arrays of fixed-size token blocks (layout: docs/architecture.md).
+
+Unquantized, each layer has K and V of shape ``(num_blocks, block_size, n_kv_heads, head_dim)``
+in the model's activation dtype. With ``kv_bits`` 8 or 4 each of K and V is a triplet in MLX's
+affine format along ``head_dim``: packed ``uint32 (..., head_dim * bits / 32)``, and scales and
+biases ``(..., head_dim / group_size)``. Token ``t`` of a sequence lives in block
+``block_table[t // block_size]`` at slot ``t % block_size``; block 0 is the null block.
+
+Writes are indexed assignments on a flat ``(num_blocks * block_size, ...)`` view, so MLX
+updates the pool buffer in place (the old array has no other reference when the step is
+evaluated); reads gather whole token rows by slot index.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype = mx.float32,
+        kv_bits: int | None = None,
+        group_size: int = 32,
+        v_head_dim: int | None = None,
+    ):
+        if kv_bits not in (None, 4, 8):
+            raise ValueError("kv_bits must be 4, 8 or None")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype, self.kv_bits = dtype, kv_bits
+        self.group_size = min(group_size, head_dim)
+        n = num_blocks * block_size
+        self.k = [self._empty(n, head_dim) for _ in range(num_layers)]
+        self.v = [self._empty(n, self.v_head_dim) for _ in range(num_layers)]
+        mx.eval(self.k, self.v)
+
+    def _empty(self, n: int, dim: int):
+        if self.kv_bits is None:
+            return mx.zeros((n, self.n_kv_heads, dim), self.dtype)
+        packed = dim * self.kv_bits // 32
+        groups = dim // self.group_size
+        return (
+            mx.zeros((n, self.n_kv_heads, packed), mx.uint32),
+            mx.zeros((n, self.n_kv_heads, groups), self.dtype),
+            mx.zeros((n, self.n_kv_heads, groups), self.dtype),
+        )
+
+    @staticmethod
+    def bytes_per_token_per_layer(n_kv_heads: int, head_dim: int, dtype: mx.Dtype, kv_bits: int | None, group_size: int = 32) -> int:
+        if kv_bits is None:
+            return 2 * n_kv_heads * head_dim * dtype.size
+        gs = min(group_size, head_dim)
+        return 2 * n_kv_heads * (head_dim * kv_bits // 8 + 2 * (head_dim // gs) * dtype.size)
+
+    @property
+    def nbytes(self) -> int:
+        def size(a):
+            return sum(x.nbytes for x in a) if isinstance(a, tuple) else a.nbytes
+
+        return sum(size(a) for a in self.k) + sum(size(a) for a in self.v)
+
+    def arrays(self) -> list:
+        """Everything to evaluate after a step."""
+        out = []
+        for a in (*self.k, *self.v):
+            out.extend(a if isinstance(a, tuple) else (a,))
+        return out
+
+    # --- write / read -----------------------------------------------------------
+    def _store(self, pool, slots: mx.array, x: mx.array):
+        if self.kv_bits is None:
+            pool[slots] = x.astype(self.dtype)
+            return pool
+        q, s, b = mx.quantize(x, group_size=self.group_size, bits=self.kv_bits)
+        pool[0][slots] = q
+        pool[1][slots] = s.astype(self.dtype)
+        pool[2][slots] = b.astype(self.dtype)
+        return pool
+
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """``slots``: (T,) flat slot ids; ``k``/``v``: (T, n_kv_heads, head_dim)."""
+        self.k[layer] = self._store(self.k[layer], slots, k)
+        self.v[layer] = self._store(self.v[layer], slots, v)
+
+    def _load(self, pool, slots: mx.array) -> mx.array:
+        if self.kv_bits is None:
+            return pool[slots]
+        q, s, b = (p[slots] for p in pool)
+        return mx.dequantize(q, s, b, group_size=self.group_size, bits=self.kv_bits).astype(self.dtype)
+
+    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """``slots``: (B, S) -> K, V as (B, n_kv_heads, S, head_dim) in the activation dtype."""
+        k = self._load(self.k[layer], slots).transpose(0, 2, 1, 3)
+        v = self._load(self.v[layer], slots).transpose(0, 2, 1, 3)
+        return k, v
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's tokens in every layer (copy-on-write)."""
+        bs = self.block_size
+        s = mx.arange(src * bs, src * bs + bs)
+        d = mx.arange(dst * bs, dst * bs + bs)
+        for pools in (self.k, self.v):
+            for i, p in enumerate(pools):
+                if isinstance(p, tuple):
+                    for part in p:
+                        part[d] = part[s]
+                else:
+                    p[d] = p[s]
+                    pools[i] = p
+
+    # --- disk tier helpers --------------------------------------------------------
+    def read_block(self, block: int) -> list[mx.array]:
+        bs = self.block_size
+        sl = slice(block * bs, block * bs + bs)
+        return [a[sl] for a in self.arrays()]
+
+    def write_block(self, block: int, parts: list[mx.array]) -> None:
+        bs = self.block_size
+        d = mx.arange(block * bs, block * bs + bs)
+        for a, p in zip(self.arrays(), parts, strict=True):
+            a[d] = p

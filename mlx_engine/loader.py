@@ -1,0 +1,130 @@
+"""Load a model (GGUF file or HF/MLX directory) into mlx-lm's model classes.
+
+Weight format per backend: on CPU, dense float32 weights with a fast BLAS beat MLX's
+single-threaded quantized matmul by a wide margin (docs/BENCHMARKS.md), so quantized
+weights are expanded when they fit the memory budget; on Metal and CUDA they stay
+quantized, where MLX's quantized kernels are fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .backend import backend_name
+from .resolve import ModelSource, resolve_model
+from .tokenizer import Tokenizer
+
+WEIGHT_FORMATS = ("auto", "dense", "quantized")
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    name: str
+    path: Path
+    model_type: str
+    context_length: int
+    weight_format: str
+    num_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+    load_seconds: float = 0.0
+
+    @property
+    def weight_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+def _want_dense(weights: str) -> bool:
+    if weights not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"weights must be one of {WEIGHT_FORMATS}, not {weights!r}")
+    if weights != "auto":
+        return weights == "dense"
+    return backend_name() == "cpu"
+
+
+def _attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    args = model.args
+    heads = args.num_attention_heads
+    kv = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    return len(model.layers), kv, head_dim
+
+
+def _activation_dtype(model: nn.Module) -> mx.Dtype:
+    emb = model.model.embed_tokens
+    return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
+
+
+def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") -> LoadedModel:
+    t0 = time.perf_counter()
+    src = resolve_model(spec)
+    dense = _want_dense(weights)
+    if src.kind == "gguf":
+        from .gguf_loader import load_gguf
+
+        model, tokenizer, info = load_gguf(src.path, dense=dense)
+        model_type, ctx, fmt = info["model_type"], info["context_length"], info["weight_format"]
+    else:
+        model, tokenizer, model_type, ctx, fmt = _load_hf_dir(src, dense)
+    layers, kv, hd = _attention_shape(model)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=src.name,
+        path=src.path,
+        model_type=model_type,
+        context_length=ctx,
+        weight_format=fmt,
+        num_layers=layers,
+        n_kv_heads=kv,
+        head_dim=hd,
+        dtype=_activation_dtype(model),
+        load_seconds=time.perf_counter() - t0,
+    )
+
+
+def _load_hf_dir(src: ModelSource, dense: bool):
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    config = json.loads((src.path / "config.json").read_text())
+    model_type = config.get("model_type", "?")
+    try:
+        model, config = mlx_lm_load_model(src.path, lazy=True)
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise ModelLoadError(f"unsupported architecture {model_type!r} in {src.path}: {e}") from e
+        raise ModelLoadError(f"could not load {src.path}: {e}") from e
+    quant = config.get("quantization")
+    if quant and dense:
+        from .dequantize import dequantize_model
+
+        model = dequantize_model(model, mx.float32)
+        fmt = f"dense float32 (from {quant.get('bits')}-bit affine)"
+    elif quant:
+        fmt = f"quantized {quant.get('bits')}-bit affine (group {quant.get('group_size')})"
+    else:
+        dtype = _activation_dtype(model)
+        if dense and backend_name() == "cpu" and dtype != mx.float32:
+            # half-precision matmuls are slow on the CPU backend
+            model.set_dtype(mx.float32)
+        fmt = f"dense {str(_activation_dtype(model)).split('.')[-1]}"
+    mx.eval(model.parameters())
+    tokenizer = Tokenizer.from_hf_dir(src.path)
+    ctx = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    return model, tokenizer, model_type, ctx, fmt

@@ -1,0 +1,77 @@
+"""Runs one scheduler step through the model: rows of tokens in, last-position logits out.
+
+Rows that process the same number of tokens (all decodes, equal-size prefill chunks) run
+as one batched forward pass; each pass gets a ``BatchLayout`` telling the paged caches
+where to read and write. Only the last position of each row goes through the LM head:
+computing vocabulary logits for every prompt position would cost more than the rest of a
+small model's prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import paged_attention
+from .kv_pool import KVPool
+from .paged_attention import BatchLayout, PagedLayerCache
+
+
+@dataclass
+class Row:
+    tokens: list[int]  # tokens to process this step
+    start: int  # tokens of this sequence already in the pool
+    blocks: list[int]  # the sequence's block table
+
+
+def lm_head(model: nn.Module, h: mx.array) -> mx.array:
+    """The model's output projection (tied or not, with Gemma-style final soft-capping)."""
+    out = model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h)
+    cap = getattr(model.args, "final_logit_softcapping", None)
+    if cap:
+        out = mx.tanh(out / cap) * cap
+    return out
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, pool: KVPool):
+        paged_attention.install()
+        self.model = model
+        self.pool = pool
+
+    def _pass(self, rows: list[Row], all_positions: bool = False) -> mx.array:
+        layout = BatchLayout(
+            starts=[r.start for r in rows],
+            num_new=len(rows[0].tokens),
+            block_tables=[r.blocks for r in rows],
+            block_size=self.pool.block_size,
+        )
+        caches = [PagedLayerCache(self.pool, i, layout) for i in range(self.pool.num_layers)]
+        h = self.model.model(mx.array([r.tokens for r in rows], dtype=mx.int32), caches)
+        return lm_head(self.model, h if all_positions else h[:, -1:, :])
+
+    def forward(self, rows: list[Row]) -> mx.array:
+        """Logits (len(rows), vocab) of each row's last token, in row order; KV written to the pool."""
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(len(r.tokens), []).append(i)
+        parts, order = [], []
+        for idx in groups.values():
+            parts.append(self._pass([rows[i] for i in idx])[:, -1, :])
+            order.extend(idx)
+        logits = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        if order != sorted(order):
+            inv = [0] * len(order)
+            for pos, i in enumerate(order):
+                inv[i] = pos
+            logits = logits[mx.array(inv)]
+        mx.eval(logits, *self.pool.arrays())
+        return logits
+
+    def forward_all(self, row: Row) -> mx.array:
+        """Logits at every position of one row (teacher forcing in tests and evals)."""
+        logits = self._pass([row], all_positions=True)[0]
+        mx.eval(logits, *self.pool.arrays())
+        return logits

@@ -1,0 +1,134 @@
+"""Attention over the paged KV pool, plugged into mlx-lm's model modules without forking them.
+
+mlx-lm attention layers do ``keys, values = cache.update_and_fetch(keys, values)`` and then
+call ``scaled_dot_product_attention(queries, keys, values, cache=cache, scale, mask)``, a
+function each model file imports by name. We hand every layer a ``PagedLayerCache``:
+
+- ``offset`` is the per-sequence start position (B,), so RoPE rotates each row correctly;
+- ``update_and_fetch`` scatters the new K/V into the pool and returns the sequences' whole
+  K/V gathered through their block tables, (B, n_kv_heads, S, head_dim);
+- ``make_mask`` returns the (B, 1, L, S) boolean mask: causal, per-sequence length, window.
+
+and replace ``scaled_dot_product_attention`` in the loaded model modules by
+``_dispatching_sdpa``, which sends paged caches to ``paged_attention``. That is the one
+place attention over paged KV happens; on Metal, single-token decode goes to the custom
+kernel (``metal_kernels``) that reads the pool directly, so the gather is never evaluated.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .kv_pool import KVPool
+
+
+@dataclass
+class BatchLayout:
+    """Where the rows of one forward pass read and write KV. Built by the model runner."""
+
+    starts: list[int]  # tokens already in the cache per row
+    num_new: int  # tokens processed per row this pass (same for all rows of a pass)
+    block_tables: list[list[int]]
+    block_size: int
+
+    def __post_init__(self):
+        bs, L = self.block_size, self.num_new
+        B = len(self.starts)
+        ends = [s + L for s in self.starts]
+        S = max(ends)
+        nblk = (S + bs - 1) // bs
+        table = mx.array([(t + [0] * nblk)[:nblk] for t in self.block_tables], dtype=mx.int32)  # (B, nblk)
+        pos = mx.arange(S)
+        self.read_slots = table[:, pos // bs] * bs + pos % bs  # (B, S)
+        new_pos = mx.array(self.starts, dtype=mx.int32)[:, None] + mx.arange(L)[None]  # (B, L)
+        self.write_slots = mx.take_along_axis(self.read_slots, new_pos, axis=1).reshape(-1)  # (B*L,)
+        self.offsets = mx.array(self.starts, dtype=mx.int32) if B > 1 else self.starts[0]
+        self._q_pos = new_pos[:, None, :, None]  # (B, 1, L, 1)
+        self._k_pos = pos[None, None, None, :]  # (1, 1, 1, S)
+        self.table = table
+        self.context_lens = mx.array(ends, dtype=mx.int32)
+        self._masks: dict[int | None, mx.array] = {}
+
+    def mask(self, window: int | None = None) -> mx.array:
+        if window not in self._masks:
+            m = self._k_pos <= self._q_pos
+            if window is not None:
+                m = m & (self._k_pos > self._q_pos - window)
+            self._masks[window] = m
+        return self._masks[window]
+
+
+class PagedLayerCache:
+    """mlx-lm's cache contract for one layer of one forward pass over the paged pool."""
+
+    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout):
+        self.pool, self.layer, self.layout = pool, layer, layout
+
+    @property
+    def offset(self):
+        return self.layout.offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        B, H, L, D = keys.shape
+        k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+        v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
+        self.pool.write(self.layer, self.layout.write_slots, k, v)
+        return self.pool.gather(self.layer, self.layout.read_slots)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return self.layout.mask(window_size)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def state(self):
+        return ()
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+# Hook for accelerated decode attention: set by ``metal_kernels`` when Metal is available.
+# Signature: (queries (B, Hq, 1, D), cache: PagedLayerCache, scale, sinks) -> (B, Hq, 1, D) or None to decline.
+decode_kernel = None
+
+
+def paged_attention(queries, keys, values, cache: PagedLayerCache, scale: float, mask, sinks=None) -> mx.array:
+    """Attention of ``queries`` (B, Hq, L, D) over the sequences' paged KV (already gathered
+    into ``keys``/``values`` by ``update_and_fetch``; lazily, so a kernel that reads the pool
+    directly makes the gather free)."""
+    if decode_kernel is not None and queries.shape[2] == 1:
+        out = decode_kernel(queries, cache, scale, sinks)
+        if out is not None:
+            return out
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+_original_sdpa = {}
+
+
+def _dispatching_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    if isinstance(cache, PagedLayerCache):
+        return paged_attention(queries, keys, values, cache, scale, mask, sinks)
+    from mlx_lm.models import base
+
+    return base.scaled_dot_product_attention.__wrapped_original__(queries, keys, values, cache, scale, mask, sinks)
+
+
+def install() -> None:
+    """Point every loaded mlx-lm model module's ``scaled_dot_product_attention`` at the dispatcher."""
+    from mlx_lm.models import base
+
+    if not hasattr(base.scaled_dot_product_attention, "__wrapped_original__"):
+        original = base.scaled_dot_product_attention
+        _dispatching_sdpa.__wrapped_original__ = original
+        base.scaled_dot_product_attention = _dispatching_sdpa
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(mod, "scaled_dot_product_attention", None) is not None:
+            if mod.scaled_dot_product_attention is not _dispatching_sdpa:
+                mod.scaled_dot_product_attention = _dispatching_sdpa

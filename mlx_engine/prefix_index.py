@@ -1,0 +1,108 @@
+"""Radix index over full KV blocks: a trie whose edges are whole blocks of token ids.
+
+``match`` walks the trie along a prompt and returns the block ids of the longest cached
+full-block prefix; ``insert`` adds a sequence's full blocks; ``remove_block`` drops a
+block (the allocator evicts it) together with every descendant, which can no longer be
+reached. Reference counts and LRU order live in the allocator, not here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]
+    block: int
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.root = _Node((), 0, None)
+        self._by_block: dict[int, _Node] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_block)
+
+    def contains_block(self, block: int) -> bool:
+        return block in self._by_block
+
+    def _chunks(self, tokens: list[int], max_tokens: int):
+        bs = self.block_size
+        for i in range(0, min(len(tokens), max_tokens) // bs * bs, bs):
+            yield tuple(tokens[i : i + bs])
+
+    def match(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
+        node, out = self.root, []
+        for key in self._chunks(tokens, len(tokens) if max_tokens is None else max_tokens):
+            node = node.children.get(key)
+            if node is None:
+                break
+            out.append(node.block)
+        return out
+
+    def insert(self, tokens: list[int], blocks: list[int]) -> None:
+        """Index ``blocks[i]`` as holding ``tokens[i*bs:(i+1)*bs]`` after the preceding blocks.
+
+        Where a prefix is already cached under another block, the existing entry wins and the
+        new block simply stays private to its sequence.
+        """
+        node = self.root
+        for key, block in zip(self._chunks(tokens, len(tokens)), blocks, strict=False):
+            child = node.children.get(key)
+            if child is None:
+                if block in self._by_block:  # the block already sits elsewhere in the tree
+                    return
+                child = _Node(key, block, node)
+                node.children[key] = child
+                self._by_block[block] = child
+            elif child.block != block:
+                node = child
+                continue
+            node = child
+
+    def remove_block(self, block: int) -> list[int]:
+        """Remove a block and its subtree from the index; returns every block removed."""
+        node = self._by_block.get(block)
+        if node is None:
+            return []
+        assert node.parent is not None
+        del node.parent.children[node.key]
+        removed, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            removed.append(n.block)
+            del self._by_block[n.block]
+            stack.extend(n.children.values())
+        return removed
+
+    def path_tokens(self, block: int) -> list[int]:
+        """All tokens from the root through ``block`` (used as the disk tier's key)."""
+        node, parts = self._by_block[block], []
+        while node is not None and node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        return [t for key in reversed(parts) for t in key]
+
+    def check_invariants(self) -> None:
+        seen = 0
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            seen += 1
+            assert self._by_block.get(n.block) is n
+            assert len(n.key) == self.block_size
+            assert n.parent is not None and n.parent.children.get(n.key) is n
+            stack.extend(n.children.values())
+        assert seen == len(self._by_block)
+
+
+def prefix_hash(tokens: list[int]) -> str:
+    """Stable content hash of a token prefix (file names of the disk tier)."""
+    return hashlib.sha256(struct.pack(f"<{len(tokens)}I", *tokens)).hexdigest()

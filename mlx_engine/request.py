@@ -1,0 +1,145 @@
+"""What a caller asks the engine for, and what it gets back.
+
+These dataclasses are the Engine API's vocabulary: the server, the TUI, the CLI
+and the peer layer all speak in them. Nothing here touches MLX.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+_ids = itertools.count()
+
+
+class RequestError(ValueError):
+    """A request the engine refuses: the message says what is wrong and which field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling knobs. ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; CTRL-style over prompt + output
+    presence_penalty: float = 0.0  # OpenAI-style over output tokens
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per position (0..20)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(msg: str, param: str) -> RequestError:
+            return RequestError(msg, param)
+
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature must be a finite number >= 0", "temperature")
+        if self.top_k < 0:
+            raise bad("top_k must be >= 0 (0 disables it)", "top_k")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p must be in (0, 1]", "top_p")
+        if not 0 <= self.min_p < 1:
+            raise bad("min_p must be in [0, 1)", "min_p")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty must be > 0", "repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not -2 <= v <= 2:
+                raise bad(f"{name} must be in [-2, 2]", name)
+        if not 0 <= self.top_logprobs <= 20:
+            raise bad("top_logprobs must be in [0, 20]", "top_logprobs")
+        if self.logit_bias:
+            for tok, b in self.logit_bias.items():
+                if vocab_size is not None and not 0 <= int(tok) < vocab_size:
+                    raise bad(f"logit_bias token id {tok} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias")
+                if not math.isfinite(b) or not -100 <= b <= 100:
+                    raise bad("logit_bias values must be in [-100, 100]", "logit_bias")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Constraint(Protocol):
+    """Constrained decoding (grammars, JSON schema, forced tool calls).
+
+    The engine asks for the allowed-token mask before each sampled token and
+    reports the token it chose. ``None`` from ``allowed_tokens`` means no limit.
+    """
+
+    def allowed_tokens(self) -> object | None:  # numpy bool array of shape (vocab,) or None
+        ...
+
+    def accept(self, token_id: int) -> None: ...
+
+    def is_finished(self) -> bool: ...
+
+
+@dataclass
+class GenerationRequest:
+    """One completion. Give exactly one of ``prompt`` (text or token ids) or ``messages``."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    tools: list[dict] | None = None  # passed to the chat template
+    constraint: Constraint | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str  # the token's text piece (may be a partial UTF-8 sequence, shown with replacement chars)
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (token_id, piece, logprob), best first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    ttft_s: float = 0.0  # submit -> first token
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    prefill_location: str = "local"  # "local" or a peer name
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass
+class GenerationEvent:
+    """A step of output for one request. The last event has ``finish_reason`` and ``usage`` set."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # one of FINISH_REASONS on the last event
+    usage: Usage | None = None
+    error: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

