@@ -31,6 +31,8 @@ class KVPool:
     ):
         if kv_bits not in (None, 4, 8):
             raise ValueError("kv_bits must be 4, 8 or None")
+        if kv_bits is not None and head_dim % 32:
+            raise ValueError(f"KV quantization needs head_dim divisible by 32 (this model has {head_dim})")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.v_head_dim = v_head_dim or head_dim

@@ -49,11 +49,11 @@ def tokenizer_json() -> str:
 def _config(arch: str, vocab: int) -> dict:
     base = {
         "model_type": arch,
-        "hidden_size": 64,
+        "hidden_size": 128,
         "num_hidden_layers": 2,
         "intermediate_size": 128,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": 2,  # GQA 2:1; head_dim 32 (MLX quantizes groups of >= 32)
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
         "max_position_embeddings": 2048,
@@ -62,7 +62,7 @@ def _config(arch: str, vocab: int) -> dict:
         "eos_token_id": 0,
     }
     if arch in ("qwen3", "gemma"):
-        base["head_dim"] = 16
+        base["head_dim"] = 32
     if arch == "mistral":
         base["architectures"] = ["MistralForCausalLM"]
     return base
