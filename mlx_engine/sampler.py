@@ -1,0 +1,312 @@
+"""Batched token sampler: one call picks the next token for every running sequence,
+each with its own sampling parameters and its own random state.
+
+Per row, in this order (what OpenAI / llama.cpp / vLLM users expect):
+
+1. ``logit_bias``: added to the raw logits (-100 effectively bans a token, +100 forces it).
+2. Penalties, on the biased logits:
+   - ``repetition_penalty`` (CTRL / HF / llama.cpp style) over every token in prompt + output:
+     a positive logit is divided by the penalty, a negative one multiplied.
+   - ``frequency_penalty`` and ``presence_penalty`` (OpenAI style) over output tokens only:
+     ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+3. Constraint mask: tokens outside ``allowed`` get -inf. Logit positions beyond the mask's
+   length (a model whose vocabulary is padded past the tokenizer's) count as disallowed.
+4. Log-probabilities, when asked for, are reported from this distribution at temperature 1:
+   ``log_softmax`` of the biased, penalised, masked logits, before temperature and
+   truncation. This is the model's distribution as the request shaped it, comparable across
+   temperatures; a banned token reports -inf and is left out of the alternatives (so ``top``
+   has ``min(top_logprobs, number of allowed tokens)`` entries).
+5. ``temperature == 0``: greedy, the argmax (the lowest token id on an exact tie). Otherwise
+   the logits are divided by the temperature, then
+6. ``top_k`` keeps the k most likely tokens (0 = off),
+7. ``top_p`` keeps the smallest set of most likely tokens whose probability, renormalised after
+   top_k, reaches top_p (1 = off),
+8. ``min_p`` keeps tokens whose probability is at least ``min_p`` times the most likely one's
+   (0 = off), and
+9. one token is drawn from what is left, by inverse-CDF with one uniform number from the
+   row's own random state.
+
+Seeds: each request owns a ``SeedState`` made once by ``make_rng(seed)`` and advanced by one
+draw per sampled (non-greedy) token, so a seeded request gives the same tokens whatever else
+is in the batch and wherever it sits in it. ``make_rng(None)`` draws fresh OS entropy.
+
+Cost: when every row is plain greedy (no bias, penalties, mask or logprobs) the whole call is
+one argmax. Otherwise the work is a handful of vectorised MLX ops over (B, vocab), plus a
+full sort only for the rows that use top_k / top_p.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_engine.request import SamplingParams
+
+SeedState = np.random.Generator
+
+CANDIDATES = 256  # most likely tokens looked at first for top_k / top_p
+NUCLEUS_MARGIN = 1e-4
+
+
+def make_rng(seed: int | None) -> SeedState:
+    """A request's random state: reproducible from ``seed``, or fresh entropy for None."""
+    return np.random.default_rng(seed)
+
+
+@dataclass
+class SamplerRow:
+    params: SamplingParams
+    rng: SeedState
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    allowed: np.ndarray | None = None  # bool (vocab,) from a Constraint, or None
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # set when params.logprobs
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _is_plain_greedy(row: SamplerRow) -> bool:
+    p = row.params
+    return p.greedy and not p.logprobs and not p.logit_bias and not _has_penalty(p) and row.allowed is None
+
+
+def sample(logits: mx.array, rows: list[SamplerRow]) -> list[SampleResult]:
+    """Pick one token per row. ``logits``: (B, V), any float dtype, row i for ``rows[i]``."""
+    if logits.ndim != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits shape {logits.shape} does not match {len(rows)} rows")
+    if all(_is_plain_greedy(r) for r in rows):
+        return [SampleResult(t) for t in mx.argmax(logits, axis=-1).tolist()]
+
+    x = logits.astype(mx.float32)
+    x = _apply_bias(x, rows)
+    x = _apply_penalties(x, rows)
+    x = _apply_masks(x, rows)
+
+    want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+
+    tokens = mx.zeros((len(rows),), dtype=mx.uint32)
+    if greedy:
+        gi = mx.array(greedy)
+        tokens[gi] = mx.argmax(x[gi], axis=-1).astype(mx.uint32)
+    if drawn:
+        di = mx.array(drawn)
+        tokens[di] = _draw(x[di], [rows[i] for i in drawn])
+
+    if not want_lp:
+        return [SampleResult(t) for t in tokens.tolist()]
+    return _with_logprobs(x, tokens, rows, want_lp)
+
+
+def _apply_bias(x: mx.array, rows: list[SamplerRow]) -> mx.array:
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    vals: list[float] = []
+    for i, row in enumerate(rows):
+        for tok, b in (row.params.logit_bias or {}).items():
+            r_idx.append(i)
+            t_idx.append(int(tok))
+            vals.append(float(b))
+    if not r_idx:
+        return x
+    return x.at[mx.array(r_idx), mx.array(t_idx)].add(mx.array(vals, dtype=mx.float32))
+
+
+def _apply_penalties(x: mx.array, rows: list[SamplerRow]) -> mx.array:
+    r_parts, t_parts, rep_parts, sub_parts = [], [], [], []
+    for i, row in enumerate(rows):
+        p = row.params
+        if not _has_penalty(p):
+            continue
+        out = np.asarray(row.output_ids, dtype=np.int64)
+        out_toks, counts = np.unique(out, return_counts=True)
+        if p.repetition_penalty != 1.0 and len(row.prompt_ids):
+            toks = np.union1d(out_toks, np.asarray(row.prompt_ids, dtype=np.int64))
+            out_counts = np.zeros(len(toks), dtype=np.float32)
+            out_counts[np.searchsorted(toks, out_toks)] = counts
+        else:
+            toks, out_counts = out_toks, counts.astype(np.float32)
+        if not len(toks):
+            continue
+        r_parts.append(np.full(len(toks), i, dtype=np.int64))
+        t_parts.append(toks)
+        rep_parts.append(np.full(len(toks), p.repetition_penalty, dtype=np.float32))
+        sub_parts.append(p.frequency_penalty * out_counts + p.presence_penalty * (out_counts > 0))
+    if not r_parts:
+        return x
+    r = mx.array(np.concatenate(r_parts))
+    t = mx.array(np.concatenate(t_parts))
+    rep = mx.array(np.concatenate(rep_parts))
+    sub = mx.array(np.concatenate(sub_parts).astype(np.float32))
+    g = x[r, t]
+    x[r, t] = mx.where(g > 0, g / rep, g * rep) - sub
+    return x
+
+
+def _apply_masks(x: mx.array, rows: list[SamplerRow]) -> mx.array:
+    if all(r.allowed is None for r in rows):
+        return x
+    vocab = x.shape[1]
+    mask = np.ones((len(rows), vocab), dtype=bool)
+    for i, row in enumerate(rows):
+        if row.allowed is None:
+            continue
+        allowed = np.asarray(row.allowed, dtype=bool).reshape(-1)[:vocab]
+        mask[i, : len(allowed)] = allowed
+        mask[i, len(allowed) :] = False
+        if not mask[i].any():
+            raise ValueError(f"row {i}: the constraint allows no token")
+    return mx.where(mx.array(mask), x, -mx.inf)
+
+
+def _draw(x: mx.array, rows: list[SamplerRow]) -> mx.array:
+    """Sample one token per row from logits ``x`` (n, V): temperature, top_k, top_p, min_p, draw.
+
+    Each row takes a path that depends only on its own parameters and logits (never on the
+    rest of the batch), so seeded rows stay reproducible whatever they are batched with:
+    - no top_k / top_p: inverse CDF over the whole vocabulary, no sort;
+    - top_k / top_p: the ``CANDIDATES`` most likely tokens are enough when top_k is within
+      them or the top_p nucleus ends inside them (the usual case); otherwise a full sort.
+    """
+    params = [r.params for r in rows]
+    temp = mx.array([p.temperature for p in params], dtype=mx.float32)[:, None]
+    z = x / temp
+    u = mx.array([r.rng.random() for r in rows], dtype=mx.float32)[:, None]
+    plain = [j for j, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1.0]
+    trunc = [j for j, p in enumerate(params) if not (p.top_k == 0 and p.top_p >= 1.0)]
+    if not trunc:
+        return _draw_unsorted(z, params, u)
+    if not plain:
+        return _draw_truncated(z, params, u)
+    pick = mx.zeros((len(rows),), dtype=mx.uint32)
+    pi, ti = mx.array(plain), mx.array(trunc)
+    pick[pi] = _draw_unsorted(z[pi], [params[j] for j in plain], u[pi])
+    pick[ti] = _draw_truncated(z[ti], [params[j] for j in trunc], u[ti])
+    return pick
+
+
+def _log_min_p(params: list[SamplingParams]) -> mx.array:
+    # min_p in logit space: p_i >= min_p * p_max  <=>  z_i >= z_max + log(min_p)
+    return mx.array([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], dtype=mx.float32)[
+        :, None
+    ]
+
+
+def _inverse_cdf(weights: mx.array, u: mx.array) -> mx.array:
+    """Per row, the position where the cumulative weight first exceeds ``u`` times the total.
+
+    Positions with zero weight are never chosen (the cumulative sum does not rise there), and
+    the pick never runs past the last position with weight, whatever float rounding does.
+    """
+    cum = mx.cumsum(weights, axis=-1)
+    total = cum[:, -1:]
+    return mx.minimum((cum <= u * total).sum(axis=-1), (cum < total).sum(axis=-1))
+
+
+def _draw_unsorted(z: mx.array, params: list[SamplingParams], u: mx.array) -> mx.array:
+    z_max = z.max(axis=-1, keepdims=True)
+    w = mx.exp(z - z_max)
+    if any(p.min_p > 0 for p in params):
+        w = mx.where(z >= z_max + _log_min_p(params), w, 0.0)
+    return _inverse_cdf(w, u).astype(mx.uint32)
+
+
+def _draw_truncated(z: mx.array, params: list[SamplingParams], u: mx.array) -> mx.array:
+    vocab = z.shape[1]
+    c = min(CANDIDATES, vocab)
+    cand = mx.argpartition(-z, kth=c - 1, axis=-1)[:, :c]
+    cz = mx.take_along_axis(z, cand, axis=-1)
+    by_value = mx.argsort(-cz, axis=-1)
+    cand = mx.take_along_axis(cand, by_value, axis=-1)
+    cz = mx.take_along_axis(cz, by_value, axis=-1)  # descending
+    # Rows whose top_k cuts inside the candidates renormalise over them; the others need the
+    # whole row's mass (relative to its max, like the candidates' weights).
+    row_mass = None
+    if c < vocab and not all(0 < p.top_k <= c for p in params):
+        row_mass = mx.exp(z - cz[:, :1]).sum(axis=-1, keepdims=True)
+    w, fits = _truncate_sorted(cz, params, row_mass)
+    pick = mx.take_along_axis(cand, _inverse_cdf(w, u)[:, None], axis=-1)[:, 0].astype(mx.uint32)
+    redo = [j for j, ok in enumerate(fits.tolist()) if not ok] if fits is not None else []
+    if redo:  # top_k or the nucleus reaches past the candidates: sort these rows' whole vocabulary
+        ri = mx.array(redo)
+        zr = z[ri]
+        order = mx.argsort(-zr, axis=-1)
+        w, _ = _truncate_sorted(mx.take_along_axis(zr, order, axis=-1), [params[j] for j in redo], None)
+        pick[ri] = mx.take_along_axis(order, _inverse_cdf(w, u[ri])[:, None], axis=-1)[:, 0].astype(mx.uint32)
+    return pick
+
+
+def _truncate_sorted(
+    zs: mx.array, params: list[SamplingParams], row_mass: mx.array | None
+) -> tuple[mx.array, mx.array | None]:
+    """Sampling weights over the leading logits ``zs`` (descending) after top_k, top_p, min_p.
+
+    ``row_mass``: when ``zs`` holds only a row's most likely logits, that row's total
+    ``sum(exp(z - z_max))``. Then also return ``fits``: per row, whether top_k or the top_p
+    nucleus ends inside ``zs``, i.e. whether the weights are exact.
+    """
+    c = zs.shape[1]
+    k_inside = mx.array([0 < p.top_k <= c for p in params])[:, None]
+    k = mx.array([p.top_k if 0 < p.top_k <= c else c for p in params])[:, None]
+    top_p = mx.array([p.top_p if p.top_p < 1.0 else math.inf for p in params], dtype=mx.float32)[:, None]
+    w = mx.exp(zs - zs[:, :1])
+    w = mx.where(mx.arange(c)[None, :] < k, w, 0.0)
+    # top_p applies to the distribution renormalised after top_k
+    mass = w.sum(axis=-1, keepdims=True)
+    if row_mass is not None:
+        mass = mx.where(k_inside, mass, row_mass)
+    probs = w / mass
+    cum = mx.cumsum(probs, axis=-1)
+    keep = (cum - probs) < top_p  # the most likely token is always kept
+    keep = keep & (zs >= zs[:, :1] + _log_min_p(params))
+    fits = None
+    if row_mass is not None:
+        # exact when top_k cuts inside, or with no top_k the nucleus ends inside (with a margin,
+        # so float error never decides); a top_k beyond the candidates needs the full sort
+        no_k = mx.array([p.top_k == 0 for p in params])
+        fits = k_inside[:, 0] | (no_k & (cum[:, -1] >= top_p[:, 0] + NUCLEUS_MARGIN))
+    return mx.where(keep, probs, 0.0), fits
+
+
+def _with_logprobs(
+    x: mx.array, tokens: mx.array, rows: list[SamplerRow], want: list[int]
+) -> list[SampleResult]:
+    wi = mx.array(want)
+    xw = x[wi]
+    lp = xw - mx.logsumexp(xw, axis=-1, keepdims=True)
+    chosen_lp = mx.take_along_axis(lp, tokens[wi][:, None].astype(mx.int32), axis=-1)[:, 0]
+    n_top = max(rows[i].params.top_logprobs for i in want)
+    top_ids = top_vals = None
+    if n_top > 0:
+        top_ids = mx.argpartition(-lp, kth=n_top - 1, axis=-1)[:, :n_top]
+        top_vals = mx.take_along_axis(lp, top_ids, axis=-1)
+    mx.eval(tokens, chosen_lp, *([top_ids, top_vals] if n_top else []))
+
+    token_list = tokens.tolist()
+    results = [SampleResult(t) for t in token_list]
+    chosen = chosen_lp.tolist()
+    ids_np = np.array(top_ids) if n_top else None
+    vals_np = np.array(top_vals) if n_top else None
+    for j, i in enumerate(want):
+        res = results[i]
+        res.logprob = chosen[j]
+        n = rows[i].params.top_logprobs
+        if n and ids_np is not None and vals_np is not None:
+            by_best = np.lexsort((ids_np[j], -vals_np[j]))  # best first; lower id first on a tie
+            res.top = [
+                (int(ids_np[j, m]), float(vals_np[j, m])) for m in by_best[:n] if np.isfinite(vals_np[j, m])
+            ]
+    return results
