@@ -73,7 +73,8 @@ def test_greedy_on_the_adjusted_logits():
     logits[0, 4] = 3.0
     p = SamplingParams(temperature=0, logit_bias={6: 5.0}, repetition_penalty=2.0)
     given = mx.array(logits)
-    assert sample(given, rows_for(p, 1, prompt_ids=[4, 6]))[0].token_id == 4  # 3/2 beats 5/2
+    # bias, then penalty: token 6 is (0 + 5) / 2 = 2.5 < 3 (penalty first would give 5)
+    assert sample(given, rows_for(p, 1, prompt_ids=[6]))[0].token_id == 4
     np.testing.assert_array_equal(np.array(given), logits)  # the caller's logits are left alone
 
 
