@@ -35,7 +35,7 @@ class BlockAllocator:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.index = PrefixIndex(block_size) if enable_prefix_cache else None
         self.evictions = 0
-        self.on_evict = None  # optional callback(block_id, tokens_key) for a disk tier
+        self.on_evict = None  # callback(block_id, prefix tokens through it) before a cached block is reused
 
     # --- counts ---------------------------------------------------------------
     @property
@@ -59,6 +59,9 @@ class BlockAllocator:
         for _ in range(n):
             b, _ = self._free.popitem(last=False)
             if self.index is not None and self.index.contains_block(b):
+                if self.on_evict is not None:
+                    for blk in self.index.subtree(b):  # their contents are still intact: spill them
+                        self.on_evict(blk, self.index.path_tokens(blk))
                 self.index.remove_block(b)
                 self.evictions += 1
             self.ref[b] = 1

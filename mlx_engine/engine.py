@@ -28,6 +28,7 @@ from .detokenizer import StreamingDetokenizer
 from .kv_pool import KVPool
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, Row
+from .prefix_disk import PrefixDiskTier
 from .request import GenerationEvent, GenerationRequest, RequestError, TokenLogprob, Usage
 from .sampler import SamplerRow, make_rng, sample
 from .scheduler import QueueFullError, Scheduler, SchedulerConfig, Sequence
@@ -49,6 +50,8 @@ class EngineConfig:
     max_queue: int = 256
     prefix_cache: bool = True
     weights: str = "auto"  # "dense", "quantized" or "auto" (dense on CPU, quantized on GPU)
+    disk_cache_dir: str | None = None  # prefix-cache disk tier (off when None)
+    disk_cache_gb: float = 4.0  # size cap of the disk tier
 
 
 @dataclass
@@ -137,6 +140,36 @@ class Engine:
             SchedulerConfig(c.max_batch_tokens, min(c.prefill_chunk, c.max_batch_tokens), c.max_running, c.max_queue),
         )
         self.runner = ModelRunner(m.model, self.pool)
+        self.disk = None
+        if c.disk_cache_dir and c.prefix_cache:
+            fingerprint = {"model": str(m.path), "size": m.path.stat().st_size if m.path.is_file() else 0,
+                           "weights": m.weight_format, "kv_bits": c.kv_bits, "group": c.kv_group_size,
+                           "block_size": c.block_size, "dtype": str(m.dtype)}
+            self.disk = PrefixDiskTier(c.disk_cache_dir, fingerprint, int(c.disk_cache_gb * 2**30))
+            self.allocator.on_evict = lambda b, toks: self.disk.save(toks, self.pool.read_block(b))
+            self.scheduler.disk_lookup = self._load_prefix_from_disk
+
+    def _load_prefix_from_disk(self, tokens: list[int], num_blocks: int, max_tokens: int) -> list[int]:
+        """Continue a memory prefix hit with blocks from the disk tier; returns the blocks loaded."""
+        bs, out = self.allocator.block_size, []
+        for k in range(num_blocks + 1, max_tokens // bs + 1):
+            key = tokens[: k * bs]
+            if self.allocator.num_free < 2 or not self.disk.has(key):
+                break
+            parts = self.disk.load(key)
+            if parts is None:
+                break
+            (b,) = self.allocator.allocate(1)
+            self.pool.write_block(b, parts)
+            out.append(b)
+        return out
+
+    def _flush_prefix_cache(self) -> None:
+        if self.disk is None or self.allocator.index is None:
+            return
+        index = self.allocator.index
+        for b in index.blocks():
+            self.disk.save(index.path_tokens(b), self.pool.read_block(b))
 
     # --- public API -------------------------------------------------------------
     def prepare_prompt(self, request: GenerationRequest) -> list[int]:
@@ -273,6 +306,7 @@ class Engine:
             if stopping:
                 for a in list(self._active.values()):
                     self._finish(a, "error", "the engine shut down")
+                self._flush_prefix_cache()
                 return
             try:
                 self._step()

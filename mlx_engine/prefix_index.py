@@ -69,18 +69,26 @@ class PrefixIndex:
 
     def remove_block(self, block: int) -> list[int]:
         """Remove a block and its subtree from the index; returns every block removed."""
-        node = self._by_block.get(block)
-        if node is None:
+        if block not in self._by_block:
             return []
-        assert node.parent is not None
+        removed = self.subtree(block)
+        node = self._by_block[block]
         del node.parent.children[node.key]
-        removed, stack = [], [node]
+        for b in removed:
+            del self._by_block[b]
+        return removed
+
+    def subtree(self, block: int) -> list[int]:
+        """The block and every block below it in the trie."""
+        out, stack = [], [self._by_block[block]]
         while stack:
             n = stack.pop()
-            removed.append(n.block)
-            del self._by_block[n.block]
+            out.append(n.block)
             stack.extend(n.children.values())
-        return removed
+        return out
+
+    def blocks(self) -> list[int]:
+        return list(self._by_block)
 
     def path_tokens(self, block: int) -> list[int]:
         """All tokens from the root through ``block`` (used as the disk tier's key)."""

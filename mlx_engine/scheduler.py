@@ -64,6 +64,8 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.preemptions = 0
+        # (tokens, blocks already matched, max tokens) -> more blocks loaded from the disk tier
+        self.disk_lookup = None
 
     # --- queue ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -133,6 +135,8 @@ class Scheduler:
             if not seq.blocks and self.alloc.index is not None:
                 # reuse the longest cached prefix; always recompute at least the last token
                 hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens) - 1)
+                if self.disk_lookup is not None:
+                    hit += self.disk_lookup(seq.tokens, len(hit), len(seq.tokens) - 1)
                 seq.blocks = hit
                 seq.num_computed = len(hit) * self.bs
                 if not seq.admitted_once:

@@ -179,3 +179,43 @@ def test_bad_requests_are_clear_errors(tiny_dirs):
         assert_no_leaks(engine)
     finally:
         engine.shutdown()
+
+
+def test_prefix_from_disk_tier_after_restart(tiny_dirs, tmp_path):
+    loaded = load_model(str(tiny_dirs("qwen2")))
+    (base,) = prompts(loaded.tokenizer.vocab_size, [50], seed=11)
+    follow = base + prompts(loaded.tokenizer.vocab_size, [9], seed=12)[0]
+    cfg = EngineConfig(cache_gb=0.01, disk_cache_dir=str(tmp_path / "kv"), disk_cache_gb=0.1)
+    first = Engine(loaded, cfg)
+    asyncio.run(run_all(first, [req(base)]))
+    first.shutdown()  # flushes cached blocks to disk
+    assert len(list((tmp_path / "kv").rglob("*.safetensors"))) == 3  # 50 tokens -> 3 full blocks
+    second = Engine(loaded, cfg)  # a restart: empty memory cache
+    try:
+        got = asyncio.run(run_all(second, [req(follow)]))[0]
+        assert second.stats().prefix_hit_tokens == 48
+        assert second.disk.loaded == 3
+        assert got == reference_greedy(loaded.model, follow, 12)
+        assert_no_leaks(second)
+    finally:
+        second.shutdown()
+
+
+def test_evicted_blocks_spill_to_disk_and_come_back(tiny_dirs, tmp_path):
+    loaded = load_model(str(tiny_dirs("llama")))
+    ps = prompts(loaded.tokenizer.vocab_size, [64, 64, 64], seed=13)
+    per_block = loaded.num_layers * 2 * loaded.n_kv_heads * loaded.head_dim * 4 * 16
+    # 9 usable blocks: the third prompt evicts the first one's cached blocks
+    cfg = EngineConfig(cache_gb=10 * per_block / 2**30, disk_cache_dir=str(tmp_path / "kv"))
+    engine = Engine(loaded, cfg)
+    try:
+        for p in ps:
+            asyncio.run(run_all(engine, [req(p, 4)]))
+        assert engine.disk.saved >= 4
+        again = ps[0] + [5, 6, 7]
+        got = asyncio.run(run_all(engine, [req(again, 6)]))[0]
+        assert engine.disk.loaded >= 4
+        assert got == reference_greedy(loaded.model, again, 6)
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
