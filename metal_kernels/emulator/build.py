@@ -71,7 +71,7 @@ def _pch_dir() -> Path | None:
     cmd = [compiler(), *CXX_FLAGS, "-x", "c++-header", str(SHIM_DIR / "msl_shim.h"), "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
         return None  # compilers without PCH support still work, just slower
     os.replace(tmp, gch)
     return directory

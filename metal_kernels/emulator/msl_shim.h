@@ -19,7 +19,9 @@ using namespace metal;
 #define M_LN10_F 2.30258509299404568402f
 #define M_SQRT2_F 1.41421356237309504880f
 #define M_SQRT1_2_F 0.707106781186547524401f
+#ifndef MAXFLOAT
 #define MAXFLOAT FLT_MAX
+#endif
 #define HALF_MAX ((half)65504.0f)
 #define HUGE_VALH ((half)INFINITY)
 

@@ -278,9 +278,14 @@ enum class mem_flags : int { mem_none = 0, mem_device = 1, mem_threadgroup = 2, 
                              mem_threadgroup_imageblock = 8, mem_object_data = 16 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
-__attribute__((noinline)) inline void threadgroup_barrier(mem_flags f = mem_flags::mem_none) {
+// Call sites are source lines (default arguments evaluate at the caller), so code duplication by
+// the optimiser never makes one source-level call look like two.
+#define EMU_SITE_PARAMS int emu_line = __builtin_LINE()
+#define EMU_SITE reinterpret_cast<const void*>(uintptr_t(emu_line))
+
+inline void threadgroup_barrier(mem_flags f = mem_flags::mem_none, EMU_SITE_PARAMS) {
   (void)f;
-  emu::barrier_wait(__builtin_return_address(0));
+  emu::barrier_wait(EMU_SITE);
 }
 
 // ---- SIMD-group and quad-group collectives -----------------------------------------------------
@@ -398,10 +403,9 @@ inline void eval_nothing(emu::Thread** lanes, int n) {
   (void)n;
 }
 
-#define EMU_SITE __builtin_return_address(0)
 #define EMU_RED(NAME, OP, RED, W)                                                             \
   template <class T>                                                                          \
-  __attribute__((noinline)) T NAME(T x) {                                                     \
+  T NAME(T x, EMU_SITE_PARAMS) {                                                              \
     return emu::collective<T>(OP, x, 0, &eval_reduce<T, RED<T>, W>, EMU_SITE);                \
   }
 EMU_RED(simd_sum, emu_ops::SUM, RedSum, 32)
@@ -420,27 +424,27 @@ EMU_RED(quad_or, emu_ops::QUAD + emu_ops::OR, RedOr, 4)
 EMU_RED(quad_xor, emu_ops::QUAD + emu_ops::XOR, RedXor, 4)
 #undef EMU_RED
 
-__attribute__((noinline)) inline bool simd_all(bool x) {
+inline bool simd_all(bool x, EMU_SITE_PARAMS) {
   return emu::collective<bool>(emu_ops::ALL, x, 0, &eval_reduce<bool, RedAnd<bool>, 32>, EMU_SITE);
 }
-__attribute__((noinline)) inline bool simd_any(bool x) {
+inline bool simd_any(bool x, EMU_SITE_PARAMS) {
   return emu::collective<bool>(emu_ops::ANY, x, 0, &eval_reduce<bool, RedOr<bool>, 32>, EMU_SITE);
 }
-__attribute__((noinline)) inline bool quad_all(bool x) {
+inline bool quad_all(bool x, EMU_SITE_PARAMS) {
   return emu::collective<bool>(emu_ops::QUAD + emu_ops::ALL, x, 0, &eval_reduce<bool, RedAnd<bool>, 4>,
                                EMU_SITE);
 }
-__attribute__((noinline)) inline bool quad_any(bool x) {
+inline bool quad_any(bool x, EMU_SITE_PARAMS) {
   return emu::collective<bool>(emu_ops::QUAD + emu_ops::ANY, x, 0, &eval_reduce<bool, RedOr<bool>, 4>,
                                EMU_SITE);
 }
-__attribute__((noinline)) inline bool simd_is_first() {
+inline bool simd_is_first(EMU_SITE_PARAMS) {
   return emu::collective<bool>(emu_ops::IS_FIRST, false, 0, &eval_is_first, EMU_SITE);
 }
 
 #define EMU_PREFIX(NAME, OP, RED, INCL)                                                       \
   template <class T>                                                                          \
-  __attribute__((noinline)) T NAME(T x) {                                                     \
+  T NAME(T x, EMU_SITE_PARAMS) {                                                              \
     return emu::collective<T>(OP, x, 0, &eval_prefix<T, RED<T>, 32, INCL>, EMU_SITE);         \
   }
 EMU_PREFIX(simd_prefix_exclusive_sum, emu_ops::PREFIX_EXCL_SUM, RedSum, false)
@@ -451,7 +455,7 @@ EMU_PREFIX(simd_prefix_inclusive_product, emu_ops::PREFIX_INCL_PRODUCT, RedProd,
 
 #define EMU_SHUF(NAME, OP, KIND, W)                                                           \
   template <class T, class I>                                                                 \
-  __attribute__((noinline)) T NAME(T x, I arg) {                                              \
+  T NAME(T x, I arg, EMU_SITE_PARAMS) {                                                       \
     return emu::collective<T>(OP, x, int(arg), &eval_shuffle<T, KIND, W>, EMU_SITE);          \
   }
 EMU_SHUF(simd_shuffle, emu_ops::SHUFFLE, emu_ops::SHUFFLE, 32)
@@ -469,16 +473,17 @@ EMU_SHUF(quad_broadcast, emu_ops::QUAD + emu_ops::BROADCAST, emu_ops::BROADCAST,
 #undef EMU_SHUF
 
 template <class T>
-__attribute__((noinline)) T simd_broadcast_first(T x) {
+T simd_broadcast_first(T x, EMU_SITE_PARAMS) {
   return emu::collective<T>(emu_ops::BROADCAST_FIRST, x, 0, &eval_shuffle<T, emu_ops::BROADCAST_FIRST, 32>,
                             EMU_SITE);
 }
 
-__attribute__((noinline)) inline void simdgroup_barrier(mem_flags f = mem_flags::mem_none) {
+inline void simdgroup_barrier(mem_flags f = mem_flags::mem_none, EMU_SITE_PARAMS) {
   (void)f;
   emu::collective<int>(emu_ops::BARRIER, 0, 0, &eval_nothing, EMU_SITE);
 }
 #undef EMU_SITE
+#undef EMU_SITE_PARAMS
 
 // ---- atomics (execution is sequential, so plain read-modify-write is exact) ---------------------
 enum memory_order { memory_order_relaxed = 0, memory_order_seq_cst = 5 };
