@@ -15,12 +15,6 @@ def to_f64(x: mx.array) -> np.ndarray:
     return np.array(x.astype(mx.float32)).astype(np.float64)
 
 
-def msl_round(x: np.ndarray) -> np.ndarray:
-    """MSL ``round``: halfway cases away from zero (``np.round`` rounds them to even)."""
-    x = np.asarray(x, dtype=np.float64)
-    return np.sign(x) * np.floor(np.abs(x) + 0.5)
-
-
 def unpack_affine(wq: np.ndarray, bits: int) -> np.ndarray:
     """Unpack MLX affine-quantized uint32 words along the last axis (element 0 in the low bits)."""
     if bits not in (2, 4, 8):
@@ -61,8 +55,9 @@ def quantize_affine(x: np.ndarray, group_size: int, bits: int) -> tuple[np.ndarr
     """MLX's affine quantization along the last axis, float32 arithmetic as the kernels do it.
 
     Returns ``(words uint32, scales float32, biases float32)``; scales and biases are the float32
-    values before the cast to the activation dtype. The group's true min and max are used (MLX's CPU
-    path; MLX's own Metal kernel starts its max at 0, which differs for all-negative groups).
+    values before the cast to the activation dtype. Like ``mx.quantize`` on the CPU: the group's true
+    min and max, levels rounded with ties to even (``rint``; MSL ``round`` would round ties away
+    from zero, as MLX's own Metal quantize kernel does).
     """
     x = np.asarray(x, dtype=np.float32)
     shape = x.shape
@@ -74,7 +69,7 @@ def quantize_affine(x: np.ndarray, group_size: int, bits: int) -> tuple[np.ndarr
     side = np.abs(w_min) > np.abs(w_max)
     scale = np.where(side, scale, -scale).astype(np.float32)
     edge = np.where(side, w_min, w_max).astype(np.float32)
-    q0 = msl_round((edge / scale).astype(np.float32)).astype(np.float32)
+    q0 = np.rint((edge / scale).astype(np.float32)).astype(np.float32)
     at_zero = q0 == 0
     scale = np.where(at_zero, scale, edge / np.where(at_zero, np.float32(1), q0)).astype(np.float32)
     bias = np.where(at_zero, np.float32(0), edge).astype(np.float32)
@@ -83,7 +78,7 @@ def quantize_affine(x: np.ndarray, group_size: int, bits: int) -> tuple[np.ndarr
 
 def _pack(g, scale, bias, bits, shape, group_size):
     n_bins = (1 << bits) - 1
-    q = msl_round(((g - bias[:, None]) / scale[:, None]).astype(np.float32))
+    q = np.rint(((g - bias[:, None]) / scale[:, None]).astype(np.float32))
     q = np.clip(q, 0, n_bins).astype(np.uint32)
     per_word = 32 // bits
     q = q.reshape(-1, per_word)
