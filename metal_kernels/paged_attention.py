@@ -308,14 +308,22 @@ def paged_decode_attention(
     window: int | None = None,
     sinks: mx.array | None = None,
     partition_tokens: int = DEFAULT_PARTITION_TOKENS,
+    block_size: int = 16,
     backend: str | None = None,
 ) -> mx.array:
     """Attention of each sequence's single query token over its paged KV; returns (batch, n_q, D).
 
+    Pools are ``(num_blocks, block_size, n_kv_heads, X)`` or the flat ``(num_blocks * block_size,
+    n_kv_heads, X)`` view of it (then ``block_size`` says how to split it; reshaping is free).
     With ``bits``, ``k_pool``/``v_pool`` are the uint32 words and ``k_scales`` ... ``v_biases`` the
     group scales and biases. ``window`` keeps the last ``window`` tokens; ``sinks`` (n_q_heads,) are
     per-head logits added to the softmax denominator. Sequences with ``context_lens == 0`` give 0.
     """
+    if k_pool.ndim == 3:
+        k_pool, v_pool, k_scales, k_biases, v_scales, v_biases = (
+            None if a is None else a.reshape(-1, block_size, *a.shape[1:])
+            for a in (k_pool, v_pool, k_scales, k_biases, v_scales, v_biases)
+        )
     _check(
         q,
         k_pool,

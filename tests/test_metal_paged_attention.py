@@ -189,6 +189,18 @@ def test_mlx_reference_path_matches_float64(kw):
     case.assert_matches(case.run("reference", sinks=sinks), sinks)
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_flat_pool_view(bits):
+    """The engine keeps pools flat, (num_blocks * block_size, n_kv_heads, X)."""
+    case = Case([3, 20], n_kv=2, gqa=2, dim=64, dtype=mx.float32, bits=bits, block_size=8, poison=0.0, seed=9)
+    flat = {k: (v.reshape(-1, *v.shape[2:]) if isinstance(v, mx.array) else v) for k, v in case.quant.items()}
+    out = pa.paged_decode_attention(
+        case.q, case.k.reshape(-1, *case.k.shape[2:]), case.v.reshape(-1, *case.v.shape[2:]), case.tables,
+        case.context_lens, block_size=8, backend="emulator", **flat,
+    )  # fmt: skip
+    case.assert_matches(out)
+
+
 def test_default_backend_and_validation():
     case = Case([3], n_kv=1, gqa=1, dim=64, dtype=mx.float32, poison=0.0)
     out = pa.paged_decode_attention(case.q, case.k, case.v, case.tables, case.context_lens)
