@@ -36,7 +36,11 @@ class EmulatorCompileError(RuntimeError):
 def cache_dir() -> Path:
     env = os.environ.get("DUET_METAL_EMU_CACHE")
     path = Path(env) if env else Path(platformdirs.user_cache_dir("duet")) / "metal_emu"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # read-only home (some CI sandboxes)
+        path = Path(tempfile.gettempdir()) / "duet_metal_emu"
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
