@@ -131,6 +131,8 @@ class Engine:
             m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
         )
         num_blocks = max(2, int(budget // (per_token * c.block_size)))
+        # never more than the running sequences could fill at full context
+        num_blocks = min(num_blocks, c.max_running * -(-m.context_length // c.block_size) + 1)
         self.pool = KVPool(
             m.num_layers, num_blocks, c.block_size, m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
         )

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import paged_attention
+from .backend import backend_name
 from .kv_pool import KVPool
 from .paged_attention import BatchLayout, PagedLayerCache
 
@@ -38,6 +39,7 @@ def lm_head(model: nn.Module, h: mx.array) -> mx.array:
 class ModelRunner:
     def __init__(self, model: nn.Module, pool: KVPool):
         paged_attention.install()
+        paged_attention.use_metal_kernels(backend_name() == "metal")
         self.model = model
         self.pool = pool
 

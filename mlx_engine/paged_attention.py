@@ -93,7 +93,7 @@ class PagedLayerCache:
         return 0
 
 
-# Hook for accelerated decode attention: set by ``metal_kernels`` when Metal is available.
+# Accelerated decode attention: set by ``use_metal_kernels`` on Metal.
 # Signature: (queries (B, Hq, 1, D), cache: PagedLayerCache, scale, sinks) -> (B, Hq, 1, D) or None to decline.
 decode_kernel = None
 
@@ -109,26 +109,51 @@ def paged_attention(queries, keys, values, cache: PagedLayerCache, scale: float,
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-_original_sdpa = {}
+def _metal_decode(queries, cache: PagedLayerCache, scale: float, sinks) -> mx.array | None:
+    from metal_kernels.paged_attention import paged_decode_attention
+
+    layout, pool = cache.layout, cache.pool
+    if any(w is not None for w in layout._masks):  # sliding-window layers keep the reference path
+        return None
+    k, v = pool.k[cache.layer], pool.v[cache.layer]
+    extra = {}
+    if pool.kv_bits is not None:
+        (k, ks, kb), (v, vs, vb) = k, v
+        extra = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=pool.kv_bits, group_size=pool.group_size)
+    out = paged_decode_attention(queries[:, :, 0, :], k, v, layout.table, layout.context_lens, scale=scale,
+                                 sinks=sinks, block_size=pool.block_size, backend=_kernel_backend, **extra)
+    return out[:, :, None, :]
+
+
+def use_metal_kernels(enabled: bool, backend: str | None = None) -> None:
+    """Route single-token decode attention through the custom paged attention kernel.
+
+    ``backend`` None picks Metal when available; tests pass "emulator" to run the kernel's exact
+    Metal source on the CPU through the engine's real pool layout."""
+    global decode_kernel, _kernel_backend
+    decode_kernel = _metal_decode if enabled else None
+    _kernel_backend = backend
+
+
+_kernel_backend: str | None = None
 
 
 def _dispatching_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, PagedLayerCache):
         return paged_attention(queries, keys, values, cache, scale, mask, sinks)
-    from mlx_lm.models import base
+    return _ORIGINAL_SDPA(queries, keys, values, cache, scale, mask, sinks)
 
-    return base.scaled_dot_product_attention.__wrapped_original__(queries, keys, values, cache, scale, mask, sinks)
+
+_ORIGINAL_SDPA = None
 
 
 def install() -> None:
     """Point every loaded mlx-lm model module's ``scaled_dot_product_attention`` at the dispatcher."""
+    global _ORIGINAL_SDPA
     from mlx_lm.models import base
 
-    if not hasattr(base.scaled_dot_product_attention, "__wrapped_original__"):
-        original = base.scaled_dot_product_attention
-        _dispatching_sdpa.__wrapped_original__ = original
-        base.scaled_dot_product_attention = _dispatching_sdpa
+    if _ORIGINAL_SDPA is None:
+        _ORIGINAL_SDPA = base.scaled_dot_product_attention
     for name, mod in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and getattr(mod, "scaled_dot_product_attention", None) is not None:
-            if mod.scaled_dot_product_attention is not _dispatching_sdpa:
-                mod.scaled_dot_product_attention = _dispatching_sdpa
+            mod.scaled_dot_product_attention = _dispatching_sdpa

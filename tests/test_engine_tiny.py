@@ -219,3 +219,24 @@ def test_evicted_blocks_spill_to_disk_and_come_back(tiny_dirs, tmp_path):
         assert_no_leaks(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_decode_through_metal_kernel_source_in_emulator(tiny_dirs, kv_bits):
+    """The engine's Metal decode path (the kernel's exact MSL, run by the CPU emulator) over the
+    real paged pool gives the same greedy tokens as the MLX reference path."""
+    from mlx_engine import paged_attention
+
+    loaded = load_model(str(tiny_dirs("llama")))
+    ps = prompts(loaded.tokenizer.vocab_size, [20, 37], seed=21)
+
+    def run(kernel: bool):
+        engine = Engine(loaded, EngineConfig(cache_gb=0.01, kv_bits=kv_bits))
+        paged_attention.use_metal_kernels(kernel, backend="emulator")
+        try:
+            return asyncio.run(run_all(engine, [req(p, 5) for p in ps]))
+        finally:
+            paged_attention.use_metal_kernels(False)
+            engine.shutdown()
+
+    assert run(True) == run(False)
