@@ -39,7 +39,7 @@ _LOAD_QUANT = """
         if (d < D) {{
           uint word = {pool}_q[row * (D / PER_WORD) + d / PER_WORD];
           float qv = float((word >> ((d % PER_WORD) * BITS)) & MASK);
-          int g = int(row * (D / GS)) + d / GS;
+          const size_t g = row * (D / GS) + d / GS;
           {dst}[j] = float({pool}_scales[g]) * qv + float({pool}_biases[g]);
         }} else {{
           {dst}[j] = 0.0f;

@@ -62,21 +62,21 @@ _SOURCE = """
         if (row < N) {
           const float s = float(scales[size_t(row) * groups_per_row + kk / GS]);
           const float b = float(biases[size_t(row) * groups_per_row + kk / GS]);
-          float dot[M];
+          float part[M];
           for (int m = 0; m < M; ++m) {
-            dot[m] = 0.0f;
+            part[m] = 0.0f;
           }
           for (int wi = 0; wi < WORDS; ++wi) {
             const uint word = w[size_t(row) * words_per_row + kk / PER_WORD + wi];
             for (int i = 0; i < PER_WORD; ++i) {
               const float qv = float((word >> (i * BITS)) & MASK);
               for (int m = 0; m < M; ++m) {
-                dot[m] += xs[m][wi * PER_WORD + i] * qv;
+                part[m] += xs[m][wi * PER_WORD + i] * qv;
               }
             }
           }
           for (int m = 0; m < M; ++m) {
-            acc[r][m] += s * dot[m] + b * xsum[m];
+            acc[r][m] += s * part[m] + b * xsum[m];
           }
         }
       }
