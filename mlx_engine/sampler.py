@@ -31,8 +31,11 @@ draw per sampled (non-greedy) token, so a seeded request gives the same tokens w
 is in the batch and wherever it sits in it. ``make_rng(None)`` draws fresh OS entropy.
 
 Cost: when every row is plain greedy (no bias, penalties, mask or logprobs) the whole call is
-one argmax. Otherwise the work is a handful of vectorised MLX ops over (B, vocab), plus a
-full sort only for the rows that use top_k / top_p.
+one argmax. Otherwise the work is a handful of vectorised ops over (B, vocab); top_k / top_p
+look at the 256 most likely tokens and sort the whole vocabulary only for rows whose nucleus
+reaches past them. The array code is written once against ``xp``: MLX on Metal / CUDA, numpy
+on MLX's CPU backend, whose exp, reductions and partition measured 2-10x slower than numpy's
+on x86 and would make the sampler a large part of a CPU decode step.
 """
 
 from __future__ import annotations
@@ -40,16 +43,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from mlx_engine.backend import backend_name
 from mlx_engine.request import SamplingParams
 
 SeedState = np.random.Generator
 
 CANDIDATES = 256  # most likely tokens looked at first for top_k / top_p
+BLOCK = 256  # inverse-CDF block width
 NUCLEUS_MARGIN = 1e-4
+
+Array = Any  # an mx.array or np.ndarray, whichever ``xp`` makes
+
+
+def _xp() -> Any:
+    return np if backend_name() == "cpu" else mx
 
 
 def make_rng(seed: int | None) -> SeedState:
@@ -86,32 +98,35 @@ def sample(logits: mx.array, rows: list[SamplerRow]) -> list[SampleResult]:
     """Pick one token per row. ``logits``: (B, V), any float dtype, row i for ``rows[i]``."""
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits shape {logits.shape} does not match {len(rows)} rows")
+    xp = _xp()
+    x = logits.astype(mx.float32)  # a new array (the steps below assign into it), float32 math
+    if xp is np:
+        x = np.array(x)
     if all(_is_plain_greedy(r) for r in rows):
-        return [SampleResult(t) for t in mx.argmax(logits, axis=-1).tolist()]
+        return [SampleResult(t) for t in xp.argmax(x if xp is np else logits, axis=-1).tolist()]
 
-    x = logits.astype(mx.float32)
-    x = _apply_bias(x, rows)
-    x = _apply_penalties(x, rows)
-    x = _apply_masks(x, rows)
+    x = _apply_bias(xp, x, rows)
+    x = _apply_penalties(xp, x, rows)
+    x = _apply_masks(xp, x, rows)
 
     want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
 
-    tokens = mx.zeros((len(rows),), dtype=mx.uint32)
+    tokens = xp.zeros((len(rows),), dtype=xp.uint32)
     if greedy:
-        gi = mx.array(greedy)
-        tokens[gi] = mx.argmax(x[gi], axis=-1).astype(mx.uint32)
+        gi = xp.array(greedy)
+        tokens[gi] = xp.argmax(x[gi], axis=-1).astype(xp.uint32)
     if drawn:
-        di = mx.array(drawn)
-        tokens[di] = _draw(x[di], [rows[i] for i in drawn])
+        di = xp.array(drawn)
+        tokens[di] = _draw(xp, x[di], [rows[i] for i in drawn])
 
     if not want_lp:
         return [SampleResult(t) for t in tokens.tolist()]
-    return _with_logprobs(x, tokens, rows, want_lp)
+    return _with_logprobs(xp, x, tokens, rows, want_lp)
 
 
-def _apply_bias(x: mx.array, rows: list[SamplerRow]) -> mx.array:
+def _apply_bias(xp: Any, x: Array, rows: list[SamplerRow]) -> Array:
     r_idx: list[int] = []
     t_idx: list[int] = []
     vals: list[float] = []
@@ -122,10 +137,12 @@ def _apply_bias(x: mx.array, rows: list[SamplerRow]) -> mx.array:
             vals.append(float(b))
     if not r_idx:
         return x
-    return x.at[mx.array(r_idx), mx.array(t_idx)].add(mx.array(vals, dtype=mx.float32))
+    r, t = xp.array(r_idx), xp.array(t_idx)  # one (row, token) pair at most once: dict keys
+    x[r, t] = x[r, t] + xp.array(vals, dtype=xp.float32)
+    return x
 
 
-def _apply_penalties(x: mx.array, rows: list[SamplerRow]) -> mx.array:
+def _apply_penalties(xp: Any, x: Array, rows: list[SamplerRow]) -> Array:
     r_parts, t_parts, rep_parts, sub_parts = [], [], [], []
     for i, row in enumerate(rows):
         p = row.params
@@ -147,16 +164,16 @@ def _apply_penalties(x: mx.array, rows: list[SamplerRow]) -> mx.array:
         sub_parts.append(p.frequency_penalty * out_counts + p.presence_penalty * (out_counts > 0))
     if not r_parts:
         return x
-    r = mx.array(np.concatenate(r_parts))
-    t = mx.array(np.concatenate(t_parts))
-    rep = mx.array(np.concatenate(rep_parts))
-    sub = mx.array(np.concatenate(sub_parts).astype(np.float32))
+    r = xp.array(np.concatenate(r_parts))
+    t = xp.array(np.concatenate(t_parts))
+    rep = xp.array(np.concatenate(rep_parts))
+    sub = xp.array(np.concatenate(sub_parts).astype(np.float32))
     g = x[r, t]
-    x[r, t] = mx.where(g > 0, g / rep, g * rep) - sub
+    x[r, t] = xp.where(g > 0, g / rep, g * rep) - sub
     return x
 
 
-def _apply_masks(x: mx.array, rows: list[SamplerRow]) -> mx.array:
+def _apply_masks(xp: Any, x: Array, rows: list[SamplerRow]) -> Array:
     if all(r.allowed is None for r in rows):
         return x
     vocab = x.shape[1]
@@ -169,10 +186,10 @@ def _apply_masks(x: mx.array, rows: list[SamplerRow]) -> mx.array:
         mask[i, len(allowed) :] = False
         if not mask[i].any():
             raise ValueError(f"row {i}: the constraint allows no token")
-    return mx.where(mx.array(mask), x, -mx.inf)
+    return xp.where(xp.array(mask), x, -xp.inf)
 
 
-def _draw(x: mx.array, rows: list[SamplerRow]) -> mx.array:
+def _draw(xp: Any, x: Array, rows: list[SamplerRow]) -> Array:
     """Sample one token per row from logits ``x`` (n, V): temperature, top_k, top_p, min_p, draw.
 
     Each row takes a path that depends only on its own parameters and logits (never on the
@@ -182,76 +199,96 @@ def _draw(x: mx.array, rows: list[SamplerRow]) -> mx.array:
       them or the top_p nucleus ends inside them (the usual case); otherwise a full sort.
     """
     params = [r.params for r in rows]
-    temp = mx.array([p.temperature for p in params], dtype=mx.float32)[:, None]
+    temp = xp.array([p.temperature for p in params], dtype=xp.float32)[:, None]
     z = x / temp
-    u = mx.array([r.rng.random() for r in rows], dtype=mx.float32)[:, None]
+    u = xp.array([r.rng.random() for r in rows], dtype=xp.float32)[:, None]
     plain = [j for j, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1.0]
     trunc = [j for j, p in enumerate(params) if not (p.top_k == 0 and p.top_p >= 1.0)]
     if not trunc:
-        return _draw_unsorted(z, params, u)
+        return _draw_unsorted(xp, z, params, u)
     if not plain:
-        return _draw_truncated(z, params, u)
-    pick = mx.zeros((len(rows),), dtype=mx.uint32)
-    pi, ti = mx.array(plain), mx.array(trunc)
-    pick[pi] = _draw_unsorted(z[pi], [params[j] for j in plain], u[pi])
-    pick[ti] = _draw_truncated(z[ti], [params[j] for j in trunc], u[ti])
+        return _draw_truncated(xp, z, params, u)
+    pick = xp.zeros((len(rows),), dtype=xp.uint32)
+    pi, ti = xp.array(plain), xp.array(trunc)
+    pick[pi] = _draw_unsorted(xp, z[pi], [params[j] for j in plain], u[pi])
+    pick[ti] = _draw_truncated(xp, z[ti], [params[j] for j in trunc], u[ti])
     return pick
 
 
-def _log_min_p(params: list[SamplingParams]) -> mx.array:
+def _log_min_p(xp: Any, params: list[SamplingParams]) -> Array:
     # min_p in logit space: p_i >= min_p * p_max  <=>  z_i >= z_max + log(min_p)
-    return mx.array([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], dtype=mx.float32)[
+    return xp.array([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], dtype=xp.float32)[
         :, None
     ]
 
 
-def _inverse_cdf(weights: mx.array, u: mx.array) -> mx.array:
-    """Per row, the position where the cumulative weight first exceeds ``u`` times the total.
+def _inverse_cdf(xp: Any, weights: Array, u: Array) -> Array:
+    """Per row, the first position where the cumulative weight exceeds ``u`` times the total.
 
-    Positions with zero weight are never chosen (the cumulative sum does not rise there), and
-    the pick never runs past the last position with weight, whatever float rounding does.
+    Two levels, so the whole row is only summed, never scanned: pick a block of ``BLOCK``
+    positions by the blocks' cumulative sums, then the position inside that block. A position
+    with zero weight is never chosen (the cumulative sum does not rise there), whatever float
+    rounding does.
     """
-    cum = mx.cumsum(weights, axis=-1)
-    total = cum[:, -1:]
-    return mx.minimum((cum <= u * total).sum(axis=-1), (cum < total).sum(axis=-1))
+    n, width = weights.shape
+    if width <= 4 * BLOCK:
+        return _pick_in(xp, weights, u * weights.sum(axis=-1, keepdims=True))
+    pad = -width % BLOCK
+    if pad:
+        weights = xp.concatenate([weights, xp.zeros((n, pad), dtype=weights.dtype)], axis=-1)
+    block_cum = xp.cumsum(weights.reshape(n, -1, BLOCK).sum(axis=-1), axis=-1)
+    target = u * block_cum[:, -1:]
+    block = _pick_in(xp, block_cum, target, cumulative=True)[:, None]
+    before = xp.where(block > 0, xp.take_along_axis(block_cum, xp.maximum(block - 1, 0), axis=-1), 0.0)
+    inner = xp.take_along_axis(weights, block * BLOCK + xp.arange(BLOCK)[None, :], axis=-1)
+    return block[:, 0] * BLOCK + _pick_in(xp, inner, xp.maximum(target - before, 0.0))
 
 
-def _draw_unsorted(z: mx.array, params: list[SamplingParams], u: mx.array) -> mx.array:
+def _pick_in(xp: Any, w: Array, target: Array, cumulative: bool = False) -> Array:
+    """First position whose cumulative weight exceeds ``target`` (n, 1), kept at or before the
+    last position with weight: float rounding can put ``target`` at the total."""
+    cum = w if cumulative else xp.cumsum(w, axis=-1)
+    return xp.minimum((cum <= target).sum(axis=-1), (cum < cum[:, -1:]).sum(axis=-1))
+
+
+def _draw_unsorted(xp: Any, z: Array, params: list[SamplingParams], u: Array) -> Array:
     z_max = z.max(axis=-1, keepdims=True)
-    w = mx.exp(z - z_max)
+    w = xp.exp(z - z_max)
     if any(p.min_p > 0 for p in params):
-        w = mx.where(z >= z_max + _log_min_p(params), w, 0.0)
-    return _inverse_cdf(w, u).astype(mx.uint32)
+        w = xp.where(z >= z_max + _log_min_p(xp, params), w, 0.0)
+    return _inverse_cdf(xp, w, u).astype(xp.uint32)
 
 
-def _draw_truncated(z: mx.array, params: list[SamplingParams], u: mx.array) -> mx.array:
+def _draw_truncated(xp: Any, z: Array, params: list[SamplingParams], u: Array) -> Array:
     vocab = z.shape[1]
     c = min(CANDIDATES, vocab)
-    cand = mx.argpartition(-z, kth=c - 1, axis=-1)[:, :c]
-    cz = mx.take_along_axis(z, cand, axis=-1)
-    by_value = mx.argsort(-cz, axis=-1)
-    cand = mx.take_along_axis(cand, by_value, axis=-1)
-    cz = mx.take_along_axis(cz, by_value, axis=-1)  # descending
+    cand = xp.argpartition(z, kth=vocab - c, axis=-1)[:, vocab - c :]  # the c largest, unordered
+    cz = xp.take_along_axis(z, cand, axis=-1)
+    by_value = xp.argsort(-cz, axis=-1)
+    cand = xp.take_along_axis(cand, by_value, axis=-1)
+    cz = xp.take_along_axis(cz, by_value, axis=-1)  # descending
     # Rows whose top_k cuts inside the candidates renormalise over them; the others need the
     # whole row's mass (relative to its max, like the candidates' weights).
     row_mass = None
     if c < vocab and not all(0 < p.top_k <= c for p in params):
-        row_mass = mx.exp(z - cz[:, :1]).sum(axis=-1, keepdims=True)
-    w, fits = _truncate_sorted(cz, params, row_mass)
-    pick = mx.take_along_axis(cand, _inverse_cdf(w, u)[:, None], axis=-1)[:, 0].astype(mx.uint32)
+        row_mass = xp.exp(z - cz[:, :1]).sum(axis=-1, keepdims=True)
+    w, fits = _truncate_sorted(xp, cz, params, row_mass)
+    pick = xp.take_along_axis(cand, _inverse_cdf(xp, w, u)[:, None], axis=-1)[:, 0].astype(xp.uint32)
     redo = [j for j, ok in enumerate(fits.tolist()) if not ok] if fits is not None else []
     if redo:  # top_k or the nucleus reaches past the candidates: sort these rows' whole vocabulary
-        ri = mx.array(redo)
+        ri = xp.array(redo)
         zr = z[ri]
-        order = mx.argsort(-zr, axis=-1)
-        w, _ = _truncate_sorted(mx.take_along_axis(zr, order, axis=-1), [params[j] for j in redo], None)
-        pick[ri] = mx.take_along_axis(order, _inverse_cdf(w, u[ri])[:, None], axis=-1)[:, 0].astype(mx.uint32)
+        order = xp.argsort(-zr, axis=-1)
+        w, _ = _truncate_sorted(xp, xp.take_along_axis(zr, order, axis=-1), [params[j] for j in redo], None)
+        pick[ri] = xp.take_along_axis(order, _inverse_cdf(xp, w, u[ri])[:, None], axis=-1)[:, 0].astype(
+            xp.uint32
+        )
     return pick
 
 
 def _truncate_sorted(
-    zs: mx.array, params: list[SamplingParams], row_mass: mx.array | None
-) -> tuple[mx.array, mx.array | None]:
+    xp: Any, zs: Array, params: list[SamplingParams], row_mass: Array | None
+) -> tuple[Array, Array | None]:
     """Sampling weights over the leading logits ``zs`` (descending) after top_k, top_p, min_p.
 
     ``row_mass``: when ``zs`` holds only a row's most likely logits, that row's total
@@ -259,41 +296,44 @@ def _truncate_sorted(
     nucleus ends inside ``zs``, i.e. whether the weights are exact.
     """
     c = zs.shape[1]
-    k_inside = mx.array([0 < p.top_k <= c for p in params])[:, None]
-    k = mx.array([p.top_k if 0 < p.top_k <= c else c for p in params])[:, None]
-    top_p = mx.array([p.top_p if p.top_p < 1.0 else math.inf for p in params], dtype=mx.float32)[:, None]
-    w = mx.exp(zs - zs[:, :1])
-    w = mx.where(mx.arange(c)[None, :] < k, w, 0.0)
+    k_inside = xp.array([0 < p.top_k <= c for p in params])[:, None]
+    k = xp.array([p.top_k if 0 < p.top_k <= c else c for p in params])[:, None]
+    top_p = xp.array([p.top_p if p.top_p < 1.0 else math.inf for p in params], dtype=xp.float32)[:, None]
+    w = xp.exp(zs - zs[:, :1])
+    w = xp.where(xp.arange(c)[None, :] < k, w, 0.0)
     # top_p applies to the distribution renormalised after top_k
     mass = w.sum(axis=-1, keepdims=True)
     if row_mass is not None:
-        mass = mx.where(k_inside, mass, row_mass)
+        mass = xp.where(k_inside, mass, row_mass)
     probs = w / mass
-    cum = mx.cumsum(probs, axis=-1)
+    cum = xp.cumsum(probs, axis=-1)
     keep = (cum - probs) < top_p  # the most likely token is always kept
-    keep = keep & (zs >= zs[:, :1] + _log_min_p(params))
+    keep = keep & (zs >= zs[:, :1] + _log_min_p(xp, params))
     fits = None
     if row_mass is not None:
         # exact when top_k cuts inside, or with no top_k the nucleus ends inside (with a margin,
         # so float error never decides); a top_k beyond the candidates needs the full sort
-        no_k = mx.array([p.top_k == 0 for p in params])
+        no_k = xp.array([p.top_k == 0 for p in params])
         fits = k_inside[:, 0] | (no_k & (cum[:, -1] >= top_p[:, 0] + NUCLEUS_MARGIN))
-    return mx.where(keep, probs, 0.0), fits
+    return xp.where(keep, probs, 0.0), fits
 
 
 def _with_logprobs(
-    x: mx.array, tokens: mx.array, rows: list[SamplerRow], want: list[int]
+    xp: Any, x: Array, tokens: Array, rows: list[SamplerRow], want: list[int]
 ) -> list[SampleResult]:
-    wi = mx.array(want)
+    wi = xp.array(want)
     xw = x[wi]
-    lp = xw - mx.logsumexp(xw, axis=-1, keepdims=True)
-    chosen_lp = mx.take_along_axis(lp, tokens[wi][:, None].astype(mx.int32), axis=-1)[:, 0]
-    n_top = max(rows[i].params.top_logprobs for i in want)
+    x_max = xw.max(axis=-1, keepdims=True)
+    lp = xw - (x_max + xp.log(xp.exp(xw - x_max).sum(axis=-1, keepdims=True)))
+    chosen_lp = xp.take_along_axis(lp, tokens[wi][:, None].astype(xp.int32), axis=-1)[:, 0]
+    n_top = min(max(rows[i].params.top_logprobs for i in want), lp.shape[1])
     top_ids = top_vals = None
     if n_top > 0:
-        top_ids = mx.argpartition(-lp, kth=n_top - 1, axis=-1)[:, :n_top]
-        top_vals = mx.take_along_axis(lp, top_ids, axis=-1)
-    mx.eval(tokens, chosen_lp, *([top_ids, top_vals] if n_top else []))
+        vocab = lp.shape[1]
+        top_ids = xp.argpartition(lp, kth=vocab - n_top, axis=-1)[:, vocab - n_top :]
+        top_vals = xp.take_along_axis(lp, top_ids, axis=-1)
+    if xp is mx:
+        mx.eval(tokens, chosen_lp, *([top_ids, top_vals] if n_top else []))
 
     token_list = tokens.tolist()
     results = [SampleResult(t) for t in token_list]
