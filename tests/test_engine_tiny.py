@@ -240,3 +240,55 @@ def test_decode_through_metal_kernel_source_in_emulator(tiny_dirs, kv_bits):
             engine.shutdown()
 
     assert run(True) == run(False)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_dirs):
+    loaded = load_model(str(tiny_dirs("llama")))
+    ps = prompts(loaded.tokenizer.vocab_size, [12, 30, 7, 19], seed=5)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    mine = GenerationRequest(prompt=ps[0], max_tokens=16, sampling=sp, ignore_eos=True)
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01))
+    try:
+        alone = asyncio.run(run_all(engine, [mine]))[0]
+        others = [GenerationRequest(prompt=p, max_tokens=16, ignore_eos=True,
+                                    sampling=SamplingParams(temperature=0.7, top_k=5, seed=i)) for i, p in enumerate(ps[1:])]
+        mine2 = GenerationRequest(prompt=ps[0], max_tokens=16, sampling=sp, ignore_eos=True)
+        batched = asyncio.run(run_all(engine, [*others, mine2]))[-1]
+        assert batched == alone
+        other_seed = GenerationRequest(prompt=ps[0], max_tokens=16, ignore_eos=True,
+                                       sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=99))
+        assert asyncio.run(run_all(engine, [other_seed]))[0] != alone
+    finally:
+        engine.shutdown()
+
+
+def test_stop_strings_logprobs_and_usage_through_the_engine(tiny_dirs):
+    loaded = load_model(str(tiny_dirs("llama")))
+    tok = loaded.tokenizer
+    (p,) = prompts(tok.vocab_size, [10], seed=8)
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01))
+
+    async def collect(r):
+        evs = []
+        async for ev in engine.generate(r):
+            evs.append(ev)
+        return evs
+
+    try:
+        free = asyncio.run(collect(req(p, 20)))
+        text = "".join(e.text for e in free)
+        assert text == tok.decode([t for e in free for t in e.token_ids])
+        stop = text[5:8]
+        assert stop
+        r2 = GenerationRequest(prompt=p, max_tokens=20, sampling=SamplingParams(temperature=0, logprobs=True,
+                               top_logprobs=3), stop=[stop], ignore_eos=True)
+        evs = asyncio.run(collect(r2))
+        out = "".join(e.text for e in evs)
+        assert out == text[: text.index(stop)] and stop not in out
+        assert evs[-1].finish_reason == "stop" and evs[-1].stop_reason == stop
+        lps = [lp for e in evs for lp in e.logprobs]
+        assert lps and all(len(lp.top) == 3 and lp.top[0][0] == lp.token_id for lp in lps)  # greedy = best
+        u = evs[-1].usage
+        assert u.prompt_tokens == 10 and u.completion_tokens == len(lps) and u.ttft_s > 0
+    finally:
+        engine.shutdown()
