@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("DUET_API_KEY"))
     s.add_argument("--max-queue", type=int, default=None)
+    s.add_argument("--max-running", type=int, default=None, help="most requests generated at once (batch size)")
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="list the bundled model and models in the local HF cache")

@@ -1,0 +1,225 @@
+"""Pieces shared by the chat and completions endpoints: request mapping, usage, SSE framing,
+and running a non-streamed generation that stops when its client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from mlx_engine import __version__
+from mlx_engine.constraints import GrammarFactory
+from mlx_engine.engine import Engine
+from mlx_engine.request import GenerationEvent, RequestError, SamplingParams, TokenLogprob, Usage
+
+from .errors import APIError, bad_request
+from .metrics import Metrics
+from .protocol import _Sampling
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    metrics: Metrics
+    grammars: GrammarFactory
+    model_ids: tuple[str, ...]  # the served id first, then accepted aliases
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_id(self) -> str:
+        return self.model_ids[0]
+
+    @property
+    def fingerprint(self) -> str:
+        e = self.engine
+        key = f"{__version__}|{e.model_name}|{e.config.kv_bits}|{e.loaded.weight_format}"
+        return "fp_" + hashlib.sha1(key.encode()).hexdigest()[:10]
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_ids:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{self.model_id}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def sampling_params(body: _Sampling, vocab_size: int, logprobs: bool, top_logprobs: int, index: int) -> SamplingParams:
+    bias = None
+    if body.logit_bias:
+        bias = {}
+        for k, v in body.logit_bias.items():
+            try:
+                tok = int(k)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
+            if not 0 <= tok < vocab_size:
+                raise bad_request(f"logit_bias token id {tok} is outside the vocabulary (0..{vocab_size - 1})",
+                                  "logit_bias")
+            bias[tok] = float(v)
+    p = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias,
+        seed=None if body.seed is None else body.seed + index,  # n choices with one seed still differ
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    try:
+        p.validate(vocab_size)
+    except RequestError as e:
+        raise bad_request(str(e), e.param) from None
+    return p
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    return [s for s in stops if s]
+
+
+def max_new_tokens(requested: int | None, prompt_len: int, context: int, param: str) -> int:
+    room = context - prompt_len
+    if requested is None:
+        return room
+    if prompt_len + requested > context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
+            "Please reduce the prompt or the completion length.",
+            param,
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def prompt_ids(engine: Engine, request, param: str) -> list[int]:
+    try:
+        return engine.prepare_prompt(request)
+    except RequestError as e:
+        code = "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e) else None
+        raise bad_request(str(e), param if e.param in ("prompt", "messages") else e.param, code) from None
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def chat_logprob(lp: TokenLogprob) -> dict:
+    def entry(tok: str, logprob: float) -> dict:
+        return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8", "replace"))}
+
+    return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for _, t, v in lp.top]}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable, on_disconnect) -> object:
+    """Run ``work``; if the client hangs up first, cancel it, run ``on_disconnect`` and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await on_disconnect()
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    t_last: float | None = None
+
+    def add(self, ev: GenerationEvent, metrics: Metrics, t0: float) -> None:
+        now = time.perf_counter()
+        if ev.token_ids:
+            if self.t_last is None:
+                metrics.ttft.observe(now - t0)
+            else:
+                metrics.itl.observe(now - self.t_last)
+            self.t_last = now
+        self.text.append(ev.text)
+        self.token_ids.extend(ev.token_ids)
+        self.logprobs.extend(ev.logprobs)
+        if ev.finished:
+            self.finish_reason, self.usage, self.error = ev.finish_reason, ev.usage, ev.error
+            if ev.usage is not None:
+                metrics.observe_usage(ev.usage)
+            metrics.e2e.observe(now - t0)
+
+
+def failure(choices: list[ChoiceState], err: BaseException | None) -> APIError | None:
+    """The error to report when a choice failed (engine shut down or a failed step)."""
+    if err is not None:
+        from .generation import to_api_error
+
+        return to_api_error(err)
+    for c in choices:
+        if c.finish_reason == "error":
+            if c.error and "shut down" in c.error:
+                return APIError(503, "the server is shutting down", type="server_error", code="service_unavailable")
+            return APIError(500, f"generation failed: {c.error}", type="server_error")
+    return None
+
+
+def total_usage(choices: list[ChoiceState], n: int) -> dict:
+    """Prompt tokens count once per prompt (choices of one prompt share it, as OpenAI bills);
+    cached tokens are the first choice's of each prompt."""
+    prompt = cached = completion = 0
+    for i, c in enumerate(choices):
+        u = c.usage or Usage()
+        completion += u.completion_tokens
+        if i % n == 0:
+            prompt += u.prompt_tokens
+            cached += u.cached_tokens
+    return usage_dict(prompt, completion, cached)

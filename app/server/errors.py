@@ -1,0 +1,91 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("duet.server")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def queue_full(message: str) -> APIError:
+    return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="service_unavailable")
+
+
+def _loc(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or None
+
+
+def _validation_message(err: dict) -> str:
+    if err.get("type") == "json_invalid":
+        return "We could not parse the JSON body of your request: " + str(err.get("ctx", {}).get("error", "invalid JSON"))
+    if err.get("type") == "model_attributes_type" and tuple(err.get("loc", ())) == ("body",):
+        return "The request body must be a JSON object"
+    if err.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {_loc(tuple(err.get('loc', ())))}"
+    where = _loc(tuple(err.get("loc", ())))
+    return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        # a body that is not a JSON object at all reports one error at ("body",)
+        first = errors[0] if errors else {"msg": "invalid request"}
+        msg = _validation_message(first)
+        if len(errors) > 1:
+            msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        param = None if first.get("type") == "json_invalid" else _loc(tuple(first.get("loc", ())))
+        return bad_request(msg, param, first.get("type")).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error while serving %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()

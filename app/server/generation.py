@@ -1,0 +1,98 @@
+"""Run the ``n`` engine requests of one API call and merge their events into one stream.
+
+Submission is separated from waiting so that refusals (bad request, full queue, engine shut
+down) become HTTP errors before any response header is sent. With ``n > 1`` the first
+request runs alone until its first token, so its prompt blocks are in the prefix cache when
+the others are admitted: the prompt is computed once, not ``n`` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from mlx_engine.engine import Engine, QueueFullError
+from mlx_engine.request import GenerationEvent, GenerationRequest, RequestError
+
+from .errors import APIError, bad_request, queue_full, shutting_down
+
+
+def to_api_error(e: BaseException) -> APIError:
+    if isinstance(e, RequestError):
+        code = "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e) else None
+        return bad_request(str(e), e.param, code)
+    if isinstance(e, QueueFullError):
+        return queue_full(str(e))
+    if isinstance(e, RuntimeError) and "shut down" in str(e):
+        return shutting_down()
+    return APIError(500, f"generation failed: {e}", type="server_error")
+
+
+class Generation:
+    def __init__(self, engine: Engine, requests: list[GenerationRequest]):
+        self.engine = engine
+        self.requests = requests
+        self._queue: asyncio.Queue[tuple[int, GenerationEvent | None, BaseException | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._early: list[tuple[int, GenerationEvent | None, BaseException | None]] = []
+        self._refused: dict[int, BaseException] = {}
+
+    async def _pump(self, i: int) -> None:
+        try:
+            async for ev in self.engine.generate(self.requests[i]):
+                self._queue.put_nowait((i, ev, None))
+        except Exception as e:  # refusals and engine failures; CancelledError passes through
+            self._refused[i] = e
+            self._queue.put_nowait((i, None, e))
+
+    async def _submit(self, i: int) -> None:
+        self._tasks.append(asyncio.create_task(self._pump(i)))
+        # One loop turn runs generate() up to its first wait: validation and the queue check.
+        await asyncio.sleep(0)
+        if i in self._refused:
+            raise to_api_error(self._refused[i])
+
+    async def start(self, n: int = 1) -> None:
+        """Submit every request; raises APIError (and cancels the rest) if any is refused.
+
+        ``requests`` come in groups of ``n`` choices sharing one prompt; each group's first
+        request runs alone until its first token, then the others join it.
+        """
+        leaders = list(range(0, len(self.requests), n))
+        try:
+            for i in leaders:
+                await self._submit(i)
+            if n > 1:
+                seen: set[int] = set()
+                while len(seen) < len(leaders):  # every shared prompt is now in the prefix cache
+                    item = await self._queue.get()
+                    self._early.append(item)
+                    seen.add(item[0])
+                for i in range(len(self.requests)):
+                    if i % n:
+                        await self._submit(i)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def events(self) -> AsyncIterator[tuple[int, GenerationEvent | None, BaseException | None]]:
+        """(choice index, event, error) until every request has finished or failed."""
+        open_ = set(range(len(self.requests)))
+        while open_:
+            item = self._early.pop(0) if self._early else await self._queue.get()
+            i, ev, err = item
+            if i < 0:  # cancelled
+                return
+            if err is not None or (ev is not None and ev.finished):
+                open_.discard(i)
+            yield item
+
+    def cancel(self) -> None:
+        """Cancel every request (the engine frees their KV blocks); ``events()`` then ends."""
+        for t in self._tasks:
+            t.cancel()
+        self._queue.put_nowait((-1, None, None))
+
+    async def aclose(self) -> None:
+        self.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,131 @@
+"""Parse Hermes/Qwen-style tool calls out of generated text.
+
+Models trained on the Hermes format (Qwen2/2.5/3, Hermes, SmolLM2's tool tune, many others)
+write each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The parser
+turns those blocks into OpenAI tool calls and leaves everything else as content. A block
+whose body is not a JSON object with a ``name`` stays in the content, verbatim.
+
+``ToolCallStream`` does the same incrementally for streamed responses: text that might be
+the start of a ``<tool_call>`` tag is held back until it is clear what it is.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from mlx_engine.constraints import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_call_body(body: str) -> ParsedToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments already encoded
+        try:
+            json.loads(args)
+        except ValueError:
+            return None
+        return ParsedToolCall(obj["name"], args)
+    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """Feed text deltas; get back ``("content", str)`` and ``("call", ParsedToolCall)`` items."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._inside = False
+        self._ws = ""  # whitespace held back: dropped if it only separates tool calls
+        self.calls: list[ParsedToolCall] = []
+
+    def _content(self, text: str, out: list) -> None:
+        if not text:
+            return
+        if not text.strip():
+            self._ws += text
+            return
+        out.append(("content", self._ws + text))
+        self._ws = ""
+
+    def _close_block(self, body: str, out: list) -> None:
+        call = parse_call_body(body.strip())
+        if call is None:
+            self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE, out)
+            return
+        self._ws = ""
+        self.calls.append(call)
+        out.append(("call", call))
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        self._buf += text
+        while True:
+            if not self._inside:
+                i = self._buf.find(TOOL_CALL_OPEN)
+                if i < 0:
+                    keep = _held_prefix(self._buf, TOOL_CALL_OPEN)
+                    self._content(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return out
+                self._content(self._buf[:i], out)
+                self._buf = self._buf[i + len(TOOL_CALL_OPEN) :]
+                self._inside = True
+            else:
+                j = self._buf.find(TOOL_CALL_CLOSE)
+                if j < 0:
+                    return out
+                body, self._buf = self._buf[:j], self._buf[j + len(TOOL_CALL_CLOSE) :]
+                self._inside = False
+                self._close_block(body, out)
+
+    def finish(self) -> list[tuple[str, object]]:
+        """End of generation: an unclosed block still counts when its body parses (EOS right
+        after the JSON); anything else left over is content."""
+        out: list[tuple[str, object]] = []
+        if self._inside:
+            call = parse_call_body(self._buf.strip())
+            if call is not None:
+                self.calls.append(call)
+                out.append(("call", call))
+            else:
+                self._content(TOOL_CALL_OPEN + self._buf, out)
+        else:
+            self._content(self._buf, out)
+        if self._ws and not self.calls:
+            out.append(("content", self._ws))
+        self._buf, self._ws, self._inside = "", "", False
+        return out
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    """Whole text -> (content or None, tool calls)."""
+    s = ToolCallStream()
+    items = s.feed(text) + s.finish()
+    content = "".join(x for kind, x in items if kind == "content")
+    if s.calls and not content.strip():
+        return None, s.calls
+    return content, s.calls

@@ -1,0 +1,121 @@
+"""Constrained decoding with llguidance: JSON schemas, JSON mode and forced tool calls.
+
+The engine only knows the ``Constraint`` protocol (request.py); this module is the one place
+that knows the grammar library. llguidance was chosen because it installs from PyPI as one
+small abi3 wheel with no dependencies (xgrammar pulls in torch; outlines-core precomputes an
+index over the whole vocabulary per schema, which takes seconds for large vocabularies), it
+computes each token mask on the fly in tens of microseconds on CPU, and it accepts the
+tokenizer as the `tokenizers` JSON every model here already has (GGUF ones included).
+
+    grammars = GrammarFactory(engine.tokenizer)
+    req.constraint = grammars.constraint(json_schema_grammar(schema))
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import llguidance as llg
+import numpy as np
+
+from .request import RequestError
+from .tokenizer import Tokenizer
+
+# Canonical compact JSON ("a": 1, "b": 2): bounded, deterministic whitespace, and the layout
+# instruction-tuned models write anyway. Free whitespace lets a weak model pad forever.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+def json_schema_grammar(schema: dict | bool) -> str:
+    """A grammar for one JSON value matching ``schema`` (``{"type": "object"}`` for JSON mode)."""
+    if schema is True or schema == {}:
+        schema = {}
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    except Exception as e:  # the library reports unusable schemas as ValueError, TypeError or its own
+        raise RequestError(f"invalid JSON schema: {e}", "response_format") from e
+
+
+def tool_call_grammar(tools: list[dict], parallel: bool = True) -> str:
+    """Hermes/Qwen tool calls: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+
+    ``tools`` are OpenAI function tools; each call's arguments must match that function's
+    ``parameters`` schema. With ``parallel`` the model may emit several calls in a row.
+    """
+    if not tools:
+        raise RequestError("tool_choice needs at least one tool", "tool_choice")
+    variants = []
+    for t in tools:
+        fn = t["function"]
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = {**schema, "x-guidance": JSON_OPTIONS}
+    call = f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + TOOL_CALL_CLOSE)}"
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return llg.LLMatcher.grammar_from_lark(f"{start}\n{call}\n")
+
+
+class GrammarConstraint:
+    """One request's grammar state; implements the engine's ``Constraint`` protocol."""
+
+    def __init__(self, matcher: llg.LLMatcher, vocab_size: int, eos_ids: list[int]):
+        self._m = matcher
+        self._vocab = vocab_size
+        self._eos = eos_ids
+
+    def allowed_tokens(self) -> np.ndarray:
+        if self._m.is_error():  # cannot happen while the engine samples from our masks; end cleanly
+            mask = np.zeros(self._vocab, dtype=bool)
+            mask[self._eos] = True
+            return mask
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: self._vocab].astype(bool)
+
+    def accept(self, token_id: int) -> None:
+        self._m.consume_token(token_id)
+
+    def is_finished(self) -> bool:
+        return self._m.is_stopped()
+
+    def copy(self) -> GrammarConstraint:
+        return GrammarConstraint(self._m.deep_copy(), self._vocab, self._eos)
+
+
+class GrammarFactory:
+    """Compiles grammars for one tokenizer (the llguidance tokenizer is built once)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._ll: llg.LLTokenizer | None = None
+
+    def _ll_tokenizer(self) -> llg.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                tok = self.tokenizer
+                eos = sorted(tok.eos_token_ids) or None
+                self._ll = llg.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=eos)
+            return self._ll
+
+    def constraint(self, grammar: str, param: str = "response_format") -> GrammarConstraint:
+        """A fresh constraint; raises RequestError (for ``param``) when the grammar does not compile."""
+        ll = self._ll_tokenizer()
+        try:
+            matcher = llg.LLMatcher(ll, grammar, log_level=0)
+        except Exception as e:
+            raise RequestError(f"cannot build a grammar: {e}", param) from e
+        if matcher.is_error():
+            raise RequestError(f"cannot build a grammar: {matcher.get_error()}", param)
+        return GrammarConstraint(matcher, self.tokenizer.vocab_size, sorted(self.tokenizer.eos_token_ids))

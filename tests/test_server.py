@@ -1,0 +1,497 @@
+"""`duet serve` on loopback with a tiny random model, driven by the official openai SDK.
+
+One server for the module (a tiny llama whose chat template renders tools); a second, small
+one with an API key, a one-slot queue and a tiny KV cache for auth, 429 and shutdown.
+A random model writes garbage, so wherever output must be valid JSON, only the grammar can
+have made it so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.test_server_harness import ServerProcess, tiny_model
+
+MODEL = "tiny-tools"
+USER = [{"role": "user", "content": "Tell me a long story about the quick brown fox and the lazy dog."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    path = tiny_model(root / MODEL, tools_template=True)
+    srv = ServerProcess(path, root / "server.log", "--cache-gb", "0.05")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aclient_factory(server):
+    return lambda: openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, str | bytes):
+        return httpx.post(server.base + path, content=body, headers={"content-type": "application/json"}, timeout=60, **kw)
+    return httpx.post(server.base + path, json=body, timeout=60, **kw)
+
+
+# --- models, health, basic shapes -----------------------------------------------------
+
+
+def test_models_health_and_aliases(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).owned_by == "duet"
+    assert httpx.get(server.base + "/health").json()["status"] == "ok"
+    # the path given to --model is an alias for the served model
+    r = post(server, "/v1/completions", {"model": str(server.proc.args[-1]), "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
+def test_chat_non_streamed_shape_determinism_and_prefix_cache(client):
+    kw = dict(model=MODEL, messages=USER, max_tokens=8, temperature=0)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert a.id.startswith("chatcmpl-") and a.id != b.id and a.object == "chat.completion"
+    assert isinstance(a.created, int) and abs(a.created - time.time()) < 600
+    assert a.system_fingerprint and a.system_fingerprint == b.system_fingerprint
+    assert a.model == MODEL
+    (ch,) = a.choices
+    assert ch.index == 0 and ch.message.role == "assistant" and ch.finish_reason == "length"
+    assert ch.message.content == b.choices[0].message.content  # greedy
+    u = a.usage
+    assert u.completion_tokens == 8 and u.total_tokens == u.prompt_tokens + 8 and u.prompt_tokens > 16
+    # the second identical prompt reuses the first one's full KV blocks
+    assert b.usage.prompt_tokens_details.cached_tokens >= 16
+    assert b.usage.prompt_tokens_details.cached_tokens == (b.usage.prompt_tokens - 1) // 16 * 16
+
+
+def test_chat_streamed_matches_non_streamed_with_usage(client):
+    kw = dict(model=MODEL, messages=USER, max_tokens=10, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+    # without include_usage there is no usage chunk
+    plain = list(client.chat.completions.create(**kw, stream=True))
+    assert all(c.choices for c in plain)
+
+
+def test_async_client_streaming_and_not(aclient_factory):
+    async def run():
+        async with aclient_factory() as ac:
+            r = await ac.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
+            s = await ac.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in s])
+            c = await ac.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+            return r, text, c
+
+    r, text, c = asyncio.run(run())
+    assert text == r.choices[0].message.content and r.usage.completion_tokens == 6
+    assert c.object == "text_completion" and c.usage.completion_tokens == 4
+
+
+def test_max_completion_tokens_and_ignore_eos_extension(client):
+    r = client.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0)
+    text = base.choices[0].text
+    stop = text[6:8]
+    assert stop and len(stop) == 2
+    first = text.index(stop)
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0,
+                                  stop=[stop, "\u2603never"])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:first]
+    s = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0, stop=stop,
+                                  stream=True)
+    chunks = list(s)
+    assert "".join(c.choices[0].text for c in chunks) == text[:first]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_and_n(client):
+    kw = dict(model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=1234, n=3)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    texts = [c.message.content for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in b.choices]  # same seed, same outputs
+    assert len(set(texts)) > 1  # each choice has its own stream of randomness
+    assert a.usage.completion_tokens == 24
+    # streamed n: every choice gets its role chunk, its text and its finish reason
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    got = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(3)}
+    assert [got[i] for i in range(3)] == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2]
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        lps = [x.logprob for x in t.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert t.token == t.top_logprobs[0].token and t.logprob == pytest.approx(lps[0])  # greedy takes the best
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+    s = list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=3, stream=True))
+    streamed = [t.token for c in s if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == [t.token for t in content]
+
+
+def test_completions_prompts_n_echo_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=["Hello world", "def add(a, b):"], n=2, max_tokens=5,
+                                  temperature=0.8, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 20
+    ids = client.completions.create(model=MODEL, prompt=[72, 101, 108], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+    e = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, temperature=0, echo=True)
+    assert e.choices[0].text.startswith("Hello world")
+    lp = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, logprobs=2)
+    L = lp.choices[0].logprobs
+    assert len(L.tokens) == len(L.token_logprobs) == len(L.top_logprobs) == len(L.text_offset) == 4
+    assert "".join(L.tokens) == lp.choices[0].text
+    assert all(len(t) <= 2 for t in L.top_logprobs)
+    assert L.text_offset[0] == 0 and L.text_offset[1] == len(L.tokens[0])
+
+
+def test_logit_bias_forces_a_token(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logit_bias={"70": 100},
+                                  logprobs=0)
+    toks = r.choices[0].logprobs.tokens
+    assert len(toks) == 5 and len(set(toks)) == 1
+
+
+def test_penalties_and_sampling_extensions_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=6, temperature=0.7, top_p=0.9, presence_penalty=0.5,
+        frequency_penalty=0.5, seed=3, user="someone", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert r.usage.completion_tokens == 6
+    # a strong frequency penalty changes what greedy decoding repeats
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=40, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    penalised = client.completions.create(**kw, frequency_penalty=2.0).choices[0].text
+    assert plain != penalised
+
+
+# --- errors --------------------------------------------------------------------------------
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 300
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/chat/completions", "{not json", 400, None),
+        ("/v1/chat/completions", "[1, 2]", 400, None),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "temperature": 3}, 400, "temperature"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 0}, 400, "n"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 1000}, 400, "n"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 10**6}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/chat/completions", {"model": "gpt-4o", "messages": USER}, 404, "model"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}},
+         400, "response_format.json_schema"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
+         400, "response_format.json_schema.schema"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "stream_options": {"include_usage": True}},
+         400, "stream_options"),
+        ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "x"}, 400, "suffix"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 9}, 400, "logprobs"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    if status == 400 and "context" in err["message"]:
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_sdk_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=USER)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=10**6)
+    assert e.value.code == "context_length_exceeded"
+
+
+# --- structured output -----------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "mood": {"enum": ["happy", "sad", "meh"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "mood", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_always_parses(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=11, n=4,
+                                       response_format=fmt)
+    for ch in r.choices:
+        assert ch.finish_reason == "stop", ch.message.content
+        jsonschema.validate(json.loads(ch.message.content), PERSON)
+    s = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=5,
+                                       response_format=fmt, stream=True)
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in s)), PERSON)
+    # without the grammar the same sampling does not give JSON
+    free = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=40, temperature=1.0, seed=11)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+
+
+def test_json_object_mode(client):
+    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=300, temperature=0.7, seed=2,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"logit_bias": {"95": 5}})  # "}" a bit likelier: ends sooner
+    ch = r.choices[0]
+    if ch.finish_reason == "stop":
+        assert isinstance(json.loads(ch.message.content), dict)
+    else:  # cut by max_tokens: still a valid prefix of an object
+        assert ch.finish_reason == "length" and ch.message.content.startswith("{")
+
+
+# --- tools -------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def _check_call(call, tools):
+    spec = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), spec[call.function.name])
+
+
+def test_tool_choice_required_and_named(client):
+    tools = [WEATHER, CLOCK]
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=tools, tool_choice="required", max_tokens=120,
+                                       temperature=0.8, seed=4, parallel_tool_calls=False)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert len(ch.message.tool_calls) == 1
+    _check_call(ch.message.tool_calls[0], tools)
+    named = client.chat.completions.create(model=MODEL, messages=USER, tools=tools, max_tokens=120, temperature=0.8,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    _check_call(call, tools)
+
+
+def test_tool_calls_stream_in_delta_format(client):
+    s = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="required",
+                                       max_tokens=120, temperature=0.8, seed=9, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for c in s:
+        d = c.choices[0].delta
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            slot["id"] = tc.id or slot["id"]
+            if tc.function and tc.function.name:
+                slot["name"] += tc.function.name
+            if tc.function and tc.function.arguments:
+                slot["arguments"] += tc.function.arguments
+        finish = c.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for slot in calls.values():
+        assert slot["id"].startswith("call_") and slot["name"] == "get_weather"
+        jsonschema.validate(json.loads(slot["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_tools_reach_the_template_and_tool_turns_render(client):
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1)
+    with_tools = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], max_tokens=1)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    none = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=1)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens > with_tools.usage.prompt_tokens + 10
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+# --- load, disconnects, metrics -------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(x.startswith("data: {") for x in got)
+        assert server.metrics()["duet_kv_blocks_used"] > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0
+    assert m["duet_generation_tokens_total"] < 1500 * 2  # the request did not run to the end
+
+
+def test_64_concurrent_streaming_clients(aclient_factory, server):
+    async def one(ac, i):
+        s = await ac.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Client {i} says hello."}], max_tokens=12,
+            temperature=0.5, seed=i, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage, finish = "", None, None
+        async for c in s:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+            usage = c.usage or usage
+        return text, usage, finish
+
+    async def run():
+        async with aclient_factory() as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(64)))
+
+    t = time.monotonic()
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for _, usage, finish in results:
+        assert finish == "length" and usage.completion_tokens == 12
+    assert time.monotonic() - t < 120
+    assert server.metrics()["duet_kv_blocks_used"] == 0
+
+
+def test_metrics_exposed(server, client):
+    client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+    m = server.metrics()
+    for name in ("duet_time_to_first_token_seconds_count", "duet_inter_token_latency_seconds_count",
+                 "duet_prompt_tokens_total", "duet_generation_tokens_total", "duet_cached_prompt_tokens_total"):
+        assert m[name] > 0, name
+    assert m["duet_kv_blocks_total"] == m["duet_kv_blocks_used"] + m["duet_kv_blocks_free"]
+    assert 0 < m["duet_prefix_cache_hit_rate"] <= 1
+    text = httpx.get(server.base + "/metrics").text
+    assert 'duet_requests_total{endpoint="chat",finish_reason="length"}' in text
+
+
+# --- API key, full queue, shutdown (a second, small server) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-small")
+    path = tiny_model(root / "tiny-small")
+    srv = ServerProcess(path, root / "server.log", "--cache-gb", "0.01", "--max-running", "1", "--max-queue", "1",
+                        "--api-key", "sekret")
+    yield srv
+    srv.stop()
+
+
+def test_api_key(small_server):
+    ok = openai.OpenAI(base_url=small_server.base + "/v1", api_key="sekret", max_retries=0)
+    assert ok.models.list().data[0].id == "tiny-small"
+    bad = openai.OpenAI(base_url=small_server.base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.post(small_server.base + "/v1/completions", json={"model": "tiny-small", "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(small_server.base + "/health").status_code == 200
+
+
+def test_full_queue_is_429_with_retry_after(small_server):
+    headers = {"Authorization": "Bearer sekret"}
+
+    def body(n_out):
+        return {"model": "tiny-small", "prompt": "Hello", "max_tokens": n_out, "ignore_eos": True, "stream": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=small_server.base, headers=headers, timeout=60) as c:
+            async with c.stream("POST", "/v1/completions", json=body(1500)) as first:  # the one running slot
+                assert first.status_code == 200
+                lines = first.aiter_lines()  # keep a reference: a dropped iterator closes the stream
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                async with c.stream("POST", "/v1/completions", json=body(8)) as second:
+                    assert second.status_code == 200  # the one waiting slot
+                    return await c.post("/v1/completions", json=body(8), timeout=20)
+
+    third = asyncio.run(run())
+    assert third.status_code == 429, third.text
+    assert third.headers["retry-after"] == "1"
+    assert third.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_sigterm_ends_open_streams_with_an_error_chunk(small_server):
+    body = {"model": "tiny-small", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    lines = []
+    with httpx.stream("POST", small_server.base + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": "Bearer sekret"}) as r:
+        it = r.iter_lines()
+        while len([x for x in lines if x.startswith("data: {")]) < 3:
+            lines.append(next(it))
+        small_server.proc.send_signal(signal.SIGTERM)
+        lines += list(it)
+    data = [x[6:] for x in lines if x.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    err = json.loads(data[-2])["error"]
+    assert err["type"] == "server_error" and "shutting down" in err["message"]
+    assert small_server.proc.wait(30) is not None

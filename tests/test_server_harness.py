@@ -1,0 +1,102 @@
+"""Helpers for the server tests: run `duet serve` as a subprocess on a free loopback port.
+
+(No tests here; the name only keeps the file among the server tests.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.tiny_models import make_tiny_model_dir
+
+# A ChatML template that renders tools and tool turns the way Qwen2.5 / Hermes templates do.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "Call a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n"
+    "{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and tools and loop.first %}"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_model(path: Path, arch: str = "llama", tools_template: bool = False) -> Path:
+    path = make_tiny_model_dir(path, arch)
+    if tools_template:
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = TOOLS_TEMPLATE
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str | Path | None, log_path: Path, *extra: str, timeout: float = 180):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), *extra]
+        if model is not None:
+            cmd += ["--model", str(model)]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=Path(__file__).resolve().parent.parent)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"duet serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"duet serve did not come up in {timeout}s:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if not s.labels:
+                    out[s.name] = s.value
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
