@@ -130,6 +130,7 @@ def test_prefix_hit_split_matches_single_pass(bundled, tokens):
     first = np.array(r.forward_all(Row(tokens[:96], 0, blocks[:6])))
     rest = np.array(r.forward_all(Row(tokens[96:], 96, blocks)))
     top1, diff = compare(ref, np.concatenate([first, rest]))
+    print(f"prefix split: top-1 {top1:.4f}, max |diff| {diff:.2e}")
     assert top1 >= 0.995 and diff < 5e-3
 
 
