@@ -81,6 +81,15 @@ def declared_name(chunk: str) -> str | None:
     return idents[-1] if idents else None
 
 
+def function_constants(values: dict[str, bool | int]) -> str:
+    """Function constants are set when a Metal pipeline is built; here they become constexprs."""
+    lines = []
+    for name, v in values.items():
+        t, lit = ("bool", "true" if v else "false") if isinstance(v, bool) else ("int", str(v))
+        lines.append(f"static constant constexpr {t} {name} = {lit};")
+    return "\n".join(lines) + "\n"
+
+
 def extract(header: str, names: Iterable[str]) -> str:
     """The preprocessor lines, ``using`` lines and the named declarations of ``header``, in order."""
     text = strip_comments((kernels_dir() / header).read_text())
@@ -119,3 +128,49 @@ def qmv_fast_launch(m: int, n: int, k: int) -> dict[str, tuple[int, int, int]]:
     if n % 8 or k % 512:
         raise ValueError("qmv_fast needs N % 8 == 0 and K % 512 == 0")
     return {"grid": (32 * m, 2 * (n // 8), 1), "threadgroup": (32, 2, 1)}
+
+
+SDPA_VECTOR_CONSTANTS: dict[str, bool | int] = {
+    "has_mask": False,
+    "query_transposed": False,
+    "do_causal": False,
+    "bool_mask": False,
+    "float_mask": False,
+    "has_sinks": False,
+    "blocks": 1,
+}
+
+
+def sdpa_vector_header() -> str:
+    """MLX's single-pass decode attention kernel ``sdpa_vector`` from the installed ``sdpa_vector.h``.
+
+    It uses threadgroup memory and barriers (``qmv_fast`` has neither), so it validates those parts
+    of the emulator. Its function constants are fixed to the unmasked, no-sink case.
+    """
+    return (
+        "#include <metal_simdgroup>\n"
+        + function_constants(SDPA_VECTOR_CONSTANTS)
+        + extract("sdpa_vector.h", ["sdpa_vector"])
+    )
+
+
+# Calls the [[kernel]] template as a function: fine for the emulator, which is all this is for.
+SDPA_VECTOR_BODY = """
+  sdpa_vector<T, D>(
+      queries, keys, values, out, gqa_factor, N, k_head_stride, k_seq_stride, v_head_stride,
+      v_seq_stride, scale, nullptr, nullptr, gqa_factor, gqa_factor, gqa_factor, nullptr, gqa_factor,
+      threadgroup_position_in_grid, threadgroups_per_grid, simdgroup_index_in_threadgroup,
+      thread_index_in_simdgroup);
+"""
+SDPA_VECTOR_INPUTS = (
+    "queries",
+    "keys",
+    "values",
+    "gqa_factor",
+    "N",
+    "k_head_stride",
+    "k_seq_stride",
+    "v_head_stride",
+    "v_seq_stride",
+    "scale",
+)

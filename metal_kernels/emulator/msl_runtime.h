@@ -306,51 +306,45 @@ static void make_order(int* idx, int n) {
 
 static const char* op_name(int op);
 
-// Release collectives whose SIMD-group is fully blocked. Returns true if any was released.
-static bool release_collectives(int n) {
-  bool released = false;
-  int nsimd = (n + SIMD_WIDTH - 1) / SIMD_WIDTH;
-  for (int s = 0; s < nsimd && !g_failed; ++s) {
-    Thread* lanes[SIMD_WIDTH];
-    int count = 0, launched = 0, waiting = 0;
-    for (int l = 0; l < SIMD_WIDTH; ++l) {
-      int i = s * SIMD_WIDTH + l;
-      if (i >= n) break;
-      launched++;
-      if (g_threads[i].state == AT_COLLECTIVE) waiting++;
+// Evaluate the collectives of SIMD-group `s`, all of whose live lanes are blocked. Lanes waiting at
+// the same call site and op form one active-lane group. Returns true if any lane was released.
+static bool release_collectives(int s, int n) {
+  const int first = s * SIMD_WIDTH;
+  const int launched = (n - first) < SIMD_WIDTH ? (n - first) : SIMD_WIDTH;
+  int waiting = 0;
+  for (int l = 0; l < launched; ++l) waiting += g_threads[first + l].state == AT_COLLECTIVE;
+  if (waiting == 0) return false;
+  if (g_params.strict && waiting != launched) {
+    int who = first;
+    while (g_threads[who].state != AT_COLLECTIVE) ++who;
+    set_error("strict: divergent SIMD-group collective %s in simdgroup %d of threadgroup %u,%u,%u: "
+              "%d of %d lanes arrived (others returned early or wait elsewhere)",
+              op_name(g_threads[who].op), s, g_group.group_pos[0], g_group.group_pos[1],
+              g_group.group_pos[2], waiting, launched);
+    return false;
+  }
+  bool done[SIMD_WIDTH] = {false};
+  Thread* lanes[SIMD_WIDTH];
+  for (int l = 0; l < launched; ++l) {
+    Thread* a = &g_threads[first + l];
+    if (a->state != AT_COLLECTIVE || done[l]) continue;
+    int count = 0;
+    for (int m = l; m < launched; ++m) {
+      Thread* b = &g_threads[first + m];
+      if (b->state == AT_COLLECTIVE && !done[m] && b->site == a->site && b->op == a->op) {
+        lanes[count++] = b;
+        done[m] = true;
+      }
     }
-    if (waiting == 0) continue;
-    if (g_params.strict && waiting != launched) {
-      set_error("strict: divergent SIMD-group collective %s in simdgroup %d of threadgroup %u,%u,%u: "
-                "%d of %d lanes arrived (others returned early or wait elsewhere)",
-                op_name(g_threads[s * SIMD_WIDTH].op), s, g_group.group_pos[0], g_group.group_pos[1],
-                g_group.group_pos[2], waiting, launched);
+    if (g_params.strict && count != launched) {
+      set_error("strict: lanes of simdgroup %d in threadgroup %u,%u,%u wait at different collectives", s,
+                g_group.group_pos[0], g_group.group_pos[1], g_group.group_pos[2]);
       return false;
     }
-    // Group waiting lanes by (site, op); each group is evaluated among its own lanes.
-    bool done[SIMD_WIDTH] = {false};
-    for (int l = 0; l < launched; ++l) {
-      Thread* a = &g_threads[s * SIMD_WIDTH + l];
-      if (a->state != AT_COLLECTIVE || done[l]) continue;
-      count = 0;
-      for (int m = l; m < launched; ++m) {
-        Thread* b = &g_threads[s * SIMD_WIDTH + m];
-        if (b->state == AT_COLLECTIVE && !done[m] && b->site == a->site && b->op == a->op) {
-          lanes[count++] = b;
-          done[m] = true;
-        }
-      }
-      if (g_params.strict && count != launched) {
-        set_error("strict: lanes of simdgroup %d in threadgroup %u,%u,%u wait at different collectives",
-                  s, g_group.group_pos[0], g_group.group_pos[1], g_group.group_pos[2]);
-        return false;
-      }
-      a->eval(lanes, count);
-      for (int k = 0; k < count; ++k) lanes[k]->state = RUNNABLE;
-      released = true;
-    }
+    a->eval(lanes, count);
+    for (int k = 0; k < count; ++k) lanes[k]->state = RUNNABLE;
   }
-  return released;
+  return true;
 }
 
 static void release_barrier(int n) {
@@ -397,37 +391,30 @@ static void run_group() {
     t->site = nullptr;
     fiber_init(t);
   }
-  int order[MAX_THREADS];
+  // Each SIMD-group runs ahead on its own from one threadgroup barrier to the next (collectives only
+  // wait for its own lanes), SIMD-groups one after another in the chosen order; then the barrier.
+  const int nsimd = (n + SIMD_WIDTH - 1) / SIMD_WIDTH;
+  int simd_order[MAX_THREADS / SIMD_WIDTH];
+  int lane_order[SIMD_WIDTH];
   while (!g_failed) {
-    make_order(order, n);
-    bool ran = false;
-    for (int k = 0; k < n && !g_failed; ++k) {
-      Thread* t = &g_threads[order[k]];
-      if (t->state == RUNNABLE) {
-        resume(t);
-        ran = true;
-      }
+    make_order(simd_order, nsimd);
+    for (int k = 0; k < nsimd && !g_failed; ++k) {
+      const int s = simd_order[k];
+      const int first = s * SIMD_WIDTH;
+      const int launched = (n - first) < SIMD_WIDTH ? (n - first) : SIMD_WIDTH;
+      do {
+        make_order(lane_order, launched);
+        for (int j = 0; j < launched && !g_failed; ++j) {
+          Thread* t = &g_threads[first + lane_order[j]];
+          if (t->state == RUNNABLE) resume(t);
+        }
+      } while (!g_failed && release_collectives(s, n));
     }
     if (g_failed) return;
-    bool any_barrier = false, any_collective = false, any_live = false;
-    for (int i = 0; i < n; ++i) {
-      int st = g_threads[i].state;
-      any_barrier |= st == AT_BARRIER;
-      any_collective |= st == AT_COLLECTIVE;
-      any_live |= st != DONE;
-    }
+    bool any_live = false;
+    for (int i = 0; i < n; ++i) any_live |= g_threads[i].state != DONE;
     if (!any_live) return;
-    (void)ran;
-    if (any_collective) {
-      if (release_collectives(n)) continue;
-      if (g_failed) return;
-    }
-    if (any_barrier) {
-      release_barrier(n);
-      continue;
-    }
-    set_error("emulator: scheduler made no progress");
-    return;
+    release_barrier(n);
   }
 }
 

@@ -32,6 +32,27 @@ using namespace metal;
 #define threadgroup
 #define kernel
 
+// The part of MLX's utils.h prelude (prepended to every custom kernel on a Mac) kernels here use.
+template <class U>
+struct Limits {
+  static inline const U max = metal::numeric_limits<U>::max();
+  static inline const U min = metal::numeric_limits<U>::min();
+  static inline const U finite_max = metal::numeric_limits<U>::max();
+  static inline const U finite_min = metal::numeric_limits<U>::min();
+};
+#define EMU_FLOAT_LIMITS(U)                                                      \
+  template <>                                                                    \
+  struct Limits<U> {                                                             \
+    static inline const U max = metal::numeric_limits<U>::infinity();           \
+    static inline const U min = -metal::numeric_limits<U>::infinity();          \
+    static inline const U finite_max = metal::numeric_limits<U>::max();         \
+    static inline const U finite_min = -metal::numeric_limits<U>::max();        \
+  };
+EMU_FLOAT_LIMITS(float)
+EMU_FLOAT_LIMITS(half)
+EMU_FLOAT_LIMITS(bfloat)
+#undef EMU_FLOAT_LIMITS
+
 namespace emu {
 inline uint3 attr_u3(const uint32_t* p) { return uint3(p[0], p[1], p[2]); }
 inline uint3 thread_position_in_threadgroup() { return attr_u3(g_cur->pos); }
