@@ -113,12 +113,14 @@ def sample(logits: mx.array, rows: list[SamplerRow]) -> list[SampleResult]:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
 
-    tokens = xp.zeros((len(rows),), dtype=xp.uint32)
-    if greedy:
-        gi = xp.array(greedy)
+    if not drawn:
+        tokens = xp.argmax(x, axis=-1).astype(xp.uint32)
+    elif not greedy:
+        tokens = _draw(xp, x, rows)
+    else:
+        tokens = xp.zeros((len(rows),), dtype=xp.uint32)
+        gi, di = xp.array(greedy), xp.array(drawn)
         tokens[gi] = xp.argmax(x[gi], axis=-1).astype(xp.uint32)
-    if drawn:
-        di = xp.array(drawn)
         tokens[di] = _draw(xp, x[di], [rows[i] for i in drawn])
 
     if not want_lp:
