@@ -383,3 +383,25 @@ def test_vector_types_and_swizzles():
         w = np.where(v > 1, a[4 * i : 4 * i + 4] * 2, v)
         exp.append(w.sum() + s.max())
     np.testing.assert_allclose(np.array(out), exp)
+
+
+def test_partial_simdgroup_shuffles_from_missing_lanes_are_poison():
+    """A 40-thread group has a second SIMD-group of 8 lanes; lanes 8-31 do not exist there."""
+    src = """
+  float v = a[thread_position_in_grid.x];
+  out[thread_position_in_grid.x] = simd_shuffle_down(v, 8) + simd_sum(v) * 0.0f;
+"""
+    k = metal_kernel("partial_simd", ["a"], ["out"], src)
+    a = np.arange(40, dtype=np.float32)
+    with options(strict=True):
+        (out,) = k(
+            inputs=[mx.array(a)],
+            output_shapes=[(40,)],
+            output_dtypes=[mx.float32],
+            grid=(40, 1, 1),
+            threadgroup=(40, 1, 1),
+        )
+    got = np.array(out)
+    np.testing.assert_array_equal(got[:24], a[8:32])  # first SIMD-group: lanes 8..31 exist
+    np.testing.assert_array_equal(got[24:32], a[24:32])  # shifted past lane 31: own value
+    assert np.isnan(got[32:]).all()  # second SIMD-group: source lanes 8..15 were never launched
