@@ -358,8 +358,9 @@ OTHERS = [
 
 
 def step_logits(step: int, width: int) -> np.ndarray:
+    # 4096 wide: past the candidates and the inverse-CDF blocks, so every path is taken
     rng = np.random.default_rng(1000 + step)
-    return (rng.normal(size=(width, V)) * rng.uniform(0.1, 4.0)).astype(np.float32)
+    return (rng.normal(size=(width, 4096)) * rng.uniform(0.1, 4.0)).astype(np.float32)
 
 
 @pytest.mark.parametrize("target", TARGETS)
