@@ -8,6 +8,13 @@
 // (NaN for every float type) and limited to 32 KB.
 #pragma once
 
+#if defined(__x86_64__) && defined(__ELF__)
+#define EMU_ASM_SWITCH 1  // hand-written context switch; ucontext elsewhere
+#elif defined(__APPLE__)
+#define _XOPEN_SOURCE 600  // macOS only exposes the ucontext routines with it
+#define _DARWIN_C_SOURCE 1
+#endif
+
 #include <csetjmp>
 #include <csignal>
 #include <cstdarg>
@@ -18,7 +25,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#if !defined(__x86_64__)
+#if !defined(EMU_ASM_SWITCH)
 #include <ucontext.h>
 #endif
 
@@ -32,7 +39,7 @@ typedef void (*CollectiveEval)(Thread** lanes, int n);
 
 struct alignas(16) Thread {
   void* sp;
-#if !defined(__x86_64__)
+#if !defined(EMU_ASM_SWITCH)
   ucontext_t uc;
 #endif
   char* stack;
@@ -81,7 +88,7 @@ static int g_stack_count = 0;
 static int64_t g_stack_size = 0;
 static Thread* g_cur = nullptr;
 static void* g_sched_sp = nullptr;
-#if !defined(__x86_64__)
+#if !defined(EMU_ASM_SWITCH)
 static ucontext_t g_sched_uc;
 #endif
 static GroupInfo g_group;
@@ -100,7 +107,7 @@ static void (*g_body)() = nullptr;
 // ---------------------------------------------------------------------------------------------
 // Context switching
 // ---------------------------------------------------------------------------------------------
-#if defined(__x86_64__)
+#if defined(EMU_ASM_SWITCH)
 extern "C" void emu_swap_ctx(void** save_sp, void* new_sp);
 extern "C" void emu_fiber_entry();
 asm(R"(
@@ -148,7 +155,7 @@ extern "C" __attribute__((visibility("hidden"), used)) void emu_fiber_main(Threa
 
 static inline void switch_to_scheduler() {
   Thread* t = g_cur;
-#if defined(__x86_64__)
+#if defined(EMU_ASM_SWITCH)
   emu_swap_ctx(&t->sp, g_sched_sp);
 #else
   swapcontext(&t->uc, &g_sched_uc);
@@ -157,7 +164,7 @@ static inline void switch_to_scheduler() {
 
 static inline void resume(Thread* t) {
   g_cur = t;
-#if defined(__x86_64__)
+#if defined(EMU_ASM_SWITCH)
   emu_swap_ctx(&g_sched_sp, t->sp);
 #else
   swapcontext(&g_sched_uc, &t->uc);
@@ -165,7 +172,7 @@ static inline void resume(Thread* t) {
   g_cur = nullptr;
 }
 
-#if !defined(__x86_64__)
+#if !defined(EMU_ASM_SWITCH)
 static void uc_trampoline(unsigned int hi, unsigned int lo) {
   uintptr_t p = (uintptr_t(hi) << 32) | uintptr_t(lo);
   emu_fiber_main(reinterpret_cast<Thread*>(p));
@@ -176,7 +183,7 @@ static void fiber_init(Thread* t) {
   // Poison the top of the stack so uninitialised thread-private values read as NaN bytes.
   char* top = t->stack + g_stack_size;
   std::memset(top - 2048, 0xFF, 2048);
-#if defined(__x86_64__)
+#if defined(EMU_ASM_SWITCH)
   uintptr_t p = (reinterpret_cast<uintptr_t>(top) - 64) & ~uintptr_t(15);
   uint64_t* s = reinterpret_cast<uint64_t*>(p);
   // layout popped by emu_swap_ctx: [mxcsr|fpucw] r15 r14 r13 r12 rbx rbp ret
