@@ -338,19 +338,29 @@ class Engine:
                 sampled.append(i)
         if not sampled:
             return
-        actives = [self._active[list(step)[i]] for i in sampled]
-        srows = []
-        for a in actives:
-            c = a.req.constraint
-            srows.append(
-                SamplerRow(
-                    params=a.req.sampling,
-                    rng=a.rng,
-                    prompt_ids=a.seq.tokens[: a.seq.num_prompt],
-                    output_ids=a.seq.tokens[a.seq.num_prompt :],
-                    allowed=c.allowed_tokens() if c is not None else None,
-                )
-            )
+        rids = list(step)
+        actives, srows, keep = [], [], []
+        for i in sampled:
+            a = self._active[rids[i]]
+            allowed = a.req.constraint.allowed_tokens() if a.req.constraint is not None else None
+            if allowed is not None and not allowed.any():
+                self._finish(a, "error", "the output constraint allows no further token")
+                continue
+            p = a.req.sampling
+            penalised = p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+            seq = a.seq
+            actives.append(a)
+            keep.append(i)
+            srows.append(SamplerRow(
+                params=p,
+                rng=a.rng,
+                prompt_ids=seq.tokens[: seq.num_prompt] if penalised else (),
+                output_ids=seq.tokens[seq.num_prompt :] if penalised else (),
+                allowed=allowed,
+            ))
+        if not keep:
+            return
+        sampled = keep
         idx = mx.array(sampled) if len(sampled) != len(rows) else None
         results = sample(logits if idx is None else logits[idx], srows)
         now = time.perf_counter()
