@@ -78,7 +78,8 @@ def sampling_params(body: _Sampling, vocab_size: int, logprobs: bool, top_logpro
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=bias,
-        seed=None if body.seed is None else body.seed + index,  # n choices with one seed still differ
+        # n choices with one seed still differ; any integer is a seed, as at OpenAI
+        seed=None if body.seed is None else (body.seed + index) % 2**63,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
