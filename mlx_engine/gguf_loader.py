@@ -1,0 +1,246 @@
+"""Load a llama-family GGUF file into mlx-lm's model classes.
+
+``mx.load`` reads the tensors: F32/F16/BF16 as float arrays, and Q4_0/Q4_1/Q8_0 already converted to
+MLX's affine quantization (``name.weight`` packed uint32, ``name.scales``, ``name.biases``, groups of
+32 along each row). Quantization is per tensor (a "Q4_1" file keeps its embedding in Q8_0), so each
+layer gets its own bits. The rest is renaming llama.cpp's tensors and metadata to mlx-lm's, and
+undoing what llama.cpp's converter changed:
+
+- ``llama``: Q and K projection rows were permuted from HF's "rotate half" layout to the interleaved
+  pairs ggml's rotary embedding uses. We permute them back (whole rows, so it works on quantized
+  weight/scales/biases alike) and the model runs mlx-lm's standard (non-traditional) RoPE.
+- ``gemma``: norm weights were stored as ``1 + w``; mlx-lm's Gemma adds the 1 itself.
+- Llama 3 rope scaling is stored as per-frequency divisors (``rope_freqs.weight``), applied here.
+
+Architectures: llama (also Mistral, SmolLM, TinyLlama...), qwen2, qwen3, gemma.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from mlx_engine.dequantize import dequantize_model
+from mlx_engine.gguf_file import GGUFError, TensorInfo, read_tensor_table
+from mlx_engine.gguf_tokenizer import tokenizer_from_gguf
+from mlx_engine.tokenizer import Tokenizer
+
+__all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf"]
+
+GROUP_SIZE = 32  # every block type mx.load keeps quantized (Q4_0, Q4_1, Q8_0) has 32 weights per block
+
+
+@dataclass(frozen=True)
+class _Arch:
+    module: str  # mlx_lm.models.<module>
+    permuted_qk: bool  # llama.cpp permuted Q/K rows for ggml's interleaved RoPE
+    norm_offset: float  # llama.cpp stored norm weights as w + offset
+
+
+SUPPORTED_ARCHITECTURES = {
+    "llama": _Arch("llama", permuted_qk=True, norm_offset=0.0),
+    "qwen2": _Arch("qwen2", permuted_qk=False, norm_offset=0.0),
+    "qwen3": _Arch("qwen3", permuted_qk=False, norm_offset=0.0),
+    "gemma": _Arch("gemma", permuted_qk=False, norm_offset=1.0),
+}
+
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_IN_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)")
+_TOP_TENSOR = re.compile(r"(\w+)\.(weight|bias|scales|biases)")
+
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 32: "BF16"}
+
+
+def _py(value):
+    return value.tolist() if isinstance(value, mx.array) else value
+
+
+def _mlx_name(name: str) -> str:
+    if m := _BLOCK_TENSOR.fullmatch(name):
+        layer, base, part = m.groups()
+        if base in _IN_BLOCK:
+            return f"model.layers.{layer}.{_IN_BLOCK[base]}.{part}"
+    elif (m := _TOP_TENSOR.fullmatch(name)) and m.group(1) in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}"
+    raise GGUFError(f"unexpected tensor {name!r} in the GGUF file (not part of the architectures we load)")
+
+
+def _unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's Q/K permutation: within each head, rows (2i, 2i+1) go back to (i, i + d/2)."""
+    rows = x.shape[0]
+    return x.reshape(n_heads, rows // n_heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def _config(arch: str, md: dict, weights: dict[str, mx.array]) -> dict:
+    def get(key: str, default=None):
+        value = _py(md.get(f"{arch}.{key}", default))
+        if isinstance(value, list):
+            raise GGUFError(f"{arch}.{key} varies per layer in this file; only uniform layers are supported")
+        return value
+
+    if get("expert_count", 0):
+        raise GGUFError("mixture-of-experts GGUF models are not supported")
+    required = [
+        "context_length",
+        "embedding_length",
+        "block_count",
+        "feed_forward_length",
+        "attention.head_count",
+    ]
+    missing = [f"{arch}.{k}" for k in required if get(k) is None]
+    if missing:
+        raise GGUFError(f"the GGUF metadata lacks {', '.join(missing)}")
+    blocks = {int(m.group(1)) for name in weights if (m := _BLOCK_TENSOR.fullmatch(name))}
+    if get("block_count") != len(blocks) or blocks != set(range(len(blocks))):
+        raise GGUFError(
+            f"{arch}.block_count is {get('block_count')} but the file has tensors for {len(blocks)} blocks"
+        )
+    hidden, n_heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length") or hidden // n_heads
+    rope_dims = get("rope.dimension_count") or head_dim
+    if rope_dims != head_dim:
+        raise GGUFError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
+    scaling, rope_scaling = get("rope.scaling.type", "none"), None
+    if scaling == "linear":
+        rope_scaling = {"type": "linear", "factor": get("rope.scaling.factor")}
+    elif scaling not in ("none", None):
+        raise GGUFError(
+            f"rope scaling {scaling!r} is not supported (supported: none, linear, llama3 rope_freqs)"
+        )
+    return {
+        "model_type": SUPPORTED_ARCHITECTURES[arch].module,
+        "hidden_size": hidden,
+        "num_hidden_layers": get("block_count"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": get("attention.head_count_kv") or n_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": get("context_length"),
+        "vocab_size": weights["token_embd.weight"].shape[0],
+        "tie_word_embeddings": "output.weight" not in weights,
+        "attention_bias": "blk.0.attn_q.bias" in weights,
+    }
+
+
+def _apply_rope_freqs(model: nn.Module, factors: mx.array, head_dim: int, base: float) -> None:
+    """Llama 3 rope scaling: ggml divides each rotary frequency by ``factors[i]``."""
+    periods = base ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim) * factors.astype(mx.float32)
+    for layer in model.layers:
+        rope = Llama3RoPE(head_dim, base=base, scaling_config={"factor": 1.0})
+        rope._freqs = periods
+        layer.self_attn.rope = rope
+
+
+def _weight_format(
+    tensors: list[TensorInfo], md: dict, model: nn.Module, dense: bool, dtype: mx.Dtype
+) -> str:
+    matrix_types = sorted({t.ggml_type for t in tensors if len(t.shape) == 2})
+    source = "/".join(matrix_types) or _FILE_TYPES.get(_py(md.get("general.file_type")), "?")
+    dtype_name = str(dtype).removeprefix("mlx.core.")
+    bits = sorted(
+        {
+            m.bits
+            for _, m in model.named_modules()
+            if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        }
+    )
+    if dense or not bits:
+        return f"dense {dtype_name} (from GGUF {source})"
+    return f"quantized {'/'.join(map(str, bits))}-bit affine, group {GROUP_SIZE} (GGUF {source})"
+
+
+def load_gguf(
+    path: str | Path, *, dense: bool, dtype: mx.Dtype = mx.float32
+) -> tuple[nn.Module, Tokenizer, dict]:
+    """Load a GGUF model: returns (mlx-lm model with evaluated weights, tokenizer, info).
+
+    ``dense=True`` expands quantized tensors to ``dtype`` (fast on CPU); ``dense=False`` keeps them as
+    ``QuantizedLinear``/``QuantizedEmbedding`` with each tensor's own bits. ``info`` has ``model_type``,
+    ``context_length``, ``weight_format`` and ``name``. Raises ``GGUFError`` with a readable reason."""
+    path = Path(path)
+    tensors = read_tensor_table(path)
+    try:
+        weights, md = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise GGUFError(f"cannot read {path}: {e}") from e
+
+    arch = _py(md.get("general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"unsupported GGUF architecture {arch!r} in {path.name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    spec = SUPPORTED_ARCHITECTURES[arch]
+    if "token_embd.weight" not in weights:
+        raise GGUFError(f"{path.name} has no token_embd.weight tensor")
+    config = _config(arch, md, weights)
+    models = importlib.import_module(f"mlx_lm.models.{spec.module}")
+    model = models.Model(models.ModelArgs.from_dict(config))
+
+    rope_freqs = weights.pop("rope_freqs.weight", None)
+    bf16 = {t.name for t in tensors if t.ggml_type == "BF16"}
+    mlx_weights: dict[str, mx.array] = {}
+    quant: dict[str, dict] = {}
+    for name, value in weights.items():
+        key = _mlx_name(name)
+        if name in bf16 and not mx.all(mx.isfinite(value)).item():
+            raise GGUFError(f"{path.name}: BF16 tensor {name} overflows float16, which MLX converts it to")
+        if spec.permuted_qk and (m := _BLOCK_TENSOR.fullmatch(name)) and m.group(2) in ("attn_q", "attn_k"):
+            value = _unpermute_rows(
+                value, config["num_attention_heads" if m.group(2) == "attn_q" else "num_key_value_heads"]
+            )
+        if spec.norm_offset and name.endswith("norm.weight"):
+            value = value.astype(mx.float32) - spec.norm_offset
+        if mx.issubdtype(value.dtype, mx.floating):
+            value = value.astype(dtype)
+        if key.endswith(".scales"):
+            packed = weights[name.removesuffix("scales") + "weight"]
+            # a row of n weights is n*bits/32 uint32 words and n/32 scales
+            quant[key.removesuffix(".scales")] = {
+                "group_size": GROUP_SIZE,
+                "bits": packed.shape[-1] // value.shape[-1],
+            }
+        mlx_weights[key] = value
+
+    nn.quantize(model, class_predicate=lambda p, _m: quant.get(p, False))
+    try:
+        model.load_weights(list(mlx_weights.items()), strict=True)
+    except ValueError as e:
+        raise GGUFError(
+            f"{path.name}: tensors do not match a {arch} model built from its metadata: {e}"
+        ) from e
+    if rope_freqs is not None:
+        _apply_rope_freqs(model, rope_freqs, config["head_dim"], config["rope_theta"])
+    if dense:
+        dequantize_model(model, dtype)
+    model.eval()
+    mx.eval(model.parameters())
+
+    info = {
+        "model_type": spec.module,
+        "context_length": config["max_position_embeddings"],
+        "weight_format": _weight_format(tensors, md, model, dense, dtype),
+        "name": _py(md.get("general.name")) or path.stem,
+    }
+    return model, tokenizer_from_gguf(md), info
