@@ -193,7 +193,7 @@ def test_logit_bias_forces_a_token(client):
 def test_penalties_and_sampling_extensions_accepted(client):
     r = client.chat.completions.create(
         model=MODEL, messages=USER, max_tokens=6, temperature=0.7, top_p=0.9, presence_penalty=0.5,
-        frequency_penalty=0.5, seed=-3, user="someone", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+        frequency_penalty=0.5, seed=-3, user="someone", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
     )
     assert r.usage.completion_tokens == 6
     # a strong frequency penalty changes what greedy decoding repeats
