@@ -115,7 +115,16 @@ def _config(arch: str, md: dict, weights: dict[str, mx.array]) -> dict:
             f"{arch}.block_count is {get('block_count')} but the file has tensors for {len(blocks)} blocks"
         )
     hidden, n_heads = get("embedding_length"), get("attention.head_count")
-    head_dim = get("attention.key_length") or hidden // n_heads
+    n_kv_heads = get("attention.head_count_kv") or n_heads
+    head_dim = get("attention.key_length") or hidden // max(n_heads, 1)
+    q_rows, k_rows = (
+        weights[f"blk.0.attn_{x}.weight"].shape[0] if f"blk.0.attn_{x}.weight" in weights else 0 for x in "qk"
+    )
+    if head_dim % 2 or (q_rows, k_rows) != (n_heads * head_dim, n_kv_heads * head_dim):
+        raise GGUFError(
+            f"the metadata's attention shape ({n_heads} query and {n_kv_heads} key/value heads of {head_dim}) "
+            f"does not match the tensors ({q_rows} query rows, {k_rows} key rows)"
+        )
     rope_dims = get("rope.dimension_count") or head_dim
     if rope_dims != head_dim:
         raise GGUFError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
@@ -132,7 +141,7 @@ def _config(arch: str, md: dict, weights: dict[str, mx.array]) -> dict:
         "num_hidden_layers": get("block_count"),
         "intermediate_size": get("feed_forward_length"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": get("attention.head_count_kv") or n_heads,
+        "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": get("rope.freq_base", 10000.0),
@@ -142,6 +151,33 @@ def _config(arch: str, md: dict, weights: dict[str, mx.array]) -> dict:
         "tie_word_embeddings": "output.weight" not in weights,
         "attention_bias": "blk.0.attn_q.bias" in weights,
     }
+
+
+def _mlx_weights(
+    weights: dict[str, mx.array], spec: _Arch, config: dict, dtype: mx.Dtype
+) -> tuple[dict[str, mx.array], dict[str, dict]]:
+    """GGUF tensors -> (mlx-lm parameters, per-layer quantization parameters for ``nn.quantize``)."""
+    out: dict[str, mx.array] = {}
+    quant: dict[str, dict] = {}
+    for name, value in weights.items():
+        key = _mlx_name(name)
+        if spec.permuted_qk and (m := _BLOCK_TENSOR.fullmatch(name)) and m.group(2) in ("attn_q", "attn_k"):
+            value = _unpermute_rows(
+                value, config["num_attention_heads" if m.group(2) == "attn_q" else "num_key_value_heads"]
+            )
+        if spec.norm_offset and name.endswith("norm.weight"):
+            value = value.astype(mx.float32) - spec.norm_offset
+        if mx.issubdtype(value.dtype, mx.floating):
+            value = value.astype(dtype)
+        if key.endswith(".scales"):
+            packed = weights[name.removesuffix("scales") + "weight"]
+            # a row of n weights packs into n*bits/32 uint32 words and has n/32 scales
+            quant[key.removesuffix(".scales")] = {
+                "group_size": GROUP_SIZE,
+                "bits": packed.shape[-1] // value.shape[-1],
+            }
+        out[key] = value
+    return out, quant
 
 
 def _apply_rope_freqs(model: nn.Module, factors: mx.array, head_dim: int, base: float) -> None:
@@ -194,39 +230,24 @@ def load_gguf(
     spec = SUPPORTED_ARCHITECTURES[arch]
     if "token_embd.weight" not in weights:
         raise GGUFError(f"{path.name} has no token_embd.weight tensor")
+    for t in tensors:  # MLX converts BF16 to float16, whose range is far smaller
+        if t.ggml_type == "BF16" and t.name in weights and not mx.all(mx.isfinite(weights[t.name])).item():
+            raise GGUFError(f"{path.name}: BF16 tensor {t.name} has values beyond float16's range")
     config = _config(arch, md, weights)
     models = importlib.import_module(f"mlx_lm.models.{spec.module}")
-    model = models.Model(models.ModelArgs.from_dict(config))
+    try:
+        model = models.Model(models.ModelArgs.from_dict(config))
+    except (ValueError, TypeError, OverflowError) as e:
+        raise GGUFError(f"{path.name}: cannot build a {arch} model from its metadata: {e}") from e
 
     rope_freqs = weights.pop("rope_freqs.weight", None)
-    bf16 = {t.name for t in tensors if t.ggml_type == "BF16"}
-    mlx_weights: dict[str, mx.array] = {}
-    quant: dict[str, dict] = {}
-    for name, value in weights.items():
-        key = _mlx_name(name)
-        if name in bf16 and not mx.all(mx.isfinite(value)).item():
-            raise GGUFError(f"{path.name}: BF16 tensor {name} overflows float16, which MLX converts it to")
-        if spec.permuted_qk and (m := _BLOCK_TENSOR.fullmatch(name)) and m.group(2) in ("attn_q", "attn_k"):
-            value = _unpermute_rows(
-                value, config["num_attention_heads" if m.group(2) == "attn_q" else "num_key_value_heads"]
-            )
-        if spec.norm_offset and name.endswith("norm.weight"):
-            value = value.astype(mx.float32) - spec.norm_offset
-        if mx.issubdtype(value.dtype, mx.floating):
-            value = value.astype(dtype)
-        if key.endswith(".scales"):
-            packed = weights[name.removesuffix("scales") + "weight"]
-            # a row of n weights is n*bits/32 uint32 words and n/32 scales
-            quant[key.removesuffix(".scales")] = {
-                "group_size": GROUP_SIZE,
-                "bits": packed.shape[-1] // value.shape[-1],
-            }
-        mlx_weights[key] = value
-
-    nn.quantize(model, class_predicate=lambda p, _m: quant.get(p, False))
     try:
+        mlx_weights, quant = _mlx_weights(weights, spec, config, dtype)
+        nn.quantize(model, class_predicate=lambda p, _m: quant.get(p, False))
         model.load_weights(list(mlx_weights.items()), strict=True)
-    except ValueError as e:
+    except GGUFError:
+        raise
+    except (ValueError, KeyError, ZeroDivisionError) as e:
         raise GGUFError(
             f"{path.name}: tensors do not match a {arch} model built from its metadata: {e}"
         ) from e

@@ -332,6 +332,18 @@ def test_tiny_mixed_quant_types_dense_and_quantized(tmp_path):
     assert mx.abs(quantized(TINY_IDS) - want).max().item() < 1e-4
 
 
+def test_tiny_float_types(tmp_path):
+    path = tmp_path / "qwen3-f16.gguf"
+    qtypes = {k: Q.F16 for k in ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output")}
+    qtypes |= {k: Q.BF16 for k in ("ffn_gate", "ffn_up", "ffn_down")}
+    expected = write_tiny_gguf(path, "qwen3", qtypes=qtypes)
+    for dense in (True, False):
+        model, _, info = load_gguf(path, dense=dense)
+        assert info["weight_format"] == "dense float32 (from GGUF BF16/F16)"
+        assert model.model.layers[0].mlp.up_proj.weight.dtype == mx.float32
+        assert mx.abs(model(TINY_IDS) - expected(TINY_IDS)).max().item() < 1e-4
+
+
 def test_tiny_llama3_rope_freqs(tmp_path):
     scaling = {
         "rope_type": "llama3",
