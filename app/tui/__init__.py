@@ -1,0 +1,1 @@
+"""The terminal chat app (`duet chat`)."""

@@ -1,0 +1,455 @@
+"""`duet chat`: the Textual chat app.
+
+The model loads in a thread worker (the UI shows progress meanwhile); replies stream
+from ``backend.stream`` in an async worker on the app's loop, so Esc (cancelling the
+worker) stops a reply at once, even during prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar, Static
+
+from mlx_engine.request import RequestError, Usage
+from mlx_engine.resolve import BUNDLED_NAME, cached_models
+
+from .backends import BackendError
+from .screens import ErrorScreen, HelpScreen, ModelPicker, SettingsScreen, SystemPromptEditor
+from .settings import ALIASES, FIELDS
+from .store import Conversation, Message, Store
+from .widgets import MessageView, PromptInput, StatusBar, usage_line
+
+SLASH_COMMANDS = {
+    "/model [name]": "switch model (no name: open the model picker)",
+    "/system [text]": "set the system prompt (no text: open the editor)",
+    "/temp <t>": "temperature (0 = greedy); also /top_p, /top_k, /min_p, /max <tokens>, /seed <n|off>",
+    "/settings": "open the sampling settings",
+    "/save [title]": "save the conversation (optionally naming it)",
+    "/new": "start a new chat",
+    "/regen": "regenerate the last reply",
+    "/copy": "copy the last reply",
+    "/help": "show this help",
+    "/quit": "save and quit",
+}
+
+INPUT_KEYS = [
+    ("Enter", "send the message"),
+    ("Shift+Enter, Ctrl+J", "new line"),
+    ("Up / Down (empty input)", "recall earlier messages"),
+    ("Tab / Shift+Tab", "move focus (messages, conversation list)"),
+    ("c (on a focused message)", "copy that message"),
+]
+
+
+def key_label(key: str) -> str:
+    """"ctrl+r" -> "Ctrl+R", "escape" -> "Esc", "f1" -> "F1"."""
+    names = {"escape": "Esc", "ctrl": "Ctrl", "shift": "Shift"}
+    return "+".join(names.get(p, p.upper() if len(p) <= 3 else p) for p in key.split("+"))
+
+
+class ChatApp(App):
+    CSS_PATH = "chat.tcss"
+    TITLE = "Duet"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", tooltip="stop the reply that is streaming"),
+        Binding("ctrl+r", "regenerate", "Regen", tooltip="regenerate the last reply"),
+        Binding("ctrl+o", "copy_reply", "Copy", tooltip="copy the last reply to the clipboard"),
+        Binding("ctrl+n", "new_chat", "New", tooltip="new chat (the current one is saved)"),
+        Binding("f1", "help", "Help", tooltip="this help"),
+        Binding("f2", "pick_model", "Model", tooltip="pick or load a model"),
+        Binding("f3", "edit_system", "System", show=False, tooltip="edit the system prompt"),
+        Binding("f4", "settings", "Sampling", show=False, tooltip="sampling settings"),
+        Binding("ctrl+s", "save", "Save", show=False, tooltip="save the conversation"),
+        Binding("ctrl+b", "toggle_sidebar", "Sidebar", show=False,
+                tooltip="show or hide the conversations and peers panel"),
+        Binding("ctrl+t", "toggle_dark", "Light/dark", show=False, tooltip="switch between light and dark"),
+        Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="command palette (themes, actions)"),
+        Binding("ctrl+q", "quit", "Quit", show=False, tooltip="save and quit"),  # App shows ^q already
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True, tooltip="save and quit"),
+    ]
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        load_backend: Callable[[str | None], object],
+        store: Store | None = None,
+        remote: bool = False,
+    ):
+        super().__init__()
+        self.model_spec = model
+        self.load_backend = load_backend  # blocking: spec -> backend; raises BackendError
+        self.remote = remote
+        self.store = store or Store()
+        self.backend = None
+        self.conv = Conversation()
+        self.generating = False
+        self.last_usage: Usage | None = None
+        self.context_used: int | None = None
+        self.live_tps: float | None = None
+        self.recent_models: list[str] = []
+        self.sent = self.store.load_history()  # the input history; PromptInput appends to it
+
+    # --- layout -------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            with Vertical(id="sidebar"):
+                yield Label("Conversations", classes="section")
+                yield ListView(id="conversations")
+                yield Label("Peers", classes="section")
+                yield Static("no peers", id="peers")
+            with Vertical(id="chat"):
+                with Horizontal(id="loading"):
+                    yield Static("", id="loading-label", markup=False)
+                    yield ProgressBar(total=None, show_eta=False, show_percentage=False)
+                yield VerticalScroll(id="log")
+                yield PromptInput(self.sent, id="input", placeholder="Message (Enter sends, /help)")
+        yield StatusBar("", id="status", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        # Widgets of the main screen, kept so that code running while a dialog is open
+        # (timers, workers) never queries the dialog by mistake.
+        self.log_view = self.query_one("#log", VerticalScroll)
+        self.prompt = self.query_one("#input", PromptInput)
+        self.status_bar = self.query_one("#status", StatusBar)
+        self.conversation_list = self.query_one("#conversations", ListView)
+        self.sidebar = self.query_one("#sidebar", Vertical)
+        self.loading_row = self.query_one("#loading", Horizontal)
+        self.log_view.anchor()
+        self.prompt.focus()
+        self.refresh_conversations()
+        self.refresh_status()
+        self.set_interval(1.0, self.refresh_status)
+        self.load_model(self.model_spec)
+
+    # --- model loading --------------------------------------------------------------
+    def load_model(self, spec: str | None) -> None:
+        if self.generating:
+            self.action_stop()
+        label = spec or BUNDLED_NAME
+        self.loading_row.query_one(Static).update(f"Connecting to {label}…" if self.remote else f"Loading {label}…")
+        self.loading_row.display = True
+        self._load_worker(spec)
+
+    @work(thread=True, exclusive=True, group="load")
+    def _load_worker(self, spec: str | None) -> None:
+        try:
+            backend = self.load_backend(spec)
+        except BackendError as e:
+            self.call_from_thread(self._load_failed, spec, str(e))
+            return
+        self.call_from_thread(self._loaded, spec, backend)
+
+    def _loaded(self, spec: str | None, backend) -> None:
+        old, self.backend = self.backend, backend
+        self.model_spec = spec
+        if spec and spec not in self.recent_models:
+            self.recent_models.insert(0, spec)
+        if old is not None:
+            self.run_worker(old.close, thread=True, group="close")
+        self.loading_row.display = False
+        self.sub_title = backend.name
+        self.conv.model = backend.name
+        self.last_usage = None
+        self._count_context()
+        self.refresh_status()
+
+    def _load_failed(self, spec: str | None, message: str) -> None:
+        self.loading_row.display = False
+
+        def chosen(what: str | None) -> None:
+            if what == "pick":
+                self.action_pick_model()
+            elif what == "quit":
+                self.action_quit()
+
+        self.push_screen(ErrorScreen("The model did not load", message, self.backend is not None), chosen)
+
+    def model_choices(self) -> list[tuple[str, str]]:
+        if self.remote:
+            names = getattr(self.backend, "models", []) or []
+            return [(n, n) for n in names]
+        out = [(BUNDLED_NAME, f"{BUNDLED_NAME}  (bundled)")]
+        out += [(r, f"{r}  (recent)") for r in self.recent_models if r != BUNDLED_NAME]
+        out += [(r, f"{r}  (Hugging Face cache)") for r in cached_models() if r not in self.recent_models]
+        return out
+
+    # --- sending and streaming -------------------------------------------------------
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        text = event.text.strip()
+        if not text:
+            return
+        if text.startswith("/"):
+            self.prompt.remember(text)
+            self.prompt.clear()
+            await self.run_command(text)
+            return
+        if self.generating:
+            self.notify("A reply is still streaming; Esc stops it", severity="warning")
+            return
+        if self.backend is None:
+            self.notify("The model is still loading", severity="warning")
+            return
+        self.prompt.remember(text)
+        self.prompt.clear()
+        self.conv.messages.append(Message("user", text))
+        await self.log_view.mount(MessageView("user", text))
+        await self.reply()
+
+    async def reply(self) -> None:
+        view = MessageView("assistant", label=self.backend.name)
+        await self.log_view.mount(view)
+        self.log_view.anchor()
+        n = self.backend.count_tokens(self.conv.chat_messages())
+        view.start_thinking(f"prefill {n} tokens…" if n else "waiting for the first token…")
+        self.generating = True
+        self.generate(view)
+
+    @work(exclusive=True, group="generate")
+    async def generate(self, view: MessageView) -> None:
+        backend, conv = self.backend, self.conv
+        messages = conv.chat_messages()
+        msg = Message("assistant", "")
+        conv.messages.append(msg)
+        final, meta = None, ""
+        n_tokens, t_first = 0, None
+        try:
+            async for ev in backend.stream(messages, conv.sampling):
+                if ev.text:
+                    await view.append(ev.text)
+                    msg.content = view.content
+                n_tokens += max(1, len(ev.token_ids)) if ev.text or ev.token_ids else 0
+                if n_tokens and t_first is None:
+                    t_first = time.perf_counter()
+                elif t_first is not None and n_tokens > 1:
+                    self.live_tps = (n_tokens - 1) / max(time.perf_counter() - t_first, 1e-9)
+                if ev.finished:
+                    final = ev
+        except RequestError as e:
+            meta = f"error: {e}"
+        except asyncio.CancelledError:
+            meta = "stopped"
+            raise
+        finally:
+            if final is not None:
+                self.last_usage = final.usage
+                meta = usage_line(final.usage) if final.usage else ""
+                if final.finish_reason == "error":
+                    meta = f"error: {final.error or 'generation failed'}"
+                elif final.finish_reason == "length":
+                    meta += " · hit max tokens"
+                elif final.finish_reason == "cancelled":
+                    meta = "stopped"
+                if final.usage:
+                    self.context_used = final.usage.total_tokens
+            msg.content, msg.meta = view.content, meta
+            await view.finish(meta)
+            self.generating = False
+            self.live_tps = None
+            self.refresh_status()
+            if conv is self.conv:
+                self.save_conversation(quiet=True)
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self.workers.cancel_group(self, "generate")
+        else:
+            self.prompt.focus()
+
+    async def action_regenerate(self) -> None:
+        if self.generating or self.backend is None:
+            return
+        msgs = self.conv.messages
+        if msgs and msgs[-1].role == "assistant":
+            msgs.pop()
+            views = self.log_view.query(MessageView)
+            if views:
+                await views.last().remove()
+        if not msgs or msgs[-1].role != "user":
+            self.notify("Nothing to regenerate: send a message first", severity="warning")
+            return
+        await self.reply()
+
+    def last_reply(self) -> str | None:
+        return next((m.content for m in reversed(self.conv.messages) if m.role == "assistant" and m.content), None)
+
+    def action_copy_reply(self) -> None:
+        text = self.last_reply()
+        if text is None:
+            self.notify("No reply to copy yet", severity="warning")
+            return
+        self.copy_to_clipboard(text)
+        self.notify("Copied the last reply to the clipboard", timeout=2)
+
+    # --- conversations --------------------------------------------------------------
+    def save_conversation(self, quiet: bool = False) -> None:
+        if not self.conv.messages:
+            if not quiet:
+                self.notify("Nothing to save yet", severity="warning")
+            return
+        path = self.store.save(self.conv)
+        self.refresh_conversations()
+        if not quiet:
+            self.notify(f"Saved to {path}", timeout=4)
+
+    def refresh_conversations(self) -> None:
+        lv = self.conversation_list
+        lv.clear()
+        for c in self.store.list():
+            when = datetime.fromtimestamp(c.updated).strftime("%b %d %H:%M")
+            item = ListItem(Label(c.display_title(), markup=False), Label(when, classes="when"))
+            item.conv_id = c.id
+            lv.append(item)
+
+    async def on_list_view_selected(self, event: ListView.Selected) -> None:
+        conv_id = getattr(event.item, "conv_id", None)
+        if conv_id is not None and conv_id != self.conv.id:
+            await self.open_conversation(self.store.load(conv_id))
+
+    async def open_conversation(self, conv: Conversation) -> None:
+        if self.generating:
+            self.action_stop()
+            await self.workers.wait_for_complete(list(self.workers))
+        if self.conv.messages:
+            self.store.save(self.conv)
+        self.conv = conv
+        await self.log_view.remove_children()
+        label = conv.model or "Assistant"
+        await self.log_view.mount_all(
+            MessageView(m.role, m.content, m.meta, label=label if m.role == "assistant" else "") for m in conv.messages
+        )
+        self.log_view.anchor()
+        self.last_usage = None
+        self._count_context()
+        self.refresh_conversations()
+        self.refresh_status()
+        self.prompt.focus()
+
+    async def action_new_chat(self) -> None:
+        await self.open_conversation(Conversation(system=self.conv.system, sampling=self.conv.sampling,
+                                                  model=self.backend.name if self.backend else ""))
+
+    def action_save(self) -> None:
+        self.save_conversation()
+
+    # --- settings ---------------------------------------------------------------------
+    def action_pick_model(self) -> None:
+        def chosen(spec: str | None) -> None:
+            if spec:
+                self.load_model(spec)
+
+        self.push_screen(ModelPicker(self.model_choices(), self.backend.name if self.backend else ""), chosen)
+
+    def action_edit_system(self) -> None:
+        def chosen(text: str | None) -> None:
+            if text is not None:
+                self.set_system(text)
+
+        self.push_screen(SystemPromptEditor(self.conv.system), chosen)
+
+    def set_system(self, text: str) -> None:
+        self.conv.system = text
+        self._count_context()
+        self.refresh_status()
+        self.notify("System prompt set" if text else "System prompt cleared", timeout=2)
+
+    def action_settings(self) -> None:
+        def chosen(sampling) -> None:
+            if sampling is not None:
+                self.conv.sampling = sampling
+                self.notify(sampling.summary(), title="Sampling", timeout=3)
+
+        self.push_screen(SettingsScreen(self.conv.sampling), chosen)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.help_sections()))
+
+    def help_sections(self) -> dict[str, list[tuple[str, str]]]:
+        keys = [(key_label(b.key), b.tooltip or b.description) for b in self.BINDINGS]
+        return {"Keys": keys + INPUT_KEYS, "Slash commands": list(SLASH_COMMANDS.items())}
+
+    def action_toggle_sidebar(self) -> None:
+        shown = self.sidebar.display
+        main = self.sidebar.screen
+        main.set_class(shown, "-sidebar-off")
+        main.set_class(not shown, "-sidebar-on")
+
+    def action_toggle_dark(self) -> None:
+        self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
+
+    # --- slash commands -----------------------------------------------------------------
+    async def run_command(self, text: str) -> None:
+        name, _, arg = text[1:].partition(" ")
+        name, arg = name.lower(), arg.strip()
+        if name in ALIASES or name in FIELDS:
+            if not arg:
+                self.notify(f"/{name} needs a value, e.g. /{name} {getattr(self.conv.sampling, ALIASES.get(name, name))}",
+                            severity="warning")
+                return
+            try:
+                self.conv.sampling = self.conv.sampling.with_value(name, arg)
+            except ValueError as e:
+                self.notify(str(e), title="Bad setting", severity="error")
+                return
+            self.notify(self.conv.sampling.summary(), title="Sampling", timeout=3)
+        elif name == "model":
+            self.load_model(arg) if arg else self.action_pick_model()
+        elif name == "system":
+            self.set_system(arg) if arg else self.action_edit_system()
+        elif name == "settings":
+            self.action_settings()
+        elif name == "save":
+            if arg:
+                self.conv.title = arg
+            self.save_conversation()
+        elif name == "new":
+            await self.action_new_chat()
+        elif name in ("regen", "regenerate"):
+            await self.action_regenerate()
+        elif name == "copy":
+            self.action_copy_reply()
+        elif name == "help":
+            self.action_help()
+        elif name in ("quit", "exit"):
+            self.action_quit()
+        else:
+            self.notify(f"Unknown command /{name}; /help lists them", severity="error")
+
+    # --- status and exit -------------------------------------------------------------------
+    def _count_context(self) -> None:
+        if self.backend is None:
+            return
+        msgs = self.conv.chat_messages()
+        self.context_used = self.backend.count_tokens(msgs) if msgs else 0
+
+    def refresh_status(self) -> None:
+        b = self.backend
+        self.status_bar.show(
+            b.name if b else ("loading…" if self.loading_row.display else "no model"), self.context_used, b.context_length if b else None,
+            self.last_usage, b.resources() if b else None, self.live_tps,
+        )
+
+    def action_quit(self) -> None:
+        self.exit()
+
+    def close_backend(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+    def on_unmount(self) -> None:
+        """However the app ends (Ctrl+C, Ctrl+Q, /quit): save, then stop the engine."""
+        if self.conv.messages:
+            self.store.save(self.conv)
+        self.store.save_history(self.sent)
+        self.close_backend()

@@ -1,0 +1,174 @@
+"""Where replies come from: an in-process Engine, or an OpenAI-compatible server.
+
+Both speak the Engine API's vocabulary (GenerationEvent, Usage), so the chat app
+does not care which one it has. ``load``/``connect`` block (run them in a thread);
+``stream`` is async and runs on the app's event loop. Leaving ``stream`` early
+(break, task cancel) stops the generation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from mlx_engine.request import GenerationEvent, GenerationRequest, RequestError, Usage
+
+from .settings import Sampling
+
+
+class BackendError(RuntimeError):
+    """A model or server the chat cannot use; the message is shown to the user as is."""
+
+
+@dataclass
+class Resources:
+    """What the status bar shows besides per-reply timings (None: the backend cannot tell)."""
+
+    kv_used_bytes: int | None = None
+    kv_total_bytes: int | None = None
+    prefix_hit_rate: float | None = None
+    detail: str = ""  # backend, BLAS, weight format
+
+
+class LocalBackend:
+    kind = "local"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.name: str = engine.model_name
+        self.context_length: int | None = engine.context_length
+
+    @classmethod
+    def load(cls, spec: str | None, config=None) -> LocalBackend:
+        from mlx_engine.engine import Engine
+
+        try:
+            return cls(Engine.load(spec, config=config))
+        except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
+            # ModelNotFoundError, ModelLoadError, GGUF errors, bad configs, out of memory
+            raise BackendError(f"could not load model {spec or 'bundled'!r}: {e}") from e
+
+    def count_tokens(self, messages: list[dict]) -> int | None:
+        try:
+            return len(self.engine.prepare_prompt(GenerationRequest(messages=messages, max_tokens=1)))
+        except RequestError:
+            return None
+
+    async def stream(self, messages: list[dict], sampling: Sampling) -> AsyncIterator[GenerationEvent]:
+        req = GenerationRequest(messages=messages, max_tokens=sampling.max_tokens, sampling=sampling.params())
+        async for ev in self.engine.generate(req):
+            yield ev
+
+    def resources(self) -> Resources:
+        s = self.engine.stats()
+        per_block = s.kv_bytes / max(1, s.kv_blocks_total)
+        return Resources(
+            kv_used_bytes=int((s.kv_blocks_used) * per_block),
+            kv_total_bytes=s.kv_bytes,
+            prefix_hit_rate=s.prefix_hit_rate if s.prefix_query_tokens else None,
+            detail=f"{s.backend} · {s.weight_format} · BLAS {s.blas}"
+            + (f" · KV {s.kv_bits}-bit" if s.kv_bits else ""),
+        )
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def _context_of(model) -> int | None:
+    extra = getattr(model, "model_extra", None) or {}
+    for key in ("context_length", "max_context_length", "max_model_len"):
+        if isinstance(extra.get(key), int):
+            return extra[key]
+    return None
+
+
+class RemoteBackend:
+    """An OpenAI-compatible server (`duet serve`, or any other) through the `openai` client."""
+
+    kind = "remote"
+
+    def __init__(self, url: str, name: str, context_length: int | None, api_key: str, models: list[str]):
+        from openai import AsyncOpenAI
+
+        self.url = url
+        self.name = name
+        self.models = models
+        self.context_length = context_length
+        self.client = AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0)
+
+    @classmethod
+    def connect(cls, url: str, model: str | None = None, api_key: str | None = None) -> RemoteBackend:
+        try:
+            import openai
+        except ImportError as e:
+            raise BackendError("--server needs the `openai` package: pip install openai") from e
+        url = url.rstrip("/")
+        if not url.endswith("/v1"):
+            url += "/v1"
+        key = api_key or "not-needed"
+        try:
+            with openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=10) as client:
+                models = list(client.models.list())
+        except openai.APIError as e:
+            raise BackendError(f"cannot reach the server at {url}: {e}") from e
+        if not models:
+            raise BackendError(f"the server at {url} lists no models")
+        chosen = next((m for m in models if m.id == model), None) if model else models[0]
+        if chosen is None:
+            raise BackendError(f"the server at {url} has no model {model!r}; it has: {', '.join(m.id for m in models)}")
+        return cls(url, chosen.id, _context_of(chosen), key, [m.id for m in models])
+
+    def count_tokens(self, messages: list[dict]) -> int | None:
+        return None
+
+    async def stream(self, messages: list[dict], sampling: Sampling) -> AsyncIterator[GenerationEvent]:
+        import openai
+
+        t0 = time.perf_counter()
+        t_first = t_last = None
+        n_chunks = 0
+        finish, usage = None, Usage(prefill_location="server")
+        try:
+            stream = await self.client.chat.completions.create(
+                model=self.name,
+                messages=messages,
+                stream=True,
+                stream_options={"include_usage": True},
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                seed=sampling.seed,
+                extra_body={"top_k": sampling.top_k, "min_p": sampling.min_p},
+            )
+            async with stream:
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        text = choice.delta.content or ""
+                        if text:
+                            now = time.perf_counter()
+                            t_first = t_first or now
+                            t_last = now
+                            n_chunks += 1
+                            yield GenerationEvent(chunk.id, text)
+                        finish = choice.finish_reason or finish
+                    if chunk.usage is not None:
+                        details = chunk.usage.prompt_tokens_details
+                        usage.prompt_tokens = chunk.usage.prompt_tokens
+                        usage.completion_tokens = chunk.usage.completion_tokens
+                        usage.cached_tokens = (details.cached_tokens or 0) if details else 0
+        except openai.APIError as e:
+            yield GenerationEvent("", "", finish_reason="error", error=f"server error: {e}", usage=usage)
+            return
+        n_out = usage.completion_tokens or n_chunks
+        if t_first is not None:
+            usage.ttft_s = t_first - t0
+            if n_out > 1 and t_last > t_first:
+                usage.decode_tps = (n_out - 1) / (t_last - t_first)
+        yield GenerationEvent("", "", finish_reason=finish or "stop", usage=usage)
+
+    def resources(self) -> Resources:
+        return Resources(detail=f"server {self.url}")
+
+    def close(self) -> None:
+        pass

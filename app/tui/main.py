@@ -1,0 +1,26 @@
+"""Entry point for `duet chat` (called by app.cli with its parsed arguments)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from .app import ChatApp
+from .backends import LocalBackend, RemoteBackend
+
+
+def build_app(args) -> ChatApp:
+    if getattr(args, "server", None):
+        return ChatApp(args.model, load_backend=partial(RemoteBackend.connect, args.server), remote=True)
+    from mlx_engine.engine import EngineConfig
+
+    config = EngineConfig(kv_bits=args.kv_bits, cache_gb=args.cache_gb, weights=args.weights)
+    return ChatApp(args.model, load_backend=partial(LocalBackend.load, config=config))
+
+
+def run_chat(args) -> int:
+    app = build_app(args)
+    try:
+        app.run()
+    finally:
+        app.close_backend()
+    return app.return_code or 0

@@ -1,0 +1,202 @@
+"""The chat's widgets: messages, the prompt editor, the status bar."""
+
+from __future__ import annotations
+
+import time
+
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message as TMessage
+from textual.widgets import Markdown, Static, TextArea
+
+from mlx_engine.request import Usage
+
+from .backends import Resources
+
+SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+# Control characters (a model can emit any token) would garble the terminal: show their Unicode pictures.
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n"} | {0x7F: 0x2421}
+
+
+def printable(text: str) -> str:
+    return text.translate(_CONTROL_PICTURES)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def usage_line(u: Usage) -> str:
+    parts = [f"{u.prompt_tokens} prompt tok"]
+    if u.cached_tokens:
+        parts.append(f"{u.cached_tokens} cached")
+    parts.append(f"{u.completion_tokens} reply tok")
+    if u.ttft_s:
+        parts.append(f"TTFT {u.ttft_s * 1000:.0f} ms")
+    if u.decode_tps:
+        parts.append(f"{u.decode_tps:.1f} tok/s")
+    if u.prefill_location not in ("local", "server"):
+        parts.append(f"prefill on {u.prefill_location}")
+    return " · ".join(parts)
+
+
+class MessageView(Vertical, can_focus=True):
+    """One turn. Assistant replies render as Markdown and can be streamed into."""
+
+    BINDINGS = [Binding("c", "copy", "Copy message")]
+
+    def __init__(self, role: str, content: str = "", meta: str = "", label: str = ""):
+        super().__init__(classes=f"message {role}")
+        self.role = role
+        self.content = content
+        self.meta = meta
+        self.label = label or ("You" if role == "user" else "Assistant")
+        self._stream = None
+        self._spinner_timer = None
+        self._t0 = 0.0
+
+    def compose(self):
+        yield Static(self.label, classes="role", markup=False)
+        if self.role == "user":
+            yield Static(printable(self.content), classes="body", markup=False)
+        else:
+            yield Markdown(printable(self.content), classes="body")
+        yield Static(self.meta, classes="meta", markup=False)
+        yield Static("", classes="thinking", markup=False)
+
+    def on_mount(self) -> None:
+        self.query_one(".meta").display = bool(self.meta)
+        self.query_one(".thinking").display = False
+
+    # --- streaming ----------------------------------------------------------------
+    def start_thinking(self, note: str) -> None:
+        """Show a spinner until the first token arrives (prefill)."""
+        self._t0 = time.perf_counter()
+        self._note = note
+        thinking = self.query_one(".thinking", Static)
+        thinking.display = True
+        self._tick()
+        self._spinner_timer = self.set_interval(0.1, self._tick)
+
+    def _tick(self) -> None:
+        dt = time.perf_counter() - self._t0
+        self.query_one(".thinking", Static).update(f"{SPINNER[int(dt * 10) % len(SPINNER)]} {self._note} {dt:.1f}s")
+
+    def stop_thinking(self) -> None:
+        if self._spinner_timer is not None:
+            self._spinner_timer.stop()
+            self._spinner_timer = None
+        self.query_one(".thinking").display = False
+
+    async def append(self, text: str) -> None:
+        if not text:
+            return
+        if self._stream is None:
+            self.stop_thinking()
+            self._stream = Markdown.get_stream(self.query_one(Markdown))
+        self.content += text
+        await self._stream.write(printable(text))
+
+    async def finish(self, meta: str) -> None:
+        self.stop_thinking()
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.set_meta(meta)
+
+    def set_meta(self, meta: str) -> None:
+        self.meta = meta
+        line = self.query_one(".meta", Static)
+        line.update(meta)
+        line.display = bool(meta)
+        self.set_class(meta.startswith("error"), "-error")
+
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.content)
+        self.app.notify("Copied the message to the clipboard", timeout=2)
+
+
+class PromptInput(TextArea):
+    """Multi-line editor: Enter sends, Shift+Enter or Ctrl+J adds a line, Up/Down on an
+    empty (or just recalled) input walk the input history."""
+
+    class Submitted(TMessage):
+        def __init__(self, text: str):
+            super().__init__()
+            self.text = text
+
+    def __init__(self, sent: list[str], **kw):
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kw)
+        self.sent = sent
+        self._pos = len(sent)  # len(sent) = the fresh (unsent) line
+        self._recalled: str | None = None
+
+    async def _on_key(self, event) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self.text))
+            return
+        if event.key in ("shift+enter", "ctrl+j"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        await super()._on_key(event)
+
+    def _walking(self) -> bool:
+        return self.text == "" or self.text == self._recalled
+
+    def action_cursor_up(self, select: bool = False) -> None:
+        if not select and self._walking() and self._pos > 0:
+            self._pos -= 1
+            self._show(self.sent[self._pos])
+        else:
+            super().action_cursor_up(select)
+
+    def action_cursor_down(self, select: bool = False) -> None:
+        if not select and self._recalled is not None and self._walking():
+            self._pos = min(self._pos + 1, len(self.sent))
+            self._show(self.sent[self._pos] if self._pos < len(self.sent) else "")
+        else:
+            super().action_cursor_down(select)
+
+    def _show(self, text: str) -> None:
+        self._recalled = text or None
+        self.load_text(text)
+        self.move_cursor(self.document.end)
+
+    def remember(self, text: str) -> None:
+        if text and (not self.sent or self.sent[-1] != text):
+            self.sent.append(text)
+        self._pos = len(self.sent)
+        self._recalled = None
+
+
+class StatusBar(Static):
+    """model · context used/max · TTFT · tok/s · prefix-cache hits · KV memory · where prefill ran."""
+
+    def show(
+        self, model: str, context_used: int | None, context_max: int | None, usage: Usage | None,
+        res: Resources | None, live_tps: float | None = None,
+    ) -> None:
+        parts = [model or "no model"]
+        ctx_max = f"{context_max:,}" if context_max else "?"
+        parts.append(f"ctx {context_used if context_used is not None else '-'}/{ctx_max}")
+        if usage is not None and usage.ttft_s:
+            parts.append(f"TTFT {usage.ttft_s * 1000:.0f}ms")
+        tps = live_tps if live_tps is not None else (usage.decode_tps if usage else 0.0)
+        if tps:
+            parts.append(f"{tps:.1f} tok/s")
+        if res is not None and res.prefix_hit_rate is not None:
+            parts.append(f"cache {res.prefix_hit_rate * 100:.0f}%")
+        if res is not None and res.kv_total_bytes:
+            parts.append(f"KV {human_bytes(res.kv_used_bytes or 0)}/{human_bytes(res.kv_total_bytes)}")
+        if usage is not None:
+            parts.append(f"prefill {usage.prefill_location}")
+        self.update(" │ ".join(parts))
+        self.tooltip = res.detail if res is not None else None

@@ -1,0 +1,153 @@
+"""Snapshots (pytest-textual-snapshot) of the chat's main screens.
+
+Deterministic by construction: the conversation comes from a fixed JSON file (no sampled
+text), timestamps are fixed and shown in UTC, the model list is fixed, and each snapshot is
+taken after the tiny model has loaded. Update with `pytest tests/test_tui_snapshots.py --snapshot-update`
+after a deliberate UI change, and look at the new SVGs before committing them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+
+import pytest
+
+from app.tui.app import ChatApp
+from app.tui.backends import LocalBackend
+from app.tui.settings import Sampling
+from app.tui.store import Conversation, Message, Store
+from mlx_engine.engine import EngineConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+REPLY = """Sure. Here is a function that adds two numbers:
+
+```python
+def add(a: int, b: int) -> int:
+    return a + b
+```
+
+- It takes **two** integers.
+- It returns their sum."""
+
+
+def conversation() -> Conversation:
+    return Conversation(
+        id="0123456789ab",
+        title="Adding numbers",
+        created=1_700_000_000.0,
+        updated=1_700_000_000.0,
+        model="llama",
+        system="You are a helpful assistant.",
+        sampling=Sampling(temperature=0.0, max_tokens=64),
+        messages=[
+            Message("user", "Write a Python function that adds two numbers."),
+            Message("assistant", REPLY, "38 prompt tok · 41 reply tok · TTFT 52 ms · 63.0 tok/s"),
+        ],
+    )
+
+
+@pytest.fixture
+def chat_app(tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("DUET_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    monkeypatch.setattr("app.tui.app.cached_models", lambda: ["HuggingFaceTB/SmolLM2-360M-Instruct"])
+    older = Conversation(id="ba9876543210", title="Trip to Lyon", created=1_699_000_000.0, updated=1_699_000_000.0,
+                         messages=[Message("user", "Plan a day in Lyon")])
+    conv_dir = Store().conv_dir
+    conv_dir.mkdir(parents=True)
+    for c in (conversation(), older):  # written directly: Store.save would stamp the current time
+        (conv_dir / f"{c.id}.json").write_text(json.dumps(c.to_json()))
+
+    monkeypatch.chdir(tiny_dirs("llama").parent)  # so the model is "llama", not a tmp path that changes
+
+    def make(model="llama"):
+        return ChatApp(model, load_backend=partial(LocalBackend.load, config=EngineConfig(cache_gb=0.02)))
+
+    yield make
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+async def ready(pilot) -> None:
+    while pilot.app.backend is None:
+        await pilot.pause(0.05)
+    await pilot.pause()
+
+
+async def still(pilot) -> None:
+    """Stop cursors blinking (a blink would make the snapshot depend on timing)."""
+    for screen in pilot.app.screen_stack:
+        for w in screen.query("Input, TextArea"):
+            w.cursor_blink = False
+    await pilot.pause(0.1)
+
+
+async def with_conversation(pilot) -> None:
+    await ready(pilot)
+    await pilot.app.open_conversation(Store().load("0123456789ab"))
+    await pilot.pause(0.2)
+    await still(pilot)
+
+
+def test_main_screen_80x24(snap_compare, chat_app):
+    assert snap_compare(chat_app(), terminal_size=(80, 24), run_before=with_conversation)
+
+
+def test_main_screen_wide_with_sidebar(snap_compare, chat_app):
+    assert snap_compare(chat_app(), terminal_size=(120, 32), run_before=with_conversation)
+
+
+def test_main_screen_light_theme(snap_compare, chat_app):
+    async def light(pilot):
+        await with_conversation(pilot)
+        await pilot.press("ctrl+t")
+        await pilot.pause(0.2)
+        await still(pilot)
+
+    assert snap_compare(chat_app(), terminal_size=(100, 28), run_before=light)
+
+
+def test_help_screen(snap_compare, chat_app):
+    async def help_(pilot):
+        await ready(pilot)
+        await pilot.press("f1")
+        await pilot.pause(0.3)
+        await still(pilot)
+
+    assert snap_compare(chat_app(), terminal_size=(100, 40), run_before=help_)
+
+
+def test_model_picker(snap_compare, chat_app):
+    async def picker(pilot):
+        await ready(pilot)
+        await pilot.press("f2")
+        await pilot.pause(0.2)
+        await still(pilot)
+
+    assert snap_compare(chat_app(), terminal_size=(80, 24), run_before=picker)
+
+
+def test_settings_screen(snap_compare, chat_app):
+    async def settings(pilot):
+        await ready(pilot)
+        await pilot.press("f4")
+        await pilot.pause(0.2)
+        await still(pilot)
+
+    assert snap_compare(chat_app(), terminal_size=(80, 24), run_before=settings)
+
+
+def test_error_screen_for_a_bad_model(snap_compare, chat_app, tmp_path):
+    from app.tui.screens import ErrorScreen
+
+    async def error(pilot):
+        while not isinstance(pilot.app.screen, ErrorScreen):
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+        await still(pilot)
+
+    assert snap_compare(chat_app("/nonexistent/model-dir"), terminal_size=(80, 24), run_before=error)
