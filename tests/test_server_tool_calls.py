@@ -37,6 +37,7 @@ def stream_parse(text: str, seed: int) -> tuple[str, list]:
         ('<tool_call>{"name": "f", "parameters": {"x": [1, 2]}}</tool_call>', None, [("f", {"x": [1, 2]})]),
         # unclosed block whose body parses (EOS right after the JSON)
         ('<tool_call>\n{"name": "f", "arguments": {"q": "a<b"}}\n', None, [("f", {"q": "a<b"})]),
+        ('<tool_call>{"name": "f", "arguments": {}}\n</tool_c', None, [("f", {})]),  # close tag cut by max_tokens
         # not a call: stays content verbatim
         ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
         ("a < b and <tool_ca", "a < b and <tool_ca", []),

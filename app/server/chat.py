@@ -131,7 +131,9 @@ class ChatCall:
         if forced is not None:
             if rf is not None and rf.type != "text":
                 raise bad_request("response_format cannot be combined with a required tool call", "response_format")
-            parallel = body.parallel_tool_calls is not False and choice == "required"
+            # one call unless asked for more: a forced grammar that allows another call after each
+            # one lets weak models repeat the same call until max_tokens
+            parallel = body.parallel_tool_calls is True and choice == "required"
             self.grammar = ("tool_choice", tool_call_grammar(forced, parallel=parallel))
         elif rf is not None and rf.type == "json_object":
             self.grammar = ("response_format", json_schema_grammar({"type": "object"}))

@@ -107,7 +107,9 @@ class ToolCallStream:
         after the JSON); anything else left over is content."""
         out: list[tuple[str, object]] = []
         if self._inside:
-            call = parse_call_body(self._buf.strip())
+            body = self._buf.rstrip()
+            body = body[: len(body) - _held_prefix(body, TOOL_CALL_CLOSE)]  # a close tag cut short
+            call = parse_call_body(body.strip())
             if call is not None:
                 self.calls.append(call)
                 out.append(("call", call))
