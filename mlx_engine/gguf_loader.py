@@ -24,7 +24,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.rope_utils import Llama3RoPE
 
 from mlx_engine.dequantize import dequantize_model
 from mlx_engine.gguf_file import GGUFError, TensorInfo, read_tensor_table
@@ -66,8 +65,6 @@ _IN_BLOCK = {
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)")
 _TOP_TENSOR = re.compile(r"(\w+)\.(weight|bias|scales|biases)")
-
-_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 32: "BF16"}
 
 
 def _py(value):
@@ -180,20 +177,30 @@ def _mlx_weights(
     return out, quant
 
 
+class _ScaledRoPE(nn.Module):
+    """Rotary embedding with explicit per-pair periods: Llama 3 rope scaling as GGUF stores it."""
+
+    def __init__(self, dims: int, periods: mx.array):
+        super().__init__()
+        self.dims = dims
+        self._periods = periods  # underscore: not a parameter
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._periods
+        )
+
+
 def _apply_rope_freqs(model: nn.Module, factors: mx.array, head_dim: int, base: float) -> None:
-    """Llama 3 rope scaling: ggml divides each rotary frequency by ``factors[i]``."""
+    """ggml divides rotary frequency i by ``factors[i]``, i.e. multiplies its period by it."""
     periods = base ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim) * factors.astype(mx.float32)
     for layer in model.layers:
-        rope = Llama3RoPE(head_dim, base=base, scaling_config={"factor": 1.0})
-        rope._freqs = periods
-        layer.self_attn.rope = rope
+        layer.self_attn.rope = _ScaledRoPE(head_dim, periods)
 
 
-def _weight_format(
-    tensors: list[TensorInfo], md: dict, model: nn.Module, dense: bool, dtype: mx.Dtype
-) -> str:
+def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dtype: mx.Dtype) -> str:
     matrix_types = sorted({t.ggml_type for t in tensors if len(t.shape) == 2})
-    source = "/".join(matrix_types) or _FILE_TYPES.get(_py(md.get("general.file_type")), "?")
+    source = "/".join(matrix_types)
     dtype_name = str(dtype).removeprefix("mlx.core.")
     bits = sorted(
         {
@@ -261,7 +268,7 @@ def load_gguf(
     info = {
         "model_type": spec.module,
         "context_length": config["max_position_embeddings"],
-        "weight_format": _weight_format(tensors, md, model, dense, dtype),
+        "weight_format": _weight_format(tensors, model, dense, dtype),
         "name": _py(md.get("general.name")) or path.stem,
     }
     return model, tokenizer_from_gguf(md), info

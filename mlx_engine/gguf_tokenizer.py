@@ -159,8 +159,14 @@ def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
         scores = get("scores")
         if scores is None or len(scores) != len(tokens):
             raise GGUFError("SentencePiece vocabulary without one tokenizer.ggml.scores entry per token")
+        scores = list(scores)
+        if _py(metadata.get("general.architecture")) in ("gemma", "gemma2", "gemma3"):
+            # Gemma files (as transformers reads them): runs of spaces are stored as spaces, not U+2581,
+            # and the merge order is the token order, not the scores.
+            tokens = ["\u2581" * len(t) if t and set(t) == {" "} else t for t in tokens]
+            scores = [-float(i) for i in range(len(tokens))]
         backend = _sentencepiece_bpe(
-            tokens, list(scores), types, get("unknown_token_id"), bool(get("add_space_prefix", True))
+            tokens, scores, types, get("unknown_token_id"), bool(get("add_space_prefix", True))
         )
         add_bos_default = True
     else:

@@ -146,6 +146,28 @@ def test_sentencepiece_without_space_prefix():
     assert tok.decode(tok.encode("hello world")) == "hello world"
 
 
+def test_gemma_sentencepiece_conventions():
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "a", "b", "c", "▁", "ab", "bc", "  "]
+    md = {
+        "general.architecture": "gemma",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        # by score "bc" would merge before "ab"; Gemma's files order merges by token position instead
+        "tokenizer.ggml.scores": [0.0] * 8 + [-10.0, 0.0, -20.0],
+        "tokenizer.ggml.token_type": [3, 3, 3, 2] + [1] * 7,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+    gemma = tokenizer_from_gguf(md)
+    assert gemma.encode("abc", add_special_tokens=False) == [8, 6]
+    assert gemma.encode("a  b", add_special_tokens=False) == [4, 10, 5]  # "  " is stored with real spaces
+    assert gemma.decode(gemma.encode("a  bc")) == "a  bc"
+    llama = tokenizer_from_gguf(md | {"general.architecture": "llama"})
+    assert llama.encode("abc", add_special_tokens=False) == [4, 9]
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 
