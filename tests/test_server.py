@@ -17,6 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_server_harness import ServerProcess, tiny_model
 
@@ -377,7 +378,16 @@ def test_tools_reach_the_template_and_tool_turns_render(client):
 # --- load, disconnects, metrics -------------------------------------------------------------
 
 
+def cancelled(server, endpoint: str) -> float:
+    for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics").text):
+        for s in fam.samples:
+            if s.name == "duet_requests_total" and s.labels == {"endpoint": endpoint, "finish_reason": "cancelled"}:
+                return s.value
+    return 0.0
+
+
 def test_disconnect_mid_stream_frees_blocks(server):
+    before = cancelled(server, "completions")
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -392,7 +402,22 @@ def test_disconnect_mid_stream_frees_blocks(server):
             break
         time.sleep(0.05)
     assert m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0
-    assert m["duet_generation_tokens_total"] < 1500 * 2  # the request did not run to the end
+    assert cancelled(server, "completions") == before + 1
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True}
+    before = cancelled(server, "completions")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0
+    assert cancelled(server, "completions") == before + 1
 
 
 def test_64_concurrent_streaming_clients(aclient_factory, server):

@@ -180,13 +180,16 @@ class ChatCall:
             for i in range(self.n)
         ]
 
+    def _cancelled(self, n: int) -> None:
+        self.state.metrics.requests.labels("chat", "cancelled").inc(n)
+
     def _envelope(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_id,
                 "system_fingerprint": self.state.fingerprint}
 
     # --- non-streamed ---------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
-        gen = Generation(self.state.engine, await self.requests())
+        gen = Generation(self.state.engine, await self.requests(), self._cancelled)
         await gen.start(self.n)
         t0 = time.perf_counter()
         choices = [ChoiceState() for _ in range(self.n)]
@@ -229,7 +232,7 @@ class ChatCall:
 
     # --- streamed -------------------------------------------------------------------
     async def stream_response(self, request: Request) -> Response:
-        gen = Generation(self.state.engine, await self.requests())
+        gen = Generation(self.state.engine, await self.requests(), self._cancelled)
         await gen.start(self.n)
         return StreamingResponse(self._sse(gen, request), media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -281,6 +284,8 @@ class ChatCall:
                     self.state.metrics.requests.labels("chat", reason).inc()
                     yield self._chunk(i, {}, reason)
             else:
+                if gen.cancelled:  # the client went away
+                    return
                 if self.include_usage:
                     yield sse({**self._envelope("chat.completion.chunk"), "choices": [],
                                "usage": total_usage(choices, 1)})

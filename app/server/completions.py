@@ -112,12 +112,15 @@ class CompletionCall:
             for j in range(self.n)
         ]
 
+    def _cancelled(self, n: int) -> None:
+        self.state.metrics.requests.labels("completions", "cancelled").inc(n)
+
     def _envelope(self) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_id,
                 "system_fingerprint": self.state.fingerprint}
 
     async def respond(self, request: Request) -> Response:
-        gen = Generation(self.state.engine, self.requests())
+        gen = Generation(self.state.engine, self.requests(), self._cancelled)
         await gen.start(self.n)
         t0 = time.perf_counter()
         choices = [ChoiceState() for _ in gen.requests]
@@ -155,7 +158,7 @@ class CompletionCall:
         return JSONResponse({**self._envelope(), "choices": out, "usage": total_usage(choices, self.n)})
 
     async def stream_response(self, request: Request) -> Response:
-        gen = Generation(self.state.engine, self.requests())
+        gen = Generation(self.state.engine, self.requests(), self._cancelled)
         await gen.start(self.n)
         return StreamingResponse(self._sse(gen, request), media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -190,6 +193,8 @@ class CompletionCall:
                     self.state.metrics.requests.labels("completions", ev.finish_reason).inc()
                     yield self._chunk(i, "", ev.finish_reason)
             else:
+                if gen.cancelled:  # the client went away
+                    return
                 if self.include_usage:
                     yield sse({**self._envelope(), "choices": [], "usage": total_usage(choices, self.n)})
             yield SSE_DONE

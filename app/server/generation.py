@@ -29,9 +29,13 @@ def to_api_error(e: BaseException) -> APIError:
 
 
 class Generation:
-    def __init__(self, engine: Engine, requests: list[GenerationRequest]):
+    def __init__(self, engine: Engine, requests: list[GenerationRequest], on_cancel=None):
+        """``on_cancel(n)`` is told how many requests were cancelled before they finished."""
         self.engine = engine
         self.requests = requests
+        self.on_cancel = on_cancel
+        self.finished: set[int] = set()
+        self.cancelled = False
         self._queue: asyncio.Queue[tuple[int, GenerationEvent | None, BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._early: list[tuple[int, GenerationEvent | None, BaseException | None]] = []
@@ -72,6 +76,7 @@ class Generation:
                     if i % n:
                         await self._submit(i)
         except BaseException:
+            self.on_cancel = None  # refused, not cancelled
             await self.aclose()
             raise
 
@@ -85,13 +90,20 @@ class Generation:
                 return
             if err is not None or (ev is not None and ev.finished):
                 open_.discard(i)
+                self.finished.add(i)
             yield item
 
     def cancel(self) -> None:
         """Cancel every request (the engine frees their KV blocks); ``events()`` then ends."""
+        if self.cancelled:
+            return
+        self.cancelled = True
         for t in self._tasks:
             t.cancel()
         self._queue.put_nowait((-1, None, None))
+        unfinished = len(set(range(len(self._tasks))) - self.finished)
+        if unfinished and self.on_cancel is not None:
+            self.on_cancel(unfinished)
 
     async def aclose(self) -> None:
         self.cancel()
