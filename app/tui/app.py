@@ -187,21 +187,17 @@ class ChatApp(App):
     # --- sending and streaming -------------------------------------------------------
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         text = event.text.strip()
-        if not text:
-            return
         if text.startswith("/"):
             self.prompt.remember(text)
-            self.prompt.clear()
             await self.run_command(text)
             return
-        if self.generating:
-            self.notify("A reply is still streaming; Esc stops it", severity="warning")
-            return
-        if self.backend is None:
-            self.notify("The model is still loading", severity="warning")
+        if self.generating or self.backend is None:
+            self.notify("A reply is still streaming; Esc stops it" if self.generating else "The model is still loading",
+                        severity="warning")
+            if not self.prompt.text:
+                self.prompt.load_text(event.text)  # give the message back to edit or resend
             return
         self.prompt.remember(text)
-        self.prompt.clear()
         self.conv.messages.append(Message("user", text))
         await self.log_view.mount(MessageView("user", text))
         await self.reply()

@@ -139,7 +139,10 @@ class PromptInput(TextArea):
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            self.post_message(self.Submitted(self.text))
+            text = self.text
+            if text.strip():
+                self.clear()  # now, not when the app gets the message: keys typed meanwhile belong to the next one
+                self.post_message(self.Submitted(text))
             return
         if event.key in ("shift+enter", "ctrl+j"):
             event.stop()
