@@ -78,7 +78,7 @@ class KVPool:
     # --- write / read -----------------------------------------------------------
     def _store(self, pool, slots: mx.array, x: mx.array):
         if self.kv_bits is None:
-            pool[slots] = x.astype(self.dtype)
+            pool[slots] = x if x.dtype == self.dtype else x.astype(self.dtype)
             return pool
         q, s, b = mx.quantize(x, group_size=self.group_size, bits=self.kv_bits)
         pool[0][slots] = q
