@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from functools import partial
 
 import pytest
@@ -32,12 +33,11 @@ def make_app(model) -> ChatApp:
 
 
 async def until(pilot, cond, timeout: float = 30.0, what: str = "condition"):
-    waited = 0.0
+    deadline = time.monotonic() + timeout
     while not cond():
-        if waited > timeout:
+        if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await pilot.pause(0.02)
-        waited += 0.02
     await pilot.pause()  # let what the condition announced (a screen, a widget) mount
 
 

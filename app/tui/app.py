@@ -129,7 +129,7 @@ class ChatApp(App):
         self.prompt.focus()
         self.refresh_conversations()
         self.refresh_status()
-        self.set_interval(1.0, self.refresh_status)
+        self.set_interval(0.5, self.refresh_status)
         self.load_model(self.model_spec)
 
     # --- model loading --------------------------------------------------------------
@@ -209,10 +209,10 @@ class ChatApp(App):
         n = self.backend.count_tokens(self.conv.chat_messages())
         view.start_thinking(f"prefill {n} tokens…" if n else "waiting for the first token…")
         self.generating = True
-        self.generate(view)
+        self.generate(view, n)
 
     @work(exclusive=True, group="generate")
-    async def generate(self, view: MessageView) -> None:
+    async def generate(self, view: MessageView, prompt_tokens: int | None) -> None:
         backend, conv = self.backend, self.conv
         messages = conv.chat_messages()
         msg = Message("assistant", "")
@@ -224,7 +224,9 @@ class ChatApp(App):
                 if ev.text:
                     await view.append(ev.text)
                     msg.content = view.content
-                n_tokens += max(1, len(ev.token_ids)) if ev.text or ev.token_ids else 0
+                n_tokens += len(ev.token_ids) or (1 if ev.text else 0)  # remote chunks carry no ids
+                if prompt_tokens is not None:
+                    self.context_used = prompt_tokens + n_tokens
                 if n_tokens and t_first is None:
                     t_first = time.perf_counter()
                 elif t_first is not None and n_tokens > 1:
