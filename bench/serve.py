@@ -107,14 +107,19 @@ def prompts(n: int) -> list[str]:
 async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     times = []
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True)
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.perf_counter())
-    return {"ttft": times[0] - t0 if times else None, "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
-            "tokens": len(times), "end": times[-1] if times else time.perf_counter()}
+    error = None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+            stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(time.perf_counter())
+    except openai.OpenAIError as e:  # counted, not fatal: a server that drops clients shows it in the table
+        error = f"{type(e).__name__}: {e}"
+    return {"ttft": times[0] - t0 if times and not error else None,
+            "itl": [b - a for a, b in zip(times, times[1:], strict=False)] if not error else [],
+            "tokens": len(times) if not error else 0, "error": error}
 
 
 def summarize(results: list[dict], wall: float) -> dict:
@@ -125,7 +130,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] * 1000 if xs else None
 
     toks = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
+    return {"requests": len(results), "failed": sum(r["error"] is not None for r in results), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
             "itl_mean_ms": statistics.fmean(itl) * 1000 if itl else None}
@@ -185,12 +190,18 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def table(report: dict) -> str:
-    rows = ["| server | clients | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |", "|---|---:|---:|---:|---:|"]
+    rows = ["| server | clients | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | failed |",
+            "|---|---:|---:|---:|---:|---:|"]
     for name, data in report["servers"].items():
         for lv in data["levels"] + [{**data["poisson"], "concurrency": f"Poisson {report['poisson_rate']}/s"}]:
-            rows.append(f"| {name} | {lv['concurrency']} | {lv['tok_s']:.1f} | {lv['ttft_p50_ms']:.0f} / "
-                        f"{lv['ttft_p99_ms']:.0f} | {lv['itl_p50_ms']:.0f} / {lv['itl_p99_ms']:.0f} |")
+            rows.append(f"| {name} | {lv['concurrency']} | {lv['tok_s']:.1f} | {ms(lv['ttft_p50_ms'])} / "
+                        f"{ms(lv['ttft_p99_ms'])} | {ms(lv['itl_p50_ms'])} / {ms(lv['itl_p99_ms'])} | "
+                        f"{lv['failed']} of {lv['requests']} |")
     return "\n".join(rows)
 
 
@@ -219,8 +230,9 @@ def main() -> int:
                 r = asyncio.run(level(base, model, c, max(4, c * args.requests_per_client), args.max_tokens, ps))
                 r["concurrency"] = c
                 data["levels"].append(r)
-                print(f"{name:7s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.0f} ms  "
-                      f"p99 {r['ttft_p99_ms']:7.0f} ms  ITL p50 {r['itl_p50_ms']:5.0f} ms  p99 {r['itl_p99_ms']:5.0f} ms",
+                print(f"{name:7s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {ms(r['ttft_p50_ms'])} ms  "
+                      f"p99 {ms(r['ttft_p99_ms'])} ms  ITL p50 {ms(r['itl_p50_ms'])} ms  p99 {ms(r['itl_p99_ms'])} ms  "
+                      f"failed {r['failed']}/{r['requests']}",
                       flush=True)
             data["poisson"] = asyncio.run(poisson(base, model, args.poisson_rate, args.poisson_requests,
                                                   args.max_tokens, ps))

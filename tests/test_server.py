@@ -143,6 +143,8 @@ def test_seed_and_n(client):
     assert texts == [c.message.content for c in b.choices]  # same seed, same outputs
     assert len(set(texts)) > 1  # each choice has its own stream of randomness
     assert a.usage.completion_tokens == 24
+    one = client.chat.completions.create(**{**kw, "n": 1})
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens  # the shared prompt counts once
     # streamed n: every choice gets its role chunk, its text and its finish reason
     chunks = list(client.chat.completions.create(**kw, stream=True))
     got = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(3)}

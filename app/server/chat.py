@@ -30,7 +30,7 @@ from .common import (
     unless_disconnected,
     wait_disconnect,
 )
-from .errors import APIError, bad_request
+from .errors import bad_request
 from .generation import Generation
 from .protocol import ChatCompletionRequest
 from .tool_calls import ToolCallStream, parse_tool_calls
@@ -228,7 +228,7 @@ class ChatCall:
             if self.body.logprobs:
                 logprobs = {"content": [chat_logprob(lp) for lp in c.logprobs], "refusal": None}
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        return JSONResponse({**self._envelope("chat.completion"), "choices": out, "usage": total_usage(choices, 1)})
+        return JSONResponse({**self._envelope("chat.completion"), "choices": out, "usage": total_usage(choices, self.n)})
 
     # --- streamed -------------------------------------------------------------------
     async def stream_response(self, request: Request) -> Response:
@@ -288,7 +288,7 @@ class ChatCall:
                     return
                 if self.include_usage:
                     yield sse({**self._envelope("chat.completion.chunk"), "choices": [],
-                               "usage": total_usage(choices, 1)})
+                               "usage": total_usage(choices, self.n)})
             yield SSE_DONE
         finally:
             watcher.cancel()
@@ -305,4 +305,3 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
     return await call.respond(request)
 
 
-__all__ = ["chat_completions", "APIError"]
