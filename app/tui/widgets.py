@@ -14,6 +14,7 @@ from mlx_engine.request import Usage
 from .backends import Resources
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+FLUSH_S = 0.1  # streamed text is rendered at most 10 times a second
 # Control characters (a model can emit any token) would garble the terminal: show their Unicode pictures.
 _CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n"} | {0x7F: 0x2421}
 
@@ -25,7 +26,7 @@ def printable(text: str) -> str:
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" or n >= 100 else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
 
@@ -56,6 +57,8 @@ class MessageView(Vertical, can_focus=True):
         self.meta = meta
         self.label = label or ("You" if role == "user" else "Assistant")
         self._stream = None
+        self._pending = ""
+        self._last_flush = 0.0
         self._spinner_timer = None
         self._t0 = 0.0
 
@@ -93,17 +96,28 @@ class MessageView(Vertical, can_focus=True):
         self.query_one(".thinking").display = False
 
     async def append(self, text: str) -> None:
+        """Add streamed text. Markdown is re-rendered at most every FLUSH_S: parsing per token
+        would take the GIL from the engine thread and slow decoding down."""
         if not text:
             return
         if self._stream is None:
             self.stop_thinking()
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         self.content += text
-        await self._stream.write(printable(text))
+        self._pending += text
+        if time.perf_counter() - self._last_flush >= FLUSH_S:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if self._pending and self._stream is not None:
+            text, self._pending = self._pending, ""
+            self._last_flush = time.perf_counter()
+            await self._stream.write(printable(text))
 
     async def finish(self, meta: str) -> None:
         self.stop_thinking()
         if self._stream is not None:
+            await self._flush()
             await self._stream.stop()
             self._stream = None
         self.set_meta(meta)
@@ -195,11 +209,11 @@ class StatusBar(Static):
         tps = live_tps if live_tps is not None else (usage.decode_tps if usage else 0.0)
         if tps:
             parts.append(f"{tps:.1f} tok/s")
+        if usage is not None:
+            parts.append(f"prefill {usage.prefill_location}")
         if res is not None and res.prefix_hit_rate is not None:
             parts.append(f"cache {res.prefix_hit_rate * 100:.0f}%")
         if res is not None and res.kv_total_bytes:
             parts.append(f"KV {human_bytes(res.kv_used_bytes or 0)}/{human_bytes(res.kv_total_bytes)}")
-        if usage is not None:
-            parts.append(f"prefill {usage.prefill_location}")
         self.update(" │ ".join(parts))
         self.tooltip = res.detail if res is not None else None
