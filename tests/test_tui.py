@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from functools import partial
@@ -217,6 +218,15 @@ async def test_input_keys_history_and_multiline(tiny_dirs, data_dir):
         await pilot.press(*"draft")
         await pilot.press("up")
         assert prompt.text == "draft", "Up on a typed draft must move the cursor, not replace the draft"
+        # 80 columns: the sidebar starts hidden and Ctrl+B toggles it
+        sidebar = app.query_one("#sidebar")
+        assert not sidebar.display
+        await pilot.press("ctrl+b")
+        assert sidebar.display
+        await pilot.press("ctrl+b")
+        assert not sidebar.display
+        await pilot.press("ctrl+t")
+        assert not app.current_theme.dark
 
 
 async def test_regenerate_copy_and_new_chat(tiny_dirs, data_dir):
@@ -358,6 +368,15 @@ async def test_generation_error_is_inline_and_app_keeps_running(tiny_dirs, data_
         await type_and_send(pilot, "short")
         await reply_done(pilot)
         assert not app.conv.messages[-1].meta.startswith("error")
+        # a failure while streaming (here: the engine stops under the reply) lands inline too
+        await type_and_send(pilot, "/max 1500")
+        await type_and_send(pilot, "/temp 0")
+        await type_and_send(pilot, "Write a very long story")
+        await until(pilot, lambda: len(app.conv.messages[-1].content) > 5, what="streamed text")
+        await asyncio.to_thread(app.backend.engine.shutdown)
+        await reply_done(pilot)
+        assert app.conv.messages[-1].meta == "error: the engine shut down"
+        assert app.conv.messages[-1].content, "the text streamed before the error is kept"
 
 
 async def test_ctrl_c_quits_and_saves(tiny_dirs, data_dir):

@@ -151,6 +151,8 @@ class ChatApp(App):
         self.call_from_thread(self._loaded, spec, backend)
 
     def _loaded(self, spec: str | None, backend) -> None:
+        if self.generating:  # a reply from the old model was still streaming
+            self.action_stop()
         old, self.backend = self.backend, backend
         self.model_spec = spec
         if spec and spec not in self.recent_models:
