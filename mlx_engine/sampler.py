@@ -65,8 +65,9 @@ def _xp() -> Any:
 
 
 def make_rng(seed: int | None) -> SeedState:
-    """A request's random state: reproducible from ``seed``, or fresh entropy for None."""
-    return np.random.default_rng(seed)
+    """A request's random state: reproducible from ``seed`` (any integer, negative too, as OpenAI
+    clients send), or fresh entropy for None."""
+    return np.random.default_rng(None if seed is None else int(seed) % 2**64)
 
 
 @dataclass
