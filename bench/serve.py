@@ -1,7 +1,8 @@
-"""OpenAI-server benchmark: Duet vs mlx_lm.server on the same model, same machine, same run.
+"""OpenAI-server benchmark: Duet vs mlx_lm.server (and llama.cpp's server) on the same model, same run.
 
-    .venv/bin/python bench/serve.py [--servers duet,mlx_lm] [--concurrency 1,2,4,8,16,32]
+    .venv/bin/python bench/serve.py [--servers duet,mlx_lm,llama_cpp] [--concurrency 1,2,4,8,16,32]
                                     [--max-tokens 48] [--poisson-rate 2] [--poisson-requests 32]
+                                    [--llama-python /path/to/venv-with-llama-cpp-python/bin/python]
 
 Each server runs alone (one after the other: two cores cannot host both), with the bundled
 SmolLM2-135M: Duet serves the GGUF; mlx_lm.server gets the same weights exported as an MLX
@@ -10,7 +11,8 @@ OpenBLAS preload. Clients use the openai SDK, stream, greedy, one of 64 differen
 prompts each. Per request: TTFT (send -> first content chunk) and inter-token latency (gaps
 between content chunks); per level: aggregate completion tok/s over the level's wall time.
 Then Poisson arrivals at a fixed rate. Writes bench/out/serve.json and docs/bench_serve.png.
-llama.cpp's server (llama-cpp-python) is not included: it builds from source here (~15+ min).
+llama.cpp's server (`llama-cpp-python[server]`, same GGUF file, all cores) runs when `llama_cpp` is
+listed; it compiles llama.cpp on install (~15+ min here), so give it its own venv via --llama-python.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from pathlib import Path
 
 import httpx
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mlx_engine.resolve import bundled_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -59,6 +64,9 @@ def export_mlx_dir(dest: Path) -> Path:
     return dest
 
 
+LLAMA_PYTHON = sys.executable
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,6 +86,11 @@ def start(name: str, port: int, mlx_dir: Path, max_conc: int) -> tuple[subproces
     if name == "duet":
         cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--cache-gb", "1"]
         model = "default"
+    elif name == "llama_cpp":
+        gguf = str(bundled_model_path())
+        cmd = [LLAMA_PYTHON, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+               "--n_ctx", "8192", "--n_threads", str(os.cpu_count()), "--model_alias", "smollm2"]
+        model = "smollm2"
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir), "--port", str(port),
                "--decode-concurrency", str(max_conc), "--prompt-concurrency", str(min(max_conc, 8)),
@@ -213,7 +226,11 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--poisson-rate", type=float, default=1.0, help="arrivals per second")
     ap.add_argument("--poisson-requests", type=int, default=24)
+    ap.add_argument("--llama-python", default=sys.executable,
+                    help="python with llama-cpp-python[server] installed (for --servers ...,llama_cpp)")
     args = ap.parse_args()
+    global LLAMA_PYTHON
+    LLAMA_PYTHON = args.llama_python
     OUT.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in args.concurrency.split(",")]
     mlx_dir = export_mlx_dir(OUT / "smollm2-135m-mlx-fp32")
