@@ -224,3 +224,31 @@ def total_usage(choices: list[ChoiceState], n: int) -> dict:
             prompt += u.prompt_tokens
             cached += u.cached_tokens
     return usage_dict(prompt, completion, cached)
+
+
+async def collect_choices(gen, request: Request, metrics: Metrics, count: int) -> list[ChoiceState] | None:
+    """Run a non-streamed call's ``count`` choices to the end. Returns None when the client left
+    first (its requests are cancelled); raises the APIError that fits a failed choice."""
+    t0 = time.perf_counter()
+    choices = [ChoiceState() for _ in range(count)]
+
+    async def drain():
+        async for i, ev, err in gen.events():
+            if err is not None:
+                return err
+            choices[i].add(ev, metrics, t0)
+        return None
+
+    done, err = False, None
+    try:
+        err = await unless_disconnected(request, drain(), gen.aclose)
+        done = True
+    finally:
+        if not done:
+            await gen.aclose()
+    if err is None and any(c.finish_reason is None for c in choices):
+        return None
+    problem = failure(choices, err)
+    if problem is not None:
+        raise problem
+    return choices

@@ -16,6 +16,7 @@ from .common import (
     SSE_HEADERS,
     ChoiceState,
     ServerState,
+    collect_choices,
     failure,
     max_new_tokens,
     new_id,
@@ -24,7 +25,6 @@ from .common import (
     sse,
     stop_list,
     total_usage,
-    unless_disconnected,
     wait_disconnect,
 )
 from .errors import bad_request
@@ -122,28 +122,9 @@ class CompletionCall:
     async def respond(self, request: Request) -> Response:
         gen = Generation(self.state.engine, self.requests(), self._cancelled)
         await gen.start(self.n)
-        t0 = time.perf_counter()
-        choices = [ChoiceState() for _ in gen.requests]
-
-        async def collect():
-            async for i, ev, err in gen.events():
-                if err is not None:
-                    return err
-                choices[i].add(ev, self.state.metrics, t0)
-            return None
-
-        done, err = False, None
-        try:
-            err = await unless_disconnected(request, collect(), gen.aclose)
-            done = True
-        finally:
-            if not done:
-                await gen.aclose()
-        if err is None and any(c.finish_reason is None for c in choices):
-            return Response(status_code=499)
-        problem = failure(choices, err)
-        if problem is not None:
-            raise problem
+        choices = await collect_choices(gen, request, self.state.metrics, len(gen.requests))
+        if choices is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
         out = []
         for i, c in enumerate(choices):
             echo = self.echo[i // self.n]
