@@ -358,7 +358,10 @@ class Engine:
         for i, (rid, n) in enumerate(step.items()):
             seq = self._active[rid].seq
             seq.num_computed += n
-            self.allocator.register(seq.tokens, seq.blocks, seq.num_computed // self.allocator.block_size)
+            full = seq.num_computed // self.allocator.block_size
+            if full > seq.num_registered:  # a block filled up: make it matchable by later requests
+                self.allocator.register(seq.tokens, seq.blocks, full)
+                seq.num_registered = full
             if seq.num_computed == len(seq.tokens):
                 sampled.append(i)
         if not sampled:

@@ -29,6 +29,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_registered: int = 0  # full blocks already offered to the prefix index
     status: str = WAITING
     preemptions: int = 0
     admitted_once: bool = False
@@ -108,6 +109,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
+        seq.num_registered = 0
         seq.status = WAITING
         seq.preemptions += 1
         self.preemptions += 1
