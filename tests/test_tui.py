@@ -129,12 +129,14 @@ async def test_escape_stops_mid_stream_and_frees_the_engine(tiny_dirs, data_dir)
         await until(pilot, lambda: engine.stats().running == 0 and engine.allocator.num_used == 0,
                     what="the engine to drop the cancelled request")
         assert engine.stats().steps < 1500, "the request ran to max_tokens instead of stopping"
-        # the app keeps working after a stop
+        # the app keeps working after a stop (in a new chat: how long the stopped reply grew depends
+        # on timing, and with it the history could outgrow the tiny model's 2048-token context)
+        await type_and_send(pilot, "/new")
         await type_and_send(pilot, "/max 4")
         await type_and_send(pilot, "again")
         await reply_done(pilot)
         assert "prompt tok" in app.conv.messages[-1].meta  # a usage line, not an error
-        assert len(app.conv.messages) == 4
+        assert len(app.conv.messages) == 2
 
 
 async def test_slash_commands_and_settings(tiny_dirs, data_dir):
