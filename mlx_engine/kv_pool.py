@@ -108,14 +108,8 @@ class KVPool:
         bs = self.block_size
         s = mx.arange(src * bs, src * bs + bs)
         d = mx.arange(dst * bs, dst * bs + bs)
-        for pools in (self.k, self.v):
-            for i, p in enumerate(pools):
-                if isinstance(p, tuple):
-                    for part in p:
-                        part[d] = part[s]
-                else:
-                    p[d] = p[s]
-                    pools[i] = p
+        for a in self.arrays():
+            a[d] = a[s]
 
     # --- disk tier helpers --------------------------------------------------------
     def read_block(self, block: int) -> list[mx.array]:

@@ -52,6 +52,11 @@ class BatchLayout:
         self.context_lens = mx.array(ends, dtype=mx.int32)
         self._masks: dict[int | None, mx.array] = {}
 
+    @property
+    def uses_window(self) -> bool:
+        """Whether some layer asked for a sliding-window mask in this pass."""
+        return any(w is not None for w in self._masks)
+
     def mask(self, window: int | None = None) -> mx.array | str | None:
         if window is None and len(set(self.starts)) == 1:
             # every row sees exactly keys [0, start + L): plain causal (or none for one query),
@@ -117,7 +122,7 @@ def _metal_decode(queries, cache: PagedLayerCache, scale: float, sinks) -> mx.ar
     from metal_kernels.paged_attention import paged_decode_attention
 
     layout, pool = cache.layout, cache.pool
-    if any(w is not None for w in layout._masks):  # sliding-window layers keep the reference path
+    if layout.uses_window:  # sliding-window layers keep the reference path
         return None
     k, v = pool.k[cache.layer], pool.v[cache.layer]
     extra = {}

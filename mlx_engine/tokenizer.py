@@ -100,9 +100,6 @@ class Tokenizer:
         """A single token's text as it would appear in isolation (for logprobs)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def token_bytes(self, token_id: int) -> bytes:
-        return self.piece(token_id).encode("utf-8", "replace")
-
     # --- chat ---------------------------------------------------------------
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None

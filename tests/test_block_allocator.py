@@ -119,3 +119,20 @@ def test_double_free_is_caught():
     a.free([b])
     with pytest.raises(AssertionError):
         a.free([b])
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_pool_copy_block_copies_every_layer(kv_bits):
+    import mlx.core as mx
+
+    from mlx_engine.kv_pool import KVPool
+
+    pool = KVPool(num_layers=2, num_blocks=4, block_size=BS, n_kv_heads=2, head_dim=32, kv_bits=kv_bits)
+    slots = mx.arange(1 * BS, 2 * BS)
+    for layer in range(2):
+        pool.write(layer, slots, mx.random.normal((BS, 2, 32)), mx.random.normal((BS, 2, 32)))
+    pool.copy_block(1, 3)
+    for layer in range(2):
+        src = pool.gather(layer, slots[None])
+        dst = pool.gather(layer, mx.arange(3 * BS, 4 * BS)[None])
+        assert all(mx.array_equal(a, b).item() for a, b in zip(src, dst, strict=True))
