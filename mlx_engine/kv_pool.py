@@ -99,8 +99,8 @@ class KVPool:
 
     def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """``slots``: (B, S) -> K, V as (B, n_kv_heads, S, head_dim) in the activation dtype."""
-        k = self._load(self.k[layer], slots).transpose(0, 2, 1, 3)
-        v = self._load(self.v[layer], slots).transpose(0, 2, 1, 3)
+        k = mx.contiguous(self._load(self.k[layer], slots).transpose(0, 2, 1, 3))
+        v = mx.contiguous(self._load(self.v[layer], slots).transpose(0, 2, 1, 3))
         return k, v
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -108,8 +108,13 @@ class KVPool:
         bs = self.block_size
         s = mx.arange(src * bs, src * bs + bs)
         d = mx.arange(dst * bs, dst * bs + bs)
-        for a in self.arrays():
-            a[d] = a[s]
+        arrays = self.arrays()
+        # read every source block first: a scatter whose own input is still being read by a
+        # pending gather cannot update the pool in place and would copy the whole layer
+        parts = [a[s] for a in arrays]
+        mx.eval(parts)
+        for a, p in zip(arrays, parts, strict=True):
+            a[d] = p
 
     # --- disk tier helpers --------------------------------------------------------
     def read_block(self, block: int) -> list[mx.array]:

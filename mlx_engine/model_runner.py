@@ -63,6 +63,12 @@ class ModelRunner:
         for idx in groups.values():
             parts.append(self._pass([rows[i] for i in idx])[:, -1, :])
             order.extend(idx)
+            if len(groups) > 1:
+                # Evaluate each pass before building the next: the pool arrays are updated in
+                # place only while nothing else holds the old buffer. Two passes in one graph
+                # let MLX schedule pass 2's writes before pass 1's reads, and each layer's
+                # whole pool array is then copied (seconds per step with a GiB-sized pool).
+                mx.eval(parts[-1], *self.pool.arrays())
         logits = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
         if order != sorted(order):
             inv = [0] * len(order)
