@@ -2,9 +2,12 @@
 
     LD_PRELOAD=$(.venv/bin/python -m mlx_engine.blas --preload) \
         .venv/bin/python bench/batch_decode.py [--model M] [--levels 1,2,4,8,16,32] [--runs 3]
+            [--prompt-tokens 64 | --prompt-tokens 16-512]
 
-At each concurrency level c, c requests with distinct 64-token prompts each generate
-``--tokens`` tokens (greedy, EOS ignored), all submitted at once. Aggregate tok/s = generated
+At each concurrency level c, c requests with distinct prompts each generate ``--tokens``
+tokens (greedy, EOS ignored), all submitted at once. Prompts have ``--prompt-tokens`` tokens:
+one length for all (the default, 64), or a range ``lo-hi`` from which each stream draws its
+length uniformly (seeded, the same prompts for both sides), as a server sees. Aggregate tok/s = generated
 tokens / wall time until the last finishes. Both sides drive the same loaded model object in
 the same process, alternating order per run; medians and the Duet / mlx-lm ratio are printed.
 """
@@ -66,14 +69,17 @@ def main() -> None:
     ap.add_argument("--levels", default="1,2,4,8,16,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prompt-tokens", default="64", help="N, or lo-hi for lengths drawn per stream")
     args = ap.parse_args()
+    lo, _, hi = args.prompt_tokens.partition("-")
+    lo, hi = int(lo), int(hi or lo)
     loaded = load_model(args.model)
     engine = Engine(loaded, EngineConfig(prefix_cache=False))
     vocab = loaded.tokenizer.vocab_size
     rng = random.Random(0)
 
     def make(c):
-        return [[rng.randrange(100, vocab) for _ in range(64)] for _ in range(c)]
+        return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(c)]
 
     duet(engine, make(2), 4)
     mlx_lm(loaded.model, make(2), 4)
@@ -92,7 +98,7 @@ def main() -> None:
         print(f"c={c}: duet {rows[-1][1]:.1f} tok/s, mlx-lm {rows[-1][2]:.1f} tok/s", file=sys.stderr, flush=True)
     engine.shutdown()
     print(f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, "
-          f"{args.tokens} tokens per stream, 64-token prompts, median of {args.runs}\n")
+          f"{args.tokens} tokens per stream, {args.prompt_tokens}-token prompts, median of {args.runs}\n")
     print("| streams | Duet (tok/s) | mlx-lm BatchGenerator (tok/s) | Duet / mlx-lm |")
     print("|---:|---:|---:|---:|")
     for c, d, m in rows:

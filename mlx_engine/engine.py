@@ -149,10 +149,8 @@ class Engine:
         if c.kv_bits not in (None, 4, 8):
             raise ValueError("kv_bits must be 4 or 8")
         budget = (c.cache_gb * 2**30) if c.cache_gb else min(4 * 2**30, 0.15 * total_memory_bytes())
-        per_token = m.num_layers * KVPool.bytes_per_token_per_layer(
-            m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
-        )
-        num_blocks = max(2, int(budget // (per_token * c.block_size)))
+        num_blocks = KVPool.blocks_for_budget(budget, m.num_layers, m.n_kv_heads, m.head_dim, m.dtype,
+                                              c.kv_bits, c.kv_group_size, c.block_size)
         # never more than the running sequences could fill at full context
         num_blocks = min(num_blocks, c.max_running * -(-m.context_length // c.block_size) + 1)
         self.pool = KVPool(
@@ -324,6 +322,9 @@ class Engine:
                 stopping = self._stopping
             for a in inbox:
                 self._active[a.req.request_id] = a
+                lead = self._active.get(a.req.fork_of) if a.req.fork_of else None
+                if lead is not None and lead.seq.tokens[: lead.seq.num_prompt] == a.seq.tokens:
+                    a.seq.leader = lead.seq
                 self.scheduler.waiting.append(a.seq)
             for rid in cancels:
                 if rid in self._active:
@@ -350,6 +351,8 @@ class Engine:
                 time.sleep(0.001)  # waiting on blocks that nothing running will free: wait for cancels
             return
         self._steps += 1
+        for src, dst in self.scheduler.copies:  # copy-on-write of blocks shared by n > 1 choices
+            self.pool.copy_block(src, dst)
         rows, sampled = [], []
         for rid, n in step.items():
             seq = self._active[rid].seq

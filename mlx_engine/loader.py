@@ -82,6 +82,8 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
         model_type, ctx, fmt = info["model_type"], info["context_length"], info["weight_format"]
     else:
         model, tokenizer, model_type, ctx, fmt = _load_hf_dir(src, dense)
+    if backend_name() == "cpu":
+        _input_major_weights(model)
     layers, kv, hd = _attention_shape(model)
     return LoadedModel(
         model=model,
@@ -97,6 +99,19 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
         dtype=_activation_dtype(model),
         load_seconds=time.perf_counter() - t0,
     )
+
+
+def _input_major_weights(model: nn.Module) -> None:
+    """Store each dense ``Linear`` weight (out, in) as the transpose of a contiguous (in, out) array.
+
+    ``Linear`` computes ``x @ W.T``; on the CPU backend that product runs 5-25% faster when
+    ``W.T`` is the contiguous operand (measured on OpenBLAS sgemm for batch 1 to 256). The
+    module still sees an (out, in) array, so mlx-lm's model code is unchanged.
+    """
+    for _, m in model.named_modules():
+        if type(m) is nn.Linear and m.weight.dtype == mx.float32:
+            m.weight = mx.contiguous(m.weight.T).T
+            mx.eval(m.weight)
 
 
 def _load_hf_dir(src: ModelSource, dense: bool):

@@ -99,6 +99,10 @@ class GenerationRequest:
     tools: list[dict] | None = None  # passed to the chat template
     constraint: Constraint | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    # Another choice of the same prompt (``n > 1``): the id of the request whose prompt KV this
+    # one shares, copy-on-write, instead of computing the prompt again. Ignored when that
+    # request is not running or its prompt differs.
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,12 @@ prefilled and waiting requests in arrival order, so a long prompt stalls the run
 streams for at most one chunk. When KV blocks run out, the most recently admitted running
 sequence is preempted: its blocks are released (full ones stay in the prefix cache) and it
 is re-queued at the front, to be recomputed later (vLLM's recompute policy).
+
+A sequence with a ``leader`` (another choice of the same prompt) waits until the leader has
+computed the prompt, then shares all of the leader's prompt blocks, the partly filled last one
+included, and computes only the prompt's last token itself. Before any step writes into a
+block that another sequence also holds, the writer gets its own copy: the step's
+``(source, destination)`` block copies are left in ``copies`` for the engine to make first.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class Sequence:
     status: str = WAITING
     preemptions: int = 0
     admitted_once: bool = False
+    leader: Sequence | None = None  # shares this running sequence's prompt blocks (n > 1)
 
     @property
     def num_generated(self) -> int:
@@ -67,6 +74,7 @@ class Scheduler:
         self.preemptions = 0
         # (tokens, blocks already matched, max tokens) -> more blocks loaded from the disk tier
         self.disk_lookup = None
+        self.copies: list[tuple[int, int]] = []  # copy-on-write block copies the last step needs
 
     # --- queue ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -97,12 +105,38 @@ class Scheduler:
         return -(-(seq.num_computed + n) // self.bs) - len(seq.blocks)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
+        """Give ``seq`` writable blocks for its next ``n`` tokens; False when blocks ran out."""
         need = self._blocks_needed(seq, n)
-        if need <= 0:
-            return True
-        if need > self.alloc.num_free:
+        first = seq.num_computed // self.bs
+        shared = [i for i in range(first, min(len(seq.blocks), -(-(seq.num_computed + n) // self.bs)))
+                  if self.alloc.ref[seq.blocks[i]] > 1]
+        if max(need, 0) + len(shared) > self.alloc.num_free:
             return False
-        seq.blocks.extend(self.alloc.allocate(need))
+        for i in shared:  # copy-on-write
+            src = seq.blocks[i]
+            dst, copy = self.alloc.make_writable(src)
+            seq.blocks[i] = dst
+            if copy:
+                self.copies.append((src, dst))
+        if need > 0:
+            seq.blocks.extend(self.alloc.allocate(need))
+        return True
+
+    def _follow(self, seq: Sequence) -> bool:
+        """Share the leader's prompt blocks; False while the leader has not computed the prompt."""
+        lead = seq.leader
+        if lead is None or lead.status == FINISHED or seq.num_prompt < 2:
+            seq.leader = None
+            return True
+        if lead.status != RUNNING or lead.num_computed < seq.num_prompt - 1:
+            return False
+        seq.leader = None
+        seq.num_computed = seq.num_prompt - 1
+        seq.blocks = self.alloc.fork(lead.blocks[: -(-seq.num_computed // self.bs)])
+        if not seq.admitted_once:
+            seq.num_cached = seq.num_computed
+            self.prefix_query_tokens += seq.num_prompt
+            self.prefix_hit_tokens += seq.num_computed
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -117,6 +151,7 @@ class Scheduler:
 
     def schedule(self) -> dict[str, int]:
         step: dict[str, int] = {}
+        self.copies = []
         budget = self.cfg.max_batch_tokens
         # 1. running sequences, oldest first: decodes (1 token) and unfinished prefills
         for seq in sorted(self.running, key=lambda s: s.arrival):
@@ -131,9 +166,14 @@ class Scheduler:
             if seq.status == RUNNING:
                 step[seq.request_id] = n
                 budget -= n
-        # 2. admit waiting sequences in arrival order while budget and blocks last
+        # 2. admit waiting sequences in arrival order while budget and blocks last; a choice
+        # whose leader is still computing the shared prompt lets the ones behind it go first
+        held: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             seq = self.waiting[0]
+            if not seq.blocks and not self._follow(seq):
+                held.append(self.waiting.popleft())
+                continue
             if not seq.blocks and self.alloc.index is not None:
                 # reuse the longest cached prefix; always recompute at least the last token
                 hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens) - 1)
@@ -154,6 +194,7 @@ class Scheduler:
             self.running.append(seq)
             step[seq.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return step
 
     def can_ever_fit(self, num_tokens: int) -> bool:

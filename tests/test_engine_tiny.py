@@ -292,3 +292,48 @@ def test_stop_strings_logprobs_and_usage_through_the_engine(tiny_dirs):
         assert u.prompt_tokens == 10 and u.completion_tokens == len(lps) and u.ttft_s > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("prompt_len", [37, 33, 48])  # last block partly filled / one token in it / full
+def test_n_choices_share_the_prompt_copy_on_write(tiny_dirs, prompt_len):
+    """n > 1: the other choices fork the first one's prompt KV (the partly filled last block
+    included) and diverge by sampling; each still computes exactly what it would alone."""
+    loaded = load_model(str(tiny_dirs("qwen2")))
+    (p,) = prompts(loaded.tokenizer.vocab_size, [prompt_len], seed=11)
+
+    def choice(i, **kw):
+        return GenerationRequest(prompt=p, max_tokens=20, ignore_eos=True, request_id=f"c{i}-{kw}",
+                                 sampling=SamplingParams(temperature=1.0, seed=100 + i), **kw)
+
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, prefix_cache=False))
+    try:
+        alone = [asyncio.run(run_all(engine, [choice(i)]))[0] for i in range(4)]
+        assert len({tuple(a) for a in alone}) == 4, "the seeds should give different samples"
+        processed = []
+        forward = engine.runner.forward
+        engine.runner.forward = lambda rows: (processed.append(sum(len(r.tokens) for r in rows)), forward(rows))[1]
+        lead = choice(0, fork_of=None)
+        forked = asyncio.run(run_all(engine, [lead] + [choice(i, fork_of=lead.request_id) for i in range(1, 4)]))
+        assert forked == alone
+        # the prompt is computed once; each other choice recomputes only its last token
+        assert sum(processed) == prompt_len + 3 + 4 * 19
+        assert engine.stats().prefix_hit_tokens == 3 * (prompt_len - 1)
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_fork_of_a_finished_or_different_request_runs_normally(tiny_dirs):
+    loaded = load_model(str(tiny_dirs("llama")))
+    a, b = prompts(loaded.tokenizer.vocab_size, [21, 21], seed=12)
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16))
+    try:
+        first = req(a, n=1)
+        asyncio.run(run_all(engine, [first]))
+        late = req(a, fork_of=first.request_id)  # the leader is gone: the prefix cache serves it
+        other = req(b, fork_of=late.request_id)  # a different prompt is never forked
+        got = asyncio.run(run_all(engine, [late, other]))
+        assert got == [reference_greedy(loaded.model, a, 12), reference_greedy(loaded.model, b, 12)]
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()

@@ -1,9 +1,9 @@
 """Run the ``n`` engine requests of one API call and merge their events into one stream.
 
 Submission is separated from waiting so that refusals (bad request, full queue, engine shut
-down) become HTTP errors before any response header is sent. With ``n > 1`` the first
-request runs alone until its first token, so its prompt blocks are in the prefix cache when
-the others are admitted: the prompt is computed once, not ``n`` times.
+down) become HTTP errors before any response header is sent. With ``n > 1`` the other choices
+of a prompt name its first choice in ``fork_of``: the engine computes the prompt once and the
+choices share its KV blocks copy-on-write.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class Generation:
         self.cancelled = False
         self._queue: asyncio.Queue[tuple[int, GenerationEvent | None, BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
-        self._early: list[tuple[int, GenerationEvent | None, BaseException | None]] = []
         self._refused: dict[int, BaseException] = {}
 
     async def _pump(self, i: int) -> None:
@@ -59,22 +58,15 @@ class Generation:
     async def start(self, n: int = 1) -> None:
         """Submit every request; raises APIError (and cancels the rest) if any is refused.
 
-        ``requests`` come in groups of ``n`` choices sharing one prompt; each group's first
-        request runs alone until its first token, then the others join it.
+        ``requests`` come in groups of ``n`` choices sharing one prompt; the other choices of a
+        group fork the first one's prompt KV in the engine (copy-on-write) instead of computing
+        the prompt again.
         """
-        leaders = list(range(0, len(self.requests), n))
         try:
-            for i in leaders:
+            for i, req in enumerate(self.requests):
+                if i % n:
+                    req.fork_of = self.requests[i - i % n].request_id
                 await self._submit(i)
-            if n > 1:
-                seen: set[int] = set()
-                while len(seen) < len(leaders):  # every shared prompt is now in the prefix cache
-                    item = await self._queue.get()
-                    self._early.append(item)
-                    seen.add(item[0])
-                for i in range(len(self.requests)):
-                    if i % n:
-                        await self._submit(i)
         except BaseException:
             self.on_cancel = None  # refused, not cancelled
             await self.aclose()
@@ -84,7 +76,7 @@ class Generation:
         """(choice index, event, error) until every request has finished or failed."""
         open_ = set(range(len(self.requests)))
         while open_:
-            item = self._early.pop(0) if self._early else await self._queue.get()
+            item = await self._queue.get()
             i, ev, err = item
             if i < 0:  # cancelled
                 return
