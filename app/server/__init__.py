@@ -15,8 +15,8 @@ Behaviour worth knowing (decisions where OpenAI's API leaves room):
   ``repetition_penalty``, ``ignore_eos``.
 - ``max_tokens`` absent: chat fills the context; completions default to 16 (OpenAI's defaults).
   prompt + max_tokens beyond the context is a 400 ``context_length_exceeded``.
-- ``n > 1``: n engine requests; the first runs alone until its first token so the others find
-  the prompt in the prefix cache. ``seed`` gives choice i the seed ``seed + i``. Usage counts
+- ``n > 1``: n engine requests; the others fork the first one's prompt KV (copy-on-write), so
+  the prompt is computed once. ``seed`` gives choice i the seed ``seed + i``. Usage counts
   the prompt once, and its cached tokens from the first choice.
 - Structured output (``response_format`` json_object / json_schema) and forced tool calls
   (``tool_choice`` required / named) are grammars (llguidance, ``mlx_engine.constraints``).
