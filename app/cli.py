@@ -15,6 +15,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF file, HF/MLX model dir or HF repo id (default: bundled SmolLM2-135M)")
     p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="quantize the KV cache")
     p.add_argument("--cache-gb", type=float, default=None, help="KV cache budget in GiB")
+    p.add_argument("--cache-fraction", type=float, default=None,
+                   help="KV cache budget as a fraction of device memory (default: min(4 GiB, 0.15))")
     p.add_argument("--weights", choices=("auto", "dense", "quantized"), default="auto",
                    help="weight format (auto: dense on CPU, quantized on Metal/CUDA)")
 
@@ -22,7 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _engine_config(args):
     from mlx_engine.engine import EngineConfig
 
-    return EngineConfig(kv_bits=args.kv_bits, cache_gb=args.cache_gb, weights=args.weights,
+    return EngineConfig(kv_bits=args.kv_bits, cache_gb=args.cache_gb, cache_fraction=args.cache_fraction,
+                        weights=args.weights,
                         **({"max_queue": args.max_queue} if getattr(args, "max_queue", None) else {}))
 
 

@@ -42,7 +42,8 @@ __all__ = ["Engine", "EngineConfig", "EngineStats", "QueueFullError", "RequestEr
 class EngineConfig:
     kv_bits: int | None = None  # 8 or 4 to quantize the KV cache
     kv_group_size: int = 32
-    cache_gb: float | None = None  # KV pool budget; default min(4 GiB, 15% of memory)
+    cache_gb: float | None = None  # KV pool budget in GiB; default min(4 GiB, 15% of memory)
+    cache_fraction: float | None = None  # or the budget as a fraction of device memory
     block_size: int = 16
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
@@ -148,7 +149,14 @@ class Engine:
         c, m = self.config, self.loaded
         if c.kv_bits not in (None, 4, 8):
             raise ValueError("kv_bits must be 4 or 8")
-        budget = (c.cache_gb * 2**30) if c.cache_gb else min(4 * 2**30, 0.15 * total_memory_bytes())
+        if c.cache_fraction is not None and not 0 < c.cache_fraction <= 0.9:
+            raise ValueError("cache_fraction must be in (0, 0.9]")
+        if c.cache_gb:
+            budget = c.cache_gb * 2**30
+        elif c.cache_fraction:
+            budget = c.cache_fraction * total_memory_bytes()
+        else:
+            budget = min(4 * 2**30, 0.15 * total_memory_bytes())
         num_blocks = KVPool.blocks_for_budget(budget, m.num_layers, m.n_kv_heads, m.head_dim, m.dtype,
                                               c.kv_bits, c.kv_group_size, c.block_size)
         # never more than the running sequences could fill at full context

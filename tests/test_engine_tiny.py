@@ -337,3 +337,19 @@ def test_fork_of_a_finished_or_different_request_runs_normally(tiny_dirs):
         assert_no_leaks(engine)
     finally:
         engine.shutdown()
+
+
+def test_cache_budget_as_a_fraction_of_memory(tiny_dirs):
+    from mlx_engine.backend import total_memory_bytes
+
+    loaded = load_model(str(tiny_dirs("llama")))
+    budget = 0.001 * total_memory_bytes()
+    engine = Engine(loaded, EngineConfig(cache_fraction=0.001))
+    try:
+        s = engine.stats()
+        block_bytes = engine.pool.nbytes / (s.kv_blocks_total + 1)
+        assert budget - block_bytes < engine.pool.nbytes <= budget
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="cache_fraction"):
+        Engine(loaded, EngineConfig(cache_fraction=1.5))
