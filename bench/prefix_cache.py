@@ -2,10 +2,13 @@
 
     LD_PRELOAD=$(.venv/bin/python -m mlx_engine.blas --preload) \
         .venv/bin/python bench/prefix_cache.py [--model M] [--turns 10] [--runs 3]
+            [--user-words 120] [--reply-tokens 48]
 
-A 10-turn conversation grows its history each turn (a ~150-token user message, the model's
-~48-token reply). Each turn re-sends the whole history through the chat template, as every
-chat client does. With the prefix cache only the new turn is prefilled.
+A 10-turn conversation grows its history each turn (a user message of ``--user-words`` random
+words, the model's greedy reply of ``--reply-tokens`` tokens). Each turn re-sends the whole
+history through the chat template, as every chat client does; with the prefix cache only what
+is not cached yet is prefilled (the new user message, and the tail of the last reply). The
+same prompts are then sent to an engine without the prefix cache, for their first token only.
 """
 
 from __future__ import annotations
@@ -28,25 +31,29 @@ WORDS = ("river stone light garden north window paper music seven quiet engine o
          "forest silver winter letter morning bridge number story yellow doctor island").split()
 
 
-def conversation(engine: Engine, turns: int, seed: int) -> list[tuple[int, int, float]]:
-    rng = random.Random(seed)
-    history: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
-    out = []
-
-    async def turn(req):
+def ask(engine: Engine, history: list[dict], max_tokens: int) -> tuple[str, object]:
+    async def go():
+        req = GenerationRequest(messages=list(history), max_tokens=max_tokens, ignore_eos=True,
+                                sampling=SamplingParams(temperature=0))
         text, usage = [], None
         async for ev in engine.generate(req):
             text.append(ev.text)
             usage = ev.usage or usage
         return "".join(text), usage
 
+    return asyncio.run(go())
+
+
+def conversation(engine: Engine, turns: int, seed: int, user_words: int, reply_tokens: int):
+    """Chat with the prefix cache on; returns each turn's (history, prompt tokens, cached, TTFT)."""
+    rng = random.Random(seed)
+    history: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
+    out = []
     for _ in range(turns):
-        history.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(120))})
-        req = GenerationRequest(messages=list(history), max_tokens=48, ignore_eos=True,
-                                sampling=SamplingParams(temperature=0))
-        reply, usage = asyncio.run(turn(req))
+        history.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(user_words))})
+        reply, usage = ask(engine, history, reply_tokens)
+        out.append((list(history), usage.prompt_tokens, usage.cached_tokens, usage.ttft_s))
         history.append({"role": "assistant", "content": reply})
-        out.append((usage.prompt_tokens, usage.cached_tokens, usage.ttft_s))
     return out
 
 
@@ -55,25 +62,27 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--user-words", type=int, default=120)
+    ap.add_argument("--reply-tokens", type=int, default=48)
     args = ap.parse_args()
     loaded = load_model(args.model)
-    results = {}
-    for cached in (True, False):
-        engine = Engine(loaded, EngineConfig(prefix_cache=cached))
-        runs = [conversation(engine, args.turns, seed) for seed in range(args.runs)]
-        engine.shutdown()
-        results[cached] = [
-            (runs[0][t][0], statistics.median(r[t][1] for r in runs), statistics.median(r[t][2] for r in runs))
-            for t in range(args.turns)
-        ]
+    cached = Engine(loaded, EngineConfig(prefix_cache=True))
+    convs = [conversation(cached, args.turns, seed, args.user_words, args.reply_tokens) for seed in range(args.runs)]
+    cached.shutdown()
+    # the same prompts again without the cache: only the first token is needed
+    uncached = Engine(loaded, EngineConfig(prefix_cache=False))
+    off = [[ask(uncached, hist, 1)[1].ttft_s for hist, *_ in conv] for conv in convs]
+    uncached.shutdown()
     print(f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, median of {args.runs} "
-          f"conversations\n")
+          f"conversations, ~{args.user_words}-word user messages, {args.reply_tokens}-token replies\n")
     print("| turn | prompt tokens | cached tokens | TTFT with prefix cache (ms) | TTFT without (ms) | speed-up |")
     print("|---:|---:|---:|---:|---:|---:|")
     for t in range(args.turns):
-        p, c, on = results[True][t]
-        off = results[False][t][2]
-        print(f"| {t + 1} | {p} | {c:.0f} | {on * 1000:.0f} | {off * 1000:.0f} | {off / on:.1f}x |")
+        p = convs[0][t][1]
+        c = statistics.median(conv[t][2] for conv in convs)
+        on = statistics.median(conv[t][3] for conv in convs)
+        o = statistics.median(r[t] for r in off)
+        print(f"| {t + 1} | {p} | {c:.0f} | {on * 1000:.0f} | {o * 1000:.0f} | {o / on:.1f}x |")
 
 
 if __name__ == "__main__":
