@@ -151,6 +151,8 @@ class Engine:
             raise ValueError("kv_bits must be 4 or 8")
         if c.cache_fraction is not None and not 0 < c.cache_fraction <= 0.9:
             raise ValueError("cache_fraction must be in (0, 0.9]")
+        if c.cache_fraction is not None and c.cache_gb:
+            raise ValueError("give cache_gb or cache_fraction, not both")
         if c.cache_gb:
             budget = c.cache_gb * 2**30
         elif c.cache_fraction:

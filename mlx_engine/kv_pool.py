@@ -110,27 +110,24 @@ class KVPool:
         v = mx.contiguous(self._load(self.v[layer], slots).transpose(0, 2, 1, 3))
         return k, v
 
+    def _slots(self, block: int) -> mx.array:
+        return mx.arange(block * self.block_size, (block + 1) * self.block_size)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's tokens in every layer (copy-on-write)."""
-        bs = self.block_size
-        s = mx.arange(src * bs, src * bs + bs)
-        d = mx.arange(dst * bs, dst * bs + bs)
-        arrays = self.arrays()
-        # read every source block first: a scatter whose own input is still being read by a
-        # pending gather cannot update the pool in place and would copy the whole layer
-        parts = [a[s] for a in arrays]
+        # the source is read (and evaluated) before any write: a scatter whose input a pending
+        # read still holds cannot update the pool in place and would copy the whole layer
+        parts = self.read_block(src)
         mx.eval(parts)
-        for a, p in zip(arrays, parts, strict=True):
-            a[d] = p
+        self.write_block(dst, parts)
 
-    # --- disk tier helpers --------------------------------------------------------
+    # --- block transfer (copy-on-write, disk tier) ----------------------------------
     def read_block(self, block: int) -> list[mx.array]:
-        bs = self.block_size
-        sl = slice(block * bs, block * bs + bs)
-        return [a[sl] for a in self.arrays()]
+        """One block of every pool array, as arrays of their own (not views into the pool)."""
+        slots = self._slots(block)
+        return [a[slots] for a in self.arrays()]
 
     def write_block(self, block: int, parts: list[mx.array]) -> None:
-        bs = self.block_size
-        d = mx.arange(block * bs, block * bs + bs)
+        slots = self._slots(block)
         for a, p in zip(self.arrays(), parts, strict=True):
-            a[d] = p
+            a[slots] = p

@@ -101,16 +101,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- one step ---------------------------------------------------------------
-    def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        return -(-(seq.num_computed + n) // self.bs) - len(seq.blocks)
-
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give ``seq`` writable blocks for its next ``n`` tokens; False when blocks ran out."""
-        need = self._blocks_needed(seq, n)
-        first = seq.num_computed // self.bs
-        shared = [i for i in range(first, min(len(seq.blocks), -(-(seq.num_computed + n) // self.bs)))
+        end = -(-(seq.num_computed + n) // self.bs)  # blocks the sequence spans after this step
+        need = max(end - len(seq.blocks), 0)
+        shared = [i for i in range(seq.num_computed // self.bs, min(end, len(seq.blocks)))
                   if self.alloc.ref[seq.blocks[i]] > 1]
-        if max(need, 0) + len(shared) > self.alloc.num_free:
+        if need + len(shared) > self.alloc.num_free:
             return False
         for i in shared:  # copy-on-write
             src = seq.blocks[i]
@@ -118,7 +115,7 @@ class Scheduler:
             seq.blocks[i] = dst
             if copy:
                 self.copies.append((src, dst))
-        if need > 0:
+        if need:
             seq.blocks.extend(self.alloc.allocate(need))
         return True
 
@@ -133,11 +130,15 @@ class Scheduler:
         seq.leader = None
         seq.num_computed = seq.num_prompt - 1
         seq.blocks = self.alloc.fork(lead.blocks[: -(-seq.num_computed // self.bs)])
+        self._count_reuse(seq)
+        return True
+
+    def _count_reuse(self, seq: Sequence) -> None:
+        """Record the prompt tokens a sequence got without computing them, at first admission."""
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
             self.prefix_query_tokens += seq.num_prompt
             self.prefix_hit_tokens += seq.num_computed
-        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -181,10 +182,7 @@ class Scheduler:
                     hit += self.disk_lookup(seq.tokens, len(hit), len(seq.tokens) - 1)
                 seq.blocks = hit
                 seq.num_computed = len(hit) * self.bs
-                if not seq.admitted_once:
-                    seq.num_cached = seq.num_computed
-                    self.prefix_query_tokens += seq.num_prompt
-                    self.prefix_hit_tokens += seq.num_computed
+                self._count_reuse(seq)
             n = min(seq.num_pending, self.cfg.prefill_chunk, budget)
             if not self._grow(seq, n):
                 break  # wait for running sequences to free blocks

@@ -353,3 +353,5 @@ def test_cache_budget_as_a_fraction_of_memory(tiny_dirs):
         engine.shutdown()
     with pytest.raises(ValueError, match="cache_fraction"):
         Engine(loaded, EngineConfig(cache_fraction=1.5))
+    with pytest.raises(ValueError, match="not both"):
+        Engine(loaded, EngineConfig(cache_gb=1, cache_fraction=0.1))
