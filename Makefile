@@ -28,6 +28,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(TEST_ENV) $(VPY) -m pytest -q -ra
 
 test-fast: $(STAMP)
@@ -35,6 +36,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
 	$(BLAS_ENV) $(VPY) bench/generate.py

@@ -12,21 +12,38 @@ from mlx_engine import __version__
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None, help="GGUF file, HF/MLX model dir or HF repo id (default: bundled SmolLM2-135M)")
+    p.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="GGUF file, HF/MLX model dir or HF repo id (default: bundled SmolLM2-135M)",
+    )
     p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="quantize the KV cache")
     p.add_argument("--cache-gb", type=float, default=None, help="KV cache budget in GiB")
-    p.add_argument("--cache-fraction", type=float, default=None,
-                   help="KV cache budget as a fraction of device memory (default: min(4 GiB, 0.15))")
-    p.add_argument("--weights", choices=("auto", "dense", "quantized"), default="auto",
-                   help="weight format (auto: dense on CPU, quantized on Metal/CUDA)")
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=None,
+        help="KV cache budget as a fraction of device memory (default: min(4 GiB, 0.15))",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("auto", "dense", "quantized"),
+        default="auto",
+        help="weight format (auto: dense on CPU, quantized on Metal/CUDA)",
+    )
 
 
 def _engine_config(args):
     from mlx_engine.engine import EngineConfig
 
-    return EngineConfig(kv_bits=args.kv_bits, cache_gb=args.cache_gb, cache_fraction=args.cache_fraction,
-                        weights=args.weights,
-                        **({"max_queue": args.max_queue} if getattr(args, "max_queue", None) else {}))
+    return EngineConfig(
+        kv_bits=args.kv_bits,
+        cache_gb=args.cache_gb,
+        cache_fraction=args.cache_fraction,
+        weights=args.weights,
+        **({"max_queue": args.max_queue} if getattr(args, "max_queue", None) else {}),
+    )
 
 
 def _load_engine(args):
@@ -44,8 +61,10 @@ def _load_engine(args):
 
 def _describe(engine) -> str:
     s = engine.stats()
-    return (f"model {s.model} | {s.backend} | weights {s.weight_format} | BLAS {s.blas} | "
-            f"KV {s.kv_blocks_total} blocks{' ' + str(s.kv_bits) + '-bit' if s.kv_bits else ''}")
+    return (
+        f"model {s.model} | {s.backend} | weights {s.weight_format} | BLAS {s.blas} | "
+        f"KV {s.kv_blocks_total} blocks{' ' + str(s.kv_bits) + '-bit' if s.kv_bits else ''}"
+    )
 
 
 def cmd_generate(args) -> int:
@@ -59,7 +78,9 @@ def cmd_generate(args) -> int:
         prompt=None if args.chat else args.prompt,
         messages=messages,
         max_tokens=args.max_tokens,
-        sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+        sampling=SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        ),
         stop=args.stop or [],
     )
 
@@ -82,15 +103,29 @@ def cmd_generate(args) -> int:
         engine.shutdown()
     u = last.usage
     if args.json:
-        print(json.dumps({
-            "text": text, "token_ids": ids, "finish_reason": last.finish_reason,
-            "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                      "cached_tokens": u.cached_tokens, "ttft_s": round(u.ttft_s, 4),
-                      "prefill_tps": round(u.prefill_tps, 1), "decode_tps": round(u.decode_tps, 1)},
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "token_ids": ids,
+                    "finish_reason": last.finish_reason,
+                    "usage": {
+                        "prompt_tokens": u.prompt_tokens,
+                        "completion_tokens": u.completion_tokens,
+                        "cached_tokens": u.cached_tokens,
+                        "ttft_s": round(u.ttft_s, 4),
+                        "prefill_tps": round(u.prefill_tps, 1),
+                        "decode_tps": round(u.decode_tps, 1),
+                    },
+                }
+            )
+        )
     else:
-        print(f"\n[{last.finish_reason}] prompt {u.prompt_tokens} tok, completion {u.completion_tokens} tok, "
-              f"TTFT {u.ttft_s * 1000:.0f} ms, decode {u.decode_tps:.1f} tok/s", file=sys.stderr)
+        print(
+            f"\n[{last.finish_reason}] prompt {u.prompt_tokens} tok, completion {u.completion_tokens} tok, "
+            f"TTFT {u.ttft_s * 1000:.0f} ms, decode {u.decode_tps:.1f} tok/s",
+            file=sys.stderr,
+        )
     return 0 if last.finish_reason in ("stop", "length") else 1
 
 
@@ -135,7 +170,9 @@ def _line_chat(args) -> int:
             if line in ("/quit", "/exit"):
                 break
             history.append({"role": "user", "content": line})
-            req = GenerationRequest(messages=list(history), max_tokens=512, sampling=SamplingParams(temperature=0.7))
+            req = GenerationRequest(
+                messages=list(history), max_tokens=512, sampling=SamplingParams(temperature=0.7)
+            )
 
             async def run(req=req):
                 out = []
@@ -188,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("DUET_API_KEY"))
     s.add_argument("--max-queue", type=int, default=None)
-    s.add_argument("--max-running", type=int, default=None, help="most requests generated at once (batch size)")
+    s.add_argument(
+        "--max-running", type=int, default=None, help="most requests generated at once (batch size)"
+    )
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="list the bundled model and models in the local HF cache")

@@ -33,7 +33,9 @@ from mlx_engine.request import GenerationRequest, SamplingParams  # noqa: E402
 def duet(engine: Engine, prompts: list[list[int]], n: int) -> float:
     async def one(p):
         k = 0
-        req = GenerationRequest(prompt=p, max_tokens=n, sampling=SamplingParams(temperature=0), ignore_eos=True)
+        req = GenerationRequest(
+            prompt=p, max_tokens=n, sampling=SamplingParams(temperature=0), ignore_eos=True
+        )
         async for ev in engine.generate(req):
             k += len(ev.token_ids)
         return k
@@ -49,8 +51,12 @@ def duet(engine: Engine, prompts: list[list[int]], n: int) -> float:
 def mlx_lm(model, prompts: list[list[int]], n: int) -> float:
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=n, completion_batch_size=max(len(prompts), 1),
-                         prefill_batch_size=min(len(prompts), 8))
+    gen = BatchGenerator(
+        model,
+        max_tokens=n,
+        completion_batch_size=max(len(prompts), 1),
+        prefill_batch_size=min(len(prompts), 8),
+    )
     t0 = time.perf_counter()
     gen.insert(prompts, max_tokens=[n] * len(prompts))
     done, k = 0, 0
@@ -95,10 +101,16 @@ def main() -> None:
                 m.append(mlx_lm(loaded.model, ps, args.tokens))
                 d.append(duet(engine, ps, args.tokens))
         rows.append((c, statistics.median(d), statistics.median(m)))
-        print(f"c={c}: duet {rows[-1][1]:.1f} tok/s, mlx-lm {rows[-1][2]:.1f} tok/s", file=sys.stderr, flush=True)
+        print(
+            f"c={c}: duet {rows[-1][1]:.1f} tok/s, mlx-lm {rows[-1][2]:.1f} tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
     engine.shutdown()
-    print(f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, "
-          f"{args.tokens} tokens per stream, {args.prompt_tokens}-token prompts, median of {args.runs}\n")
+    print(
+        f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, "
+        f"{args.tokens} tokens per stream, {args.prompt_tokens}-token prompts, median of {args.runs}\n"
+    )
     print("| streams | Duet (tok/s) | mlx-lm BatchGenerator (tok/s) | Duet / mlx-lm |")
     print("|---:|---:|---:|---:|")
     for c, d, m in rows:

@@ -36,7 +36,9 @@ def mlx_lm_run(model, prompt: list[int], n: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     t_first = t_last = None
     count = 0
-    for _tok, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)):
+    for _tok, _ in generate_step(
+        mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+    ):
         t_last = time.perf_counter()
         if t_first is None:
             t_first = t_last
@@ -45,7 +47,9 @@ def mlx_lm_run(model, prompt: list[int], n: int) -> tuple[float, float]:
 
 
 def duet_run(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
-    req = GenerationRequest(prompt=prompt, max_tokens=n, sampling=SamplingParams(temperature=0), ignore_eos=True)
+    req = GenerationRequest(
+        prompt=prompt, max_tokens=n, sampling=SamplingParams(temperature=0), ignore_eos=True
+    )
 
     async def go():
         t0 = time.perf_counter()
@@ -73,16 +77,22 @@ def main() -> None:
     loaded = load_model(args.model, weights=args.weights)
     vocab = loaded.tokenizer.vocab_size
     # prefix cache off: every run prefills the whole prompt, like mlx-lm
-    engine = Engine(loaded, EngineConfig(prefix_cache=False, prefill_chunk=args.prompt_tokens,
-                                         max_batch_tokens=args.prompt_tokens))
+    engine = Engine(
+        loaded,
+        EngineConfig(
+            prefix_cache=False, prefill_chunk=args.prompt_tokens, max_batch_tokens=args.prompt_tokens
+        ),
+    )
     rng = random.Random(0)
     res = {"duet": [], "mlx_lm": []}
     duet_run(engine, [rng.randrange(vocab) for _ in range(32)], 8)  # warm-up both paths
     mlx_lm_run(loaded.model, [rng.randrange(vocab) for _ in range(32)], 8)
     for i in range(args.runs):
         prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
-        order = [("duet", lambda p=prompt: duet_run(engine, p, args.decode_tokens)),
-                 ("mlx_lm", lambda p=prompt: mlx_lm_run(loaded.model, p, args.decode_tokens))]
+        order = [
+            ("duet", lambda p=prompt: duet_run(engine, p, args.decode_tokens)),
+            ("mlx_lm", lambda p=prompt: mlx_lm_run(loaded.model, p, args.decode_tokens)),
+        ]
         for name, fn in order if i % 2 == 0 else order[::-1]:
             res[name].append(fn())
     engine.shutdown()
@@ -90,8 +100,10 @@ def main() -> None:
     def med(name, k):
         return statistics.median(r[k] for r in res[name])
 
-    print(f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, "
-          f"{args.runs} runs, prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} tokens\n")
+    print(
+        f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, "
+        f"{args.runs} runs, prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} tokens\n"
+    )
     print("| metric | Duet (tok/s) | mlx-lm (tok/s) | Duet / mlx-lm |")
     print("|---|---:|---:|---:|")
     for k, label in ((0, f"prefill ({args.prompt_tokens}-token prompt)"), (1, "decode, batch 1")):

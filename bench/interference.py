@@ -32,14 +32,24 @@ def run(engine: Engine, vocab: int, long_len: int, streams: int) -> tuple[list[f
     window = {"start": None, "end": None}
 
     async def stream(i):
-        req = GenerationRequest(prompt=[rng.randrange(100, vocab) for _ in range(32)], max_tokens=100_000,
-                                ignore_eos=True, sampling=SamplingParams(temperature=0), request_id=f"s{i}")
+        req = GenerationRequest(
+            prompt=[rng.randrange(100, vocab) for _ in range(32)],
+            max_tokens=100_000,
+            ignore_eos=True,
+            sampling=SamplingParams(temperature=0),
+            request_id=f"s{i}",
+        )
         last = None
         async for ev in engine.generate(req):
             if not ev.token_ids:
                 continue
             now = time.perf_counter()
-            if last is not None and window["start"] is not None and window["end"] is None and now > window["start"]:
+            if (
+                last is not None
+                and window["start"] is not None
+                and window["end"] is None
+                and now > window["start"]
+            ):
                 gaps.append(now - last)
             last = now
             if window["end"] is not None:
@@ -47,8 +57,12 @@ def run(engine: Engine, vocab: int, long_len: int, streams: int) -> tuple[list[f
 
     async def long_prompt():
         await asyncio.sleep(1.0)
-        req = GenerationRequest(prompt=[rng.randrange(100, vocab) for _ in range(long_len)], max_tokens=1,
-                                sampling=SamplingParams(temperature=0), request_id="long")
+        req = GenerationRequest(
+            prompt=[rng.randrange(100, vocab) for _ in range(long_len)],
+            max_tokens=1,
+            sampling=SamplingParams(temperature=0),
+            request_id="long",
+        )
         window["start"] = time.perf_counter()
         async for ev in engine.generate(req):
             if ev.token_ids and window["end"] is None:
@@ -70,18 +84,24 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(args.model)
     ctx = min(loaded.context_length - 1, args.long)
-    print(f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, {args.streams} streams, "
-          f"{ctx}-token prompt arriving\n")
+    print(
+        f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, {args.streams} streams, "
+        f"{ctx}-token prompt arriving\n"
+    )
     print("| prefill | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) | long prompt TTFT (s) |")
     print("|---|---:|---:|---:|---:|")
     for label, chunk in ((f"chunked ({args.chunk})", args.chunk), ("unchunked", ctx)):
-        engine = Engine(loaded, EngineConfig(prefix_cache=False, prefill_chunk=chunk,
-                                             max_batch_tokens=chunk + args.streams))
+        engine = Engine(
+            loaded,
+            EngineConfig(prefix_cache=False, prefill_chunk=chunk, max_batch_tokens=chunk + args.streams),
+        )
         gaps, ttft = run(engine, loaded.tokenizer.vocab_size, ctx, args.streams)
         engine.shutdown()
         q = statistics.quantiles(gaps, n=100) if len(gaps) > 2 else [max(gaps)] * 99
-        print(f"| {label} | {statistics.median(gaps) * 1000:.0f} | {q[98] * 1000:.0f} | {max(gaps) * 1000:.0f} "
-              f"| {ttft:.1f} |")
+        print(
+            f"| {label} | {statistics.median(gaps) * 1000:.0f} | {q[98] * 1000:.0f} | {max(gaps) * 1000:.0f} "
+            f"| {ttft:.1f} |"
+        )
 
 
 if __name__ == "__main__":

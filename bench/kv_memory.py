@@ -25,7 +25,12 @@ from mlx_engine.kv_pool import KVPool  # noqa: E402
 from mlx_engine.loader import load_model  # noqa: E402
 from mlx_engine.scheduler import Scheduler, SchedulerConfig, Sequence  # noqa: E402
 
-FORMATS = [("fp32", mx.float32, None), ("fp16", mx.float16, None), ("8-bit", mx.float16, 8), ("4-bit", mx.float16, 4)]
+FORMATS = [
+    ("fp32", mx.float32, None),
+    ("fp16", mx.float16, None),
+    ("8-bit", mx.float16, 8),
+    ("4-bit", mx.float16, 4),
+]
 BLOCK, GROUP = 16, 32
 
 
@@ -33,8 +38,12 @@ def max_resident(num_blocks: int, seq_tokens: int, n_seqs: int) -> tuple[int, in
     """Run ``n_seqs`` sequences of ``seq_tokens`` (all prompt but the last 16, which are decoded)
     through the scheduler; returns (most running at once, preemptions, blocks still used)."""
     alloc = BlockAllocator(num_blocks, BLOCK, enable_prefix_cache=False)
-    sched = Scheduler(alloc, SchedulerConfig(max_batch_tokens=1 << 20, prefill_chunk=1 << 20,
-                                             max_running=1 << 20, max_queue=1 << 20))
+    sched = Scheduler(
+        alloc,
+        SchedulerConfig(
+            max_batch_tokens=1 << 20, prefill_chunk=1 << 20, max_running=1 << 20, max_queue=1 << 20
+        ),
+    )
     prompt = seq_tokens - 16
     seqs = {}
     for i in range(n_seqs):
@@ -64,22 +73,31 @@ def main() -> None:
     args = ap.parse_args()
     m = load_model(args.model)
     budget = args.budget_gb * 2**30
-    print(f"model {m.name}: {m.num_layers} layers, {m.n_kv_heads} KV heads x head_dim {m.head_dim}; "
-          f"budget {args.budget_gb:g} GiB, {args.seq_tokens}-token sequences, blocks of {BLOCK} tokens\n")
-    print("| KV format | bytes / token (all layers) | vs fp16 | blocks in budget | pool allocated (MiB) "
-          f"| {args.seq_tokens}-token sequences that fit | scheduler run: peak running, preemptions, leaked blocks |")
+    print(
+        f"model {m.name}: {m.num_layers} layers, {m.n_kv_heads} KV heads x head_dim {m.head_dim}; "
+        f"budget {args.budget_gb:g} GiB, {args.seq_tokens}-token sequences, blocks of {BLOCK} tokens\n"
+    )
+    print(
+        "| KV format | bytes / token (all layers) | vs fp16 | blocks in budget | pool allocated (MiB) "
+        f"| {args.seq_tokens}-token sequences that fit | scheduler run: peak running, preemptions, leaked blocks |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     fp16 = None
     for name, dtype, bits in FORMATS:
-        nb = KVPool.blocks_for_budget(budget, m.num_layers, m.n_kv_heads, m.head_dim, dtype, bits, GROUP, BLOCK)
+        nb = KVPool.blocks_for_budget(
+            budget, m.num_layers, m.n_kv_heads, m.head_dim, dtype, bits, GROUP, BLOCK
+        )
         pool = KVPool(m.num_layers, nb, BLOCK, m.n_kv_heads, m.head_dim, dtype, bits, GROUP)
         per_token = pool.nbytes / (nb * BLOCK)
         fp16 = per_token if name == "fp16" else fp16
         capacity = (nb - 1) // -(-args.seq_tokens // BLOCK)
         peak, preempt, leaked = max_resident(nb, args.seq_tokens, capacity + 8)
         ratio = f"{per_token / fp16:.2f}x" if fp16 else "2.00x"
-        print(f"| {name} | {per_token:,.0f} | {ratio} | {nb - 1:,} | {pool.nbytes / 2**20:,.0f} | {capacity} "
-              f"| {peak}, {preempt}, {leaked} |", flush=True)
+        print(
+            f"| {name} | {per_token:,.0f} | {ratio} | {nb - 1:,} | {pool.nbytes / 2**20:,.0f} | {capacity} "
+            f"| {peak}, {preempt}, {leaked} |",
+            flush=True,
+        )
         del pool
 
 

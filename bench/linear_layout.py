@@ -53,9 +53,15 @@ def main() -> None:
     input_major = [m.weight for m in layers]
     row_major = [mx.contiguous(w) for w in input_major]
     mx.eval(row_major)
-    shapes = {"1 row x 1 token": (1, 1), "16 rows x 1 token": (16, 1), "64 rows x 1 token": (64, 1),
-              "1 row x 256 tokens": (1, 256)}
-    print(f"model {loaded.name}, {len(layers)} dense Linear layers, BLAS {active_blas()}, median of {args.runs}\n")
+    shapes = {
+        "1 row x 1 token": (1, 1),
+        "16 rows x 1 token": (16, 1),
+        "64 rows x 1 token": (64, 1),
+        "1 row x 256 tokens": (1, 256),
+    }
+    print(
+        f"model {loaded.name}, {len(layers)} dense Linear layers, BLAS {active_blas()}, median of {args.runs}\n"
+    )
     print("| forward pass | row-major W (ms) | input-major W (ms) | speed-up |")
     print("|---|---:|---:|---:|")
     for name, (b, n) in shapes.items():

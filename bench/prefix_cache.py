@@ -27,14 +27,20 @@ from mlx_engine.engine import Engine, EngineConfig  # noqa: E402
 from mlx_engine.loader import load_model  # noqa: E402
 from mlx_engine.request import GenerationRequest, SamplingParams  # noqa: E402
 
-WORDS = ("river stone light garden north window paper music seven quiet engine orange market "
-         "forest silver winter letter morning bridge number story yellow doctor island").split()
+WORDS = (
+    "river stone light garden north window paper music seven quiet engine orange market "
+    "forest silver winter letter morning bridge number story yellow doctor island"
+).split()
 
 
 def ask(engine: Engine, history: list[dict], max_tokens: int) -> tuple[str, object]:
     async def go():
-        req = GenerationRequest(messages=list(history), max_tokens=max_tokens, ignore_eos=True,
-                                sampling=SamplingParams(temperature=0))
+        req = GenerationRequest(
+            messages=list(history),
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            sampling=SamplingParams(temperature=0),
+        )
         text, usage = [], None
         async for ev in engine.generate(req):
             text.append(ev.text)
@@ -67,15 +73,22 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(args.model)
     cached = Engine(loaded, EngineConfig(prefix_cache=True))
-    convs = [conversation(cached, args.turns, seed, args.user_words, args.reply_tokens) for seed in range(args.runs)]
+    convs = [
+        conversation(cached, args.turns, seed, args.user_words, args.reply_tokens)
+        for seed in range(args.runs)
+    ]
     cached.shutdown()
     # the same prompts again without the cache: only the first token is needed
     uncached = Engine(loaded, EngineConfig(prefix_cache=False))
     off = [[ask(uncached, hist, 1)[1].ttft_s for hist, *_ in conv] for conv in convs]
     uncached.shutdown()
-    print(f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, median of {args.runs} "
-          f"conversations, ~{args.user_words}-word user messages, {args.reply_tokens}-token replies\n")
-    print("| turn | prompt tokens | cached tokens | TTFT with prefix cache (ms) | TTFT without (ms) | speed-up |")
+    print(
+        f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, median of {args.runs} "
+        f"conversations, ~{args.user_words}-word user messages, {args.reply_tokens}-token replies\n"
+    )
+    print(
+        "| turn | prompt tokens | cached tokens | TTFT with prefix cache (ms) | TTFT without (ms) | speed-up |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for t in range(args.turns):
         p = convs[0][t][1]

@@ -39,8 +39,10 @@ from mlx_engine.resolve import bundled_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
-WORDS = ("river stone light garden north window paper music seven quiet engine orange market forest silver "
-         "winter letter morning bridge number story yellow doctor island").split()
+WORDS = (
+    "river stone light garden north window paper music seven quiet engine orange market forest silver "
+    "winter letter morning bridge number story yellow doctor island"
+).split()
 
 
 def export_mlx_dir(dest: Path) -> Path:
@@ -58,9 +60,17 @@ def export_mlx_dir(dest: Path) -> Path:
     (dest / "config.json").write_text(json.dumps(dataclasses.asdict(lm.model.args), indent=1))
     tok = lm.tokenizer
     (dest / "tokenizer.json").write_text(tok.backend.to_str())
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template,
-        "eos_token": tok.eos_token, "bos_token": tok.bos_token, "add_bos_token": tok.add_bos_token}))
+    (dest / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": tok.chat_template,
+                "eos_token": tok.eos_token,
+                "bos_token": tok.bos_token,
+                "add_bos_token": tok.add_bos_token,
+            }
+        )
+    )
     return dest
 
 
@@ -74,8 +84,9 @@ def free_port() -> int:
 
 
 def blas_env() -> dict:
-    pre = subprocess.run([sys.executable, "-m", "mlx_engine.blas", "--preload"], capture_output=True, text=True,
-                         cwd=ROOT).stdout.strip()
+    pre = subprocess.run(
+        [sys.executable, "-m", "mlx_engine.blas", "--preload"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if pre:
         env["LD_PRELOAD"] = pre
@@ -88,13 +99,41 @@ def start(name: str, port: int, mlx_dir: Path, max_conc: int) -> tuple[subproces
         model = "default"
     elif name == "llama_cpp":
         gguf = str(bundled_model_path())
-        cmd = [LLAMA_PYTHON, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
-               "--n_ctx", "8192", "--n_threads", str(os.cpu_count()), "--model_alias", "smollm2"]
+        cmd = [
+            LLAMA_PYTHON,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "8192",
+            "--n_threads",
+            str(os.cpu_count()),
+            "--model_alias",
+            "smollm2",
+        ]
         model = "smollm2"
     else:
-        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir), "--port", str(port),
-               "--decode-concurrency", str(max_conc), "--prompt-concurrency", str(min(max_conc, 8)),
-               "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "server",
+            "--model",
+            str(mlx_dir),
+            "--port",
+            str(port),
+            "--decode-concurrency",
+            str(max_conc),
+            "--prompt-concurrency",
+            str(min(max_conc, 8)),
+            "--log-level",
+            "WARNING",
+        ]
         model = str(mlx_dir)
     log = open(OUT / f"serve_{name}.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=blas_env(), cwd=ROOT)
@@ -114,7 +153,9 @@ def start(name: str, port: int, mlx_dir: Path, max_conc: int) -> tuple[subproces
 
 def prompts(n: int) -> list[str]:
     rng = random.Random(0)
-    return [f"Write a short story that uses these words: {' '.join(rng.choices(WORDS, k=24))}." for _ in range(n)]
+    return [
+        f"Write a short story that uses these words: {' '.join(rng.choices(WORDS, k=24))}." for _ in range(n)
+    ]
 
 
 async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -123,16 +164,23 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
     error = None
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-            stream=True)
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 times.append(time.perf_counter())
     except openai.OpenAIError as e:  # counted, not fatal: a server that drops clients shows it in the table
         error = f"{type(e).__name__}: {e}"
-    return {"ttft": times[0] - t0 if times and not error else None,
-            "itl": [b - a for a, b in zip(times, times[1:], strict=False)] if not error else [],
-            "tokens": len(times) if not error else 0, "error": error}
+    return {
+        "ttft": times[0] - t0 if times and not error else None,
+        "itl": [b - a for a, b in zip(times, times[1:], strict=False)] if not error else [],
+        "tokens": len(times) if not error else 0,
+        "error": error,
+    }
 
 
 def summarize(results: list[dict], wall: float) -> dict:
@@ -143,10 +191,18 @@ def summarize(results: list[dict], wall: float) -> dict:
         return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] * 1000 if xs else None
 
     toks = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "failed": sum(r["error"] is not None for r in results), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
-            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-            "itl_mean_ms": statistics.fmean(itl) * 1000 if itl else None}
+    return {
+        "requests": len(results),
+        "failed": sum(r["error"] is not None for r in results),
+        "tokens": toks,
+        "wall_s": wall,
+        "tok_s": toks / wall,
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50),
+        "itl_p99_ms": pct(itl, 99),
+        "itl_mean_ms": statistics.fmean(itl) * 1000 if itl else None,
+    }
 
 
 async def level(base: str, model: str, conc: int, n_req: int, max_tokens: int, ps: list[str]) -> dict:
@@ -208,13 +264,19 @@ def ms(x: float | None) -> str:
 
 
 def table(report: dict) -> str:
-    rows = ["| server | clients | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | failed |",
-            "|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| server | clients | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | failed |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, data in report["servers"].items():
-        for lv in data["levels"] + [{**data["poisson"], "concurrency": f"Poisson {report['poisson_rate']}/s"}]:
-            rows.append(f"| {name} | {lv['concurrency']} | {lv['tok_s']:.1f} | {ms(lv['ttft_p50_ms'])} / "
-                        f"{ms(lv['ttft_p99_ms'])} | {ms(lv['itl_p50_ms'])} / {ms(lv['itl_p99_ms'])} | "
-                        f"{lv['failed']} of {lv['requests']} |")
+        for lv in data["levels"] + [
+            {**data["poisson"], "concurrency": f"Poisson {report['poisson_rate']}/s"}
+        ]:
+            rows.append(
+                f"| {name} | {lv['concurrency']} | {lv['tok_s']:.1f} | {ms(lv['ttft_p50_ms'])} / "
+                f"{ms(lv['ttft_p99_ms'])} | {ms(lv['itl_p50_ms'])} / {ms(lv['itl_p99_ms'])} | "
+                f"{lv['failed']} of {lv['requests']} |"
+            )
     return "\n".join(rows)
 
 
@@ -226,8 +288,11 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--poisson-rate", type=float, default=1.0, help="arrivals per second")
     ap.add_argument("--poisson-requests", type=int, default=24)
-    ap.add_argument("--llama-python", default=sys.executable,
-                    help="python with llama-cpp-python[server] installed (for --servers ...,llama_cpp)")
+    ap.add_argument(
+        "--llama-python",
+        default=sys.executable,
+        help="python with llama-cpp-python[server] installed (for --servers ...,llama_cpp)",
+    )
     args = ap.parse_args()
     global LLAMA_PYTHON
     LLAMA_PYTHON = args.llama_python
@@ -244,15 +309,20 @@ def main() -> int:
             asyncio.run(level(base, model, 2, 2, 8, ps))  # warm-up
             data = {"levels": []}
             for c in levels:
-                r = asyncio.run(level(base, model, c, max(4, c * args.requests_per_client), args.max_tokens, ps))
+                r = asyncio.run(
+                    level(base, model, c, max(4, c * args.requests_per_client), args.max_tokens, ps)
+                )
                 r["concurrency"] = c
                 data["levels"].append(r)
-                print(f"{name:7s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {ms(r['ttft_p50_ms'])} ms  "
-                      f"p99 {ms(r['ttft_p99_ms'])} ms  ITL p50 {ms(r['itl_p50_ms'])} ms  p99 {ms(r['itl_p99_ms'])} ms  "
-                      f"failed {r['failed']}/{r['requests']}",
-                      flush=True)
-            data["poisson"] = asyncio.run(poisson(base, model, args.poisson_rate, args.poisson_requests,
-                                                  args.max_tokens, ps))
+                print(
+                    f"{name:7s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {ms(r['ttft_p50_ms'])} ms  "
+                    f"p99 {ms(r['ttft_p99_ms'])} ms  ITL p50 {ms(r['itl_p50_ms'])} ms  p99 {ms(r['itl_p99_ms'])} ms  "
+                    f"failed {r['failed']}/{r['requests']}",
+                    flush=True,
+                )
+            data["poisson"] = asyncio.run(
+                poisson(base, model, args.poisson_rate, args.poisson_requests, args.max_tokens, ps)
+            )
             print(f"{name:7s} Poisson {args.poisson_rate}/s: {data['poisson']}", flush=True)
             report["servers"][name] = data
         finally:

@@ -36,7 +36,9 @@ def child(model: str | None, weights: str, runs: int) -> dict:
     rng = random.Random(0)
 
     async def one(prompt, n, marks):
-        req = GenerationRequest(prompt=prompt, max_tokens=n, ignore_eos=True, sampling=SamplingParams(temperature=0))
+        req = GenerationRequest(
+            prompt=prompt, max_tokens=n, ignore_eos=True, sampling=SamplingParams(temperature=0)
+        )
         t0 = time.perf_counter()
         async for ev in engine.generate(req):
             if ev.token_ids:
@@ -83,7 +85,7 @@ def main() -> None:
     lib = openblas_path()
     rows = []
     for weights in ("quantized", "dense"):
-        for preload in ([None, lib] if lib else [None]):
+        for preload in [None, lib] if lib else [None]:
             env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
             if preload:
                 env["LD_PRELOAD"] = preload
@@ -96,7 +98,9 @@ def main() -> None:
     print("| weights | BLAS | prefill 512 (tok/s) | decode, 1 stream (tok/s) | decode, 16 streams (tok/s) |")
     print("|---|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['weights']} | {r['blas'].split(' (')[0]} | {r['prefill']:.0f} | {r['decode']:.1f} | {r['agg16']:.0f} |")
+        print(
+            f"| {r['weights']} | {r['blas'].split(' (')[0]} | {r['prefill']:.0f} | {r['decode']:.1f} | {r['agg16']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -159,24 +159,40 @@ class Engine:
             budget = c.cache_fraction * total_memory_bytes()
         else:
             budget = min(4 * 2**30, 0.15 * total_memory_bytes())
-        num_blocks = KVPool.blocks_for_budget(budget, m.num_layers, m.n_kv_heads, m.head_dim, m.dtype,
-                                              c.kv_bits, c.kv_group_size, c.block_size)
+        num_blocks = KVPool.blocks_for_budget(
+            budget, m.num_layers, m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size, c.block_size
+        )
         # never more than the running sequences could fill at full context
         num_blocks = min(num_blocks, c.max_running * -(-m.context_length // c.block_size) + 1)
         self.pool = KVPool(
-            m.num_layers, num_blocks, c.block_size, m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
+            m.num_layers,
+            num_blocks,
+            c.block_size,
+            m.n_kv_heads,
+            m.head_dim,
+            m.dtype,
+            c.kv_bits,
+            c.kv_group_size,
         )
         self.allocator = BlockAllocator(num_blocks, c.block_size, enable_prefix_cache=c.prefix_cache)
         self.scheduler = Scheduler(
             self.allocator,
-            SchedulerConfig(c.max_batch_tokens, min(c.prefill_chunk, c.max_batch_tokens), c.max_running, c.max_queue),
+            SchedulerConfig(
+                c.max_batch_tokens, min(c.prefill_chunk, c.max_batch_tokens), c.max_running, c.max_queue
+            ),
         )
         self.runner = ModelRunner(m.model, self.pool)
         self.disk = None
         if c.disk_cache_dir and c.prefix_cache:
-            fingerprint = {"model": str(m.path), "size": m.path.stat().st_size if m.path.is_file() else 0,
-                           "weights": m.weight_format, "kv_bits": c.kv_bits, "group": c.kv_group_size,
-                           "block_size": c.block_size, "dtype": str(m.dtype)}
+            fingerprint = {
+                "model": str(m.path),
+                "size": m.path.stat().st_size if m.path.is_file() else 0,
+                "weights": m.weight_format,
+                "kv_bits": c.kv_bits,
+                "group": c.kv_group_size,
+                "block_size": c.block_size,
+                "dtype": str(m.dtype),
+            }
             self.disk = PrefixDiskTier(c.disk_cache_dir, fingerprint, int(c.disk_cache_gb * 2**30))
             self.allocator.on_evict = lambda b, toks: self.disk.save(toks, self.pool.read_block(b))
             self.scheduler.disk_lookup = self._load_prefix_from_disk
@@ -259,7 +275,9 @@ class Engine:
             outbox=self._outbox,
         )
         with self._cv:
-            if request.request_id in self._active or any(a.req.request_id == request.request_id for a in self._inbox):
+            if request.request_id in self._active or any(
+                a.req.request_id == request.request_id for a in self._inbox
+            ):
                 raise RequestError(f"request id {request.request_id!r} is already running", "request_id")
             if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.config.max_queue} waiting)")
@@ -366,7 +384,9 @@ class Engine:
         rows, sampled = [], []
         for rid, n in step.items():
             seq = self._active[rid].seq
-            rows.append(Row(seq.tokens[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.blocks))
+            rows.append(
+                Row(seq.tokens[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.blocks)
+            )
         logits = self.runner.forward(rows)
         for i, (rid, n) in enumerate(step.items()):
             seq = self._active[rid].seq
@@ -392,13 +412,15 @@ class Engine:
             seq = a.seq
             actives.append(a)
             keep.append(i)
-            srows.append(SamplerRow(
-                params=p,
-                rng=a.rng,
-                prompt_ids=seq.tokens[: seq.num_prompt] if penalised else (),
-                output_ids=seq.tokens[seq.num_prompt :] if penalised else (),
-                allowed=allowed,
-            ))
+            srows.append(
+                SamplerRow(
+                    params=p,
+                    rng=a.rng,
+                    prompt_ids=seq.tokens[: seq.num_prompt] if penalised else (),
+                    output_ids=seq.tokens[seq.num_prompt :] if penalised else (),
+                    allowed=allowed,
+                )
+            )
         if not keep:
             return
         sampled = keep
@@ -419,7 +441,11 @@ class Engine:
         lp = []
         if req.sampling.logprobs:
             piece = self.tokenizer.piece
-            lp = [TokenLogprob(tok, piece(tok), float(r.logprob), tuple((t, piece(t), float(v)) for t, v in r.top))]
+            lp = [
+                TokenLogprob(
+                    tok, piece(tok), float(r.logprob), tuple((t, piece(t), float(v)) for t, v in r.top)
+                )
+            ]
         if (tok in self.tokenizer.eos_token_ids and not req.ignore_eos) or tok in req.stop_token_ids:
             a.emit(GenerationEvent(req.request_id, "", [tok], lp))
             self._finish(a, "stop", stop_reason=tok)
@@ -433,7 +459,9 @@ class Engine:
         elif len(seq.tokens) >= seq.max_total:
             self._finish(a, "length")
 
-    def _finish(self, a: _Active, reason: str, error: str | None = None, stop_reason=None, flush: bool = True) -> None:
+    def _finish(
+        self, a: _Active, reason: str, error: str | None = None, stop_reason=None, flush: bool = True
+    ) -> None:
         if a.done:
             return
         a.done = True

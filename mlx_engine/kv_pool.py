@@ -55,17 +55,29 @@ class KVPool:
         )
 
     @staticmethod
-    def bytes_per_token_per_layer(n_kv_heads: int, head_dim: int, dtype: mx.Dtype, kv_bits: int | None, group_size: int = 32) -> int:
+    def bytes_per_token_per_layer(
+        n_kv_heads: int, head_dim: int, dtype: mx.Dtype, kv_bits: int | None, group_size: int = 32
+    ) -> int:
         if kv_bits is None:
             return 2 * n_kv_heads * head_dim * dtype.size
         gs = min(group_size, head_dim)
         return 2 * n_kv_heads * (head_dim * kv_bits // 8 + 2 * (head_dim // gs) * dtype.size)
 
     @staticmethod
-    def blocks_for_budget(budget_bytes: float, num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                          kv_bits: int | None, group_size: int, block_size: int) -> int:
+    def blocks_for_budget(
+        budget_bytes: float,
+        num_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        kv_bits: int | None,
+        group_size: int,
+        block_size: int,
+    ) -> int:
         """How many blocks (the null block included) a KV budget in bytes pays for."""
-        per_token = num_layers * KVPool.bytes_per_token_per_layer(n_kv_heads, head_dim, dtype, kv_bits, group_size)
+        per_token = num_layers * KVPool.bytes_per_token_per_layer(
+            n_kv_heads, head_dim, dtype, kv_bits, group_size
+        )
         return max(2, int(budget_bytes // (per_token * block_size)))
 
     @property

@@ -18,14 +18,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .backend import backend_name
+from .errors import ModelLoadError
 from .resolve import ModelSource, resolve_model
 from .tokenizer import Tokenizer
 
 WEIGHT_FORMATS = ("auto", "dense", "quantized")
-
-
-class ModelLoadError(ValueError):
-    pass
 
 
 @dataclass

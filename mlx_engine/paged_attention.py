@@ -107,7 +107,9 @@ class PagedLayerCache:
 decode_kernel = None
 
 
-def paged_attention(queries, keys, values, cache: PagedLayerCache, scale: float, mask, sinks=None) -> mx.array:
+def paged_attention(
+    queries, keys, values, cache: PagedLayerCache, scale: float, mask, sinks=None
+) -> mx.array:
     """Attention of ``queries`` (B, Hq, L, D) over the sequences' paged KV (already gathered
     into ``keys``/``values`` by ``update_and_fetch``; lazily, so a kernel that reads the pool
     directly makes the gather free)."""
@@ -128,9 +130,21 @@ def _metal_decode(queries, cache: PagedLayerCache, scale: float, sinks) -> mx.ar
     extra = {}
     if pool.kv_bits is not None:
         (k, ks, kb), (v, vs, vb) = k, v
-        extra = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=pool.kv_bits, group_size=pool.group_size)
-    out = paged_decode_attention(queries[:, :, 0, :], k, v, layout.table, layout.context_lens, scale=scale,
-                                 sinks=sinks, block_size=pool.block_size, backend=_kernel_backend, **extra)
+        extra = dict(
+            k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=pool.kv_bits, group_size=pool.group_size
+        )
+    out = paged_decode_attention(
+        queries[:, :, 0, :],
+        k,
+        v,
+        layout.table,
+        layout.context_lens,
+        scale=scale,
+        sinks=sinks,
+        block_size=pool.block_size,
+        backend=_kernel_backend,
+        **extra,
+    )
     return out[:, :, None, :]
 
 
@@ -164,5 +178,8 @@ def install() -> None:
     if _ORIGINAL_SDPA is None:
         _ORIGINAL_SDPA = base.scaled_dot_product_attention
     for name, mod in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(mod, "scaled_dot_product_attention", None) is not None:
+        if (
+            name.startswith("mlx_lm.models.")
+            and getattr(mod, "scaled_dot_product_attention", None) is not None
+        ):
             mod.scaled_dot_product_attention = _dispatching_sdpa

@@ -11,15 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .errors import RequestError
+
 _ids = itertools.count()
-
-
-class RequestError(ValueError):
-    """A request the engine refuses: the message says what is wrong and which field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -61,7 +55,10 @@ class SamplingParams:
         if self.logit_bias:
             for tok, b in self.logit_bias.items():
                 if vocab_size is not None and not 0 <= int(tok) < vocab_size:
-                    raise bad(f"logit_bias token id {tok} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias")
+                    raise bad(
+                        f"logit_bias token id {tok} is outside the vocabulary (0..{vocab_size - 1})",
+                        "logit_bias",
+                    )
                 if not math.isfinite(b) or not -100 <= b <= 100:
                     raise bad("logit_bias values must be in [-100, 100]", "logit_bias")
 

@@ -13,12 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ModelNotFoundError
+
 BUNDLED_NAME = "SmolLM2-135M-Instruct-Q4_1"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -52,13 +50,17 @@ def resolve_model(spec: str | os.PathLike | None) -> ModelSource:
     path = Path(os.path.expanduser(str(spec)))
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ModelNotFoundError(f"{path} is a file but not a .gguf model; pass a GGUF file or a model directory")
+            raise ModelNotFoundError(
+                f"{path} is a file but not a .gguf model; pass a GGUF file or a model directory"
+            )
         return ModelSource("gguf", path, path.stem)
     if path.is_dir():
         return _from_dir(path, path.name)
     if _looks_like_repo_id(str(spec)) and not path.exists():
         return _from_dir(download(str(spec)), str(spec))
-    raise ModelNotFoundError(f"model not found: {spec!s} is neither a local file or directory nor an HF repo id (owner/name)")
+    raise ModelNotFoundError(
+        f"model not found: {spec!s} is neither a local file or directory nor an HF repo id (owner/name)"
+    )
 
 
 def _from_dir(path: Path, name: str) -> ModelSource:
@@ -70,7 +72,9 @@ def _from_dir(path: Path, name: str) -> ModelSource:
     if len(ggufs) == 1:
         return ModelSource("gguf", ggufs[0], name)
     if ggufs:
-        raise ModelNotFoundError(f"{path} holds several GGUF files; pass one: {', '.join(g.name for g in ggufs)}")
+        raise ModelNotFoundError(
+            f"{path} holds several GGUF files; pass one: {', '.join(g.name for g in ggufs)}"
+        )
     raise ModelNotFoundError(f"{path} is not a model directory (no config.json + safetensors, no .gguf)")
 
 
@@ -106,8 +110,10 @@ def cached_models() -> list[str]:
         if repo.repo_type != "model":
             continue
         files = {f.file_name for rev in repo.revisions for f in rev.files}
-        if "config.json" in files and any(f.endswith(".safetensors") for f in files) or any(
-            f.endswith(".gguf") for f in files
+        if (
+            "config.json" in files
+            and any(f.endswith(".safetensors") for f in files)
+            or any(f.endswith(".gguf") for f in files)
         ):
             out.append(repo.repo_id)
     return sorted(out)

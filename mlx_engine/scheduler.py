@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_allocator import BlockAllocator
+from .errors import QueueFullError
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -56,10 +57,6 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # largest prefill piece of one sequence in a step
     max_running: int = 64
     max_queue: int = 256
-
-
-class QueueFullError(RuntimeError):
-    pass
 
 
 class Scheduler:
@@ -105,8 +102,11 @@ class Scheduler:
         """Give ``seq`` writable blocks for its next ``n`` tokens; False when blocks ran out."""
         end = -(-(seq.num_computed + n) // self.bs)  # blocks the sequence spans after this step
         need = max(end - len(seq.blocks), 0)
-        shared = [i for i in range(seq.num_computed // self.bs, min(end, len(seq.blocks)))
-                  if self.alloc.ref[seq.blocks[i]] > 1]
+        shared = [
+            i
+            for i in range(seq.num_computed // self.bs, min(end, len(seq.blocks)))
+            if self.alloc.ref[seq.blocks[i]] > 1
+        ]
         if need + len(shared) > self.alloc.num_free:
             return False
         for i in shared:  # copy-on-write

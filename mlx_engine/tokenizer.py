@@ -17,15 +17,13 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from .errors import TemplateError
+
 # Used when a model ships no chat template: ChatML, what most small instruct models speak.
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-class TemplateError(ValueError):
-    pass
 
 
 def _raise(message: str) -> None:
@@ -92,9 +90,7 @@ class Tokenizer:
 
     @cached_property
     def special_ids(self) -> frozenset[int]:
-        return frozenset(
-            i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special
-        )
+        return frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
 
     def piece(self, token_id: int) -> str:
         """A single token's text as it would appear in isolation (for logprobs)."""
@@ -112,7 +108,9 @@ class Tokenizer:
                 raise TemplateError("each message needs a 'role'")
             content = m.get("content")
             if isinstance(content, list):  # OpenAI content parts
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+                content = "".join(
+                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+                )
             norm.append({**m, "content": content if content is not None else ""})
         try:
             return self._template.render(
@@ -150,7 +148,9 @@ class Tokenizer:
 
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates; take the default
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+            template = next(
+                (t["template"] for t in template if t.get("name") == "default"), template[0]["template"]
+            )
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
         if template is None and (path / "chat_template.json").exists():

@@ -13,8 +13,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def duet(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
 
 
 def test_version():
@@ -23,15 +24,41 @@ def test_version():
 
 
 def test_generate_json_with_tiny_model(tiny_dirs):
-    r = duet("generate", "--model", str(tiny_dirs("llama")), "--prompt", "Hello world", "--max-tokens", "6",
-             "--json", "--seed", "3", "--temperature", "0.8")
+    r = duet(
+        "generate",
+        "--model",
+        str(tiny_dirs("llama")),
+        "--prompt",
+        "Hello world",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--seed",
+        "3",
+        "--temperature",
+        "0.8",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) == out["usage"]["completion_tokens"] <= 6
     assert out["finish_reason"] in ("stop", "length")
     assert out["usage"]["prompt_tokens"] > 0
-    again = json.loads(duet("generate", "--model", str(tiny_dirs("llama")), "--prompt", "Hello world",
-                            "--max-tokens", "6", "--json", "--seed", "3", "--temperature", "0.8").stdout)
+    again = json.loads(
+        duet(
+            "generate",
+            "--model",
+            str(tiny_dirs("llama")),
+            "--prompt",
+            "Hello world",
+            "--max-tokens",
+            "6",
+            "--json",
+            "--seed",
+            "3",
+            "--temperature",
+            "0.8",
+        ).stdout
+    )
     assert again["token_ids"] == out["token_ids"]  # same seed, same request -> same tokens
 
 

@@ -151,8 +151,11 @@ def test_engine_end_to_end_answers(bundled):
     from mlx_engine.request import GenerationRequest, SamplingParams
 
     engine = Engine(bundled, EngineConfig(cache_gb=0.25))
-    req = GenerationRequest(messages=[{"role": "user", "content": "What is the capital of France?"}],
-                            max_tokens=24, sampling=SamplingParams(temperature=0))
+    req = GenerationRequest(
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        sampling=SamplingParams(temperature=0),
+    )
 
     async def go():
         text, last = [], None

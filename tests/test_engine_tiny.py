@@ -26,7 +26,9 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     from mlx_lm.generate import generate_step
 
     out = []
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)):
+    for tok, _ in generate_step(
+        mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+    ):
         out.append(int(tok))
     return out
 
@@ -250,13 +252,24 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_dirs):
     engine = Engine(loaded, EngineConfig(cache_gb=0.01))
     try:
         alone = asyncio.run(run_all(engine, [mine]))[0]
-        others = [GenerationRequest(prompt=p, max_tokens=16, ignore_eos=True,
-                                    sampling=SamplingParams(temperature=0.7, top_k=5, seed=i)) for i, p in enumerate(ps[1:])]
+        others = [
+            GenerationRequest(
+                prompt=p,
+                max_tokens=16,
+                ignore_eos=True,
+                sampling=SamplingParams(temperature=0.7, top_k=5, seed=i),
+            )
+            for i, p in enumerate(ps[1:])
+        ]
         mine2 = GenerationRequest(prompt=ps[0], max_tokens=16, sampling=sp, ignore_eos=True)
         batched = asyncio.run(run_all(engine, [*others, mine2]))[-1]
         assert batched == alone
-        other_seed = GenerationRequest(prompt=ps[0], max_tokens=16, ignore_eos=True,
-                                       sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=99))
+        other_seed = GenerationRequest(
+            prompt=ps[0],
+            max_tokens=16,
+            ignore_eos=True,
+            sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=99),
+        )
         assert asyncio.run(run_all(engine, [other_seed]))[0] != alone
     finally:
         engine.shutdown()
@@ -280,8 +293,13 @@ def test_stop_strings_logprobs_and_usage_through_the_engine(tiny_dirs):
         assert text == tok.decode([t for e in free for t in e.token_ids])
         stop = text[5:8]
         assert stop
-        r2 = GenerationRequest(prompt=p, max_tokens=20, sampling=SamplingParams(temperature=0, logprobs=True,
-                               top_logprobs=3), stop=[stop], ignore_eos=True)
+        r2 = GenerationRequest(
+            prompt=p,
+            max_tokens=20,
+            sampling=SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
+            stop=[stop],
+            ignore_eos=True,
+        )
         evs = asyncio.run(collect(r2))
         out = "".join(e.text for e in evs)
         assert out == text[: text.index(stop)] and stop not in out
@@ -302,8 +320,14 @@ def test_n_choices_share_the_prompt_copy_on_write(tiny_dirs, prompt_len):
     (p,) = prompts(loaded.tokenizer.vocab_size, [prompt_len], seed=11)
 
     def choice(i, **kw):
-        return GenerationRequest(prompt=p, max_tokens=20, ignore_eos=True, request_id=f"c{i}-{kw}",
-                                 sampling=SamplingParams(temperature=1.0, seed=100 + i), **kw)
+        return GenerationRequest(
+            prompt=p,
+            max_tokens=20,
+            ignore_eos=True,
+            request_id=f"c{i}-{kw}",
+            sampling=SamplingParams(temperature=1.0, seed=100 + i),
+            **kw,
+        )
 
     engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, prefix_cache=False))
     try:
@@ -311,9 +335,14 @@ def test_n_choices_share_the_prompt_copy_on_write(tiny_dirs, prompt_len):
         assert len({tuple(a) for a in alone}) == 4, "the seeds should give different samples"
         processed = []
         forward = engine.runner.forward
-        engine.runner.forward = lambda rows: (processed.append(sum(len(r.tokens) for r in rows)), forward(rows))[1]
+        engine.runner.forward = lambda rows: (
+            processed.append(sum(len(r.tokens) for r in rows)),
+            forward(rows),
+        )[1]
         lead = choice(0, fork_of=None)
-        forked = asyncio.run(run_all(engine, [lead] + [choice(i, fork_of=lead.request_id) for i in range(1, 4)]))
+        forked = asyncio.run(
+            run_all(engine, [lead] + [choice(i, fork_of=lead.request_id) for i in range(1, 4)])
+        )
         assert forked == alone
         # the prompt is computed once; each other choice recomputes only its last token
         assert sum(processed) == prompt_len + 3 + 4 * 19

@@ -47,8 +47,10 @@ def test_mixed_decode_and_prefill_step_updates_pool_in_place(runner):
     runner.forward([Row(prompts[i], 0, tables[i]) for i in range(2)])
 
     def mixed_step():  # two decode rows and two prefill rows: two passes in one step
-        runner.forward([Row([7], 40, tables[0]), Row([9], 40, tables[1])]
-                       + [Row(prompts[i], 0, tables[i]) for i in (2, 3)])
+        runner.forward(
+            [Row([7], 40, tables[0]), Row([9], 40, tables[1])]
+            + [Row(prompts[i], 0, tables[i]) for i in (2, 3)]
+        )
 
     grew = peak_growth(mixed_step)
     assert grew < layer_array_bytes(runner.pool), f"a step allocated {grew} bytes: the KV pool was copied"

@@ -17,15 +17,21 @@ from mlx_engine.block_allocator import BlockAllocator
 from mlx_engine.scheduler import FINISHED, RUNNING, Scheduler, SchedulerConfig, Sequence
 
 BS = 4
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9],
+    [1, 2, 3, 4, 9, 9],
+    [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5],
+]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.alloc = BlockAllocator(num_blocks=20, block_size=BS)
-        self.sched = Scheduler(self.alloc, SchedulerConfig(max_batch_tokens=12, prefill_chunk=5,
-                                                           max_running=6, max_queue=100))
+        self.sched = Scheduler(
+            self.alloc, SchedulerConfig(max_batch_tokens=12, prefill_chunk=5, max_running=6, max_queue=100)
+        )
         self.kv: dict[int, list[int | None]] = {b: [None] * BS for b in range(self.alloc.num_blocks)}
         self.seqs: dict[str, Sequence] = {}
         self.n = 0

@@ -41,12 +41,16 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def aclient_factory(server):
-    return lambda: openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
+    return lambda: openai.AsyncOpenAI(
+        base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120
+    )
 
 
 def post(server, path: str, body, **kw) -> httpx.Response:
     if isinstance(body, str | bytes):
-        return httpx.post(server.base + path, content=body, headers={"content-type": "application/json"}, timeout=60, **kw)
+        return httpx.post(
+            server.base + path, content=body, headers={"content-type": "application/json"}, timeout=60, **kw
+        )
     return httpx.post(server.base + path, json=body, timeout=60, **kw)
 
 
@@ -102,7 +106,9 @@ def test_async_client_streaming_and_not(aclient_factory):
     async def run():
         async with aclient_factory() as ac:
             r = await ac.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
-            s = await ac.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0, stream=True)
+            s = await ac.chat.completions.create(
+                model=MODEL, messages=USER, max_tokens=6, temperature=0, stream=True
+            )
             text = "".join([c.choices[0].delta.content or "" async for c in s])
             c = await ac.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
             return r, text, c
@@ -113,8 +119,9 @@ def test_async_client_streaming_and_not(aclient_factory):
 
 
 def test_max_completion_tokens_and_ignore_eos_extension(client):
-    r = client.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=5, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
 
 
@@ -124,11 +131,13 @@ def test_stop_strings(client):
     stop = text[6:8]
     assert stop and len(stop) == 2
     first = text.index(stop)
-    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0,
-                                  stop=[stop, "\u2603never"])
+    r = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0, stop=[stop, "\u2603never"]
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:first]
-    s = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0, stop=stop,
-                                  stream=True)
+    s = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0, stop=stop, stream=True
+    )
     chunks = list(s)
     assert "".join(c.choices[0].text for c in chunks) == text[:first]
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -147,32 +156,50 @@ def test_seed_and_n(client):
     assert a.usage.prompt_tokens == one.usage.prompt_tokens  # the shared prompt counts once
     # streamed n: every choice gets its role chunk, its text and its finish reason
     chunks = list(client.chat.completions.create(**kw, stream=True))
-    got = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(3)}
+    got = {
+        i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+        for i in range(3)
+    }
     assert [got[i] for i in range(3)] == texts
     assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2]
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0, logprobs=True,
-                                       top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 6
     for t in content:
         assert len(t.top_logprobs) == 3 and t.logprob <= 0
         lps = [x.logprob for x in t.top_logprobs]
         assert lps == sorted(lps, reverse=True)
-        assert t.token == t.top_logprobs[0].token and t.logprob == pytest.approx(lps[0])  # greedy takes the best
+        assert t.token == t.top_logprobs[0].token and t.logprob == pytest.approx(
+            lps[0]
+        )  # greedy takes the best
         assert bytes(t.bytes).decode("utf-8", "replace") == t.token
-    s = list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0, logprobs=True,
-                                            top_logprobs=3, stream=True))
+    s = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+        )
+    )
     streamed = [t.token for c in s if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert streamed == [t.token for t in content]
 
 
 def test_completions_prompts_n_echo_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt=["Hello world", "def add(a, b):"], n=2, max_tokens=5,
-                                  temperature=0.8, seed=7)
-    assert [c.index for c in r.choices] == [0, 1, 2, 3] and all(c.finish_reason == "length" for c in r.choices)
+    r = client.completions.create(
+        model=MODEL, prompt=["Hello world", "def add(a, b):"], n=2, max_tokens=5, temperature=0.8, seed=7
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and all(
+        c.finish_reason == "length" for c in r.choices
+    )
     assert r.usage.completion_tokens == 20
     ids = client.completions.create(model=MODEL, prompt=[72, 101, 108], max_tokens=3, temperature=0)
     assert ids.usage.prompt_tokens == 3
@@ -187,16 +214,25 @@ def test_completions_prompts_n_echo_logprobs(client):
 
 
 def test_logit_bias_forces_a_token(client):
-    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logit_bias={"70": 100},
-                                  logprobs=0)
+    r = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logit_bias={"70": 100}, logprobs=0
+    )
     toks = r.choices[0].logprobs.tokens
     assert len(toks) == 5 and len(set(toks)) == 1
 
 
 def test_penalties_and_sampling_extensions_accepted(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=6, temperature=0.7, top_p=0.9, presence_penalty=0.5,
-        frequency_penalty=0.5, seed=-3, user="someone", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
+        model=MODEL,
+        messages=USER,
+        max_tokens=6,
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        seed=-3,
+        user="someone",
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
     )
     assert r.usage.completion_tokens == 6
     # a strong frequency penalty changes what greedy decoding repeats
@@ -218,7 +254,12 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 300
         ("/v1/chat/completions", "[1, 2]", 400, None),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "temperature": "hot"},
+            400,
+            "temperature",
+        ),
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "temperature": 3}, 400, "temperature"),
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 0}, 400, "n"),
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 1000}, 400, "n"),
@@ -226,20 +267,65 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 300
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 10**6}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": USER}, 404, "model"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": LONG}]},
+            400,
+            "messages",
+        ),
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}},
-         400, "response_format.json_schema"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
-         400, "response_format.json_schema.schema"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "stream_options": {"include_usage": True}},
-         400, "stream_options"),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+            400,
+            "messages[0].content[0].type",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "logit_bias": {"abc": 1}},
+            400,
+            "logit_bias",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "logit_bias": {"99999": 1}},
+            400,
+            "logit_bias",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}},
+            400,
+            "response_format.json_schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": USER,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "no-such-type"}},
+                },
+            },
+            400,
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "tool_choice": "required"},
+            400,
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
@@ -283,13 +369,15 @@ PERSON = {
 
 def test_json_schema_output_always_parses(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=11, n=4,
-                                       response_format=fmt)
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=11, n=4, response_format=fmt
+    )
     for ch in r.choices:
         assert ch.finish_reason == "stop", ch.message.content
         jsonschema.validate(json.loads(ch.message.content), PERSON)
-    s = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=5,
-                                       response_format=fmt, stream=True)
+    s = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=5, response_format=fmt, stream=True
+    )
     jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in s)), PERSON)
     # without the grammar the same sampling does not give JSON
     free = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=40, temperature=1.0, seed=11)
@@ -298,9 +386,15 @@ def test_json_schema_output_always_parses(client):
 
 
 def test_json_object_mode(client):
-    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=300, temperature=0.7, seed=2,
-                                       response_format={"type": "json_object"},
-                                       extra_body={"logit_bias": {"95": 5}})  # "}" a bit likelier: ends sooner
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=300,
+        temperature=0.7,
+        seed=2,
+        response_format={"type": "json_object"},
+        extra_body={"logit_bias": {"95": 5}},
+    )  # "}" a bit likelier: ends sooner
     ch = r.choices[0]
     if ch.finish_reason == "stop":
         assert isinstance(json.loads(ch.message.content), dict)
@@ -310,13 +404,26 @@ def test_json_object_mode(client):
 
 # --- tools -------------------------------------------------------------------------------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "now",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
 
 
 def _check_call(call, tools):
@@ -327,22 +434,44 @@ def _check_call(call, tools):
 
 def test_tool_choice_required_and_named(client):
     tools = [WEATHER, CLOCK]
-    r = client.chat.completions.create(model=MODEL, messages=USER, tools=tools, tool_choice="required", max_tokens=120,
-                                       temperature=0.8, seed=4, parallel_tool_calls=False)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=tools,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0.8,
+        seed=4,
+        parallel_tool_calls=False,
+    )
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None
     assert len(ch.message.tool_calls) == 1
     _check_call(ch.message.tool_calls[0], tools)
-    named = client.chat.completions.create(model=MODEL, messages=USER, tools=tools, max_tokens=120, temperature=0.8,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=tools,
+        max_tokens=120,
+        temperature=0.8,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     _check_call(call, tools)
 
 
 def test_tool_calls_stream_in_delta_format(client):
-    s = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="required",
-                                       max_tokens=120, temperature=0.8, seed=9, stream=True)
+    s = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0.8,
+        seed=9,
+        stream=True,
+    )
     calls: dict[int, dict] = {}
     finish = None
     for c in s:
@@ -365,14 +494,27 @@ def test_tools_reach_the_template_and_tool_turns_render(client):
     plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1)
     with_tools = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], max_tokens=1)
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
-    none = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=1)
+    none = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=1
+    )
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
     history = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
     ]
-    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], max_tokens=4, temperature=0
+    )
     assert r.usage.prompt_tokens > with_tools.usage.prompt_tokens + 10
     assert r.choices[0].finish_reason in ("length", "stop")
 
@@ -383,7 +525,10 @@ def test_tools_reach_the_template_and_tool_turns_render(client):
 def cancelled(server, endpoint: str) -> float:
     for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics").text):
         for s in fam.samples:
-            if s.name == "duet_requests_total" and s.labels == {"endpoint": endpoint, "finish_reason": "cancelled"}:
+            if s.name == "duet_requests_total" and s.labels == {
+                "endpoint": endpoint,
+                "finish_reason": "cancelled",
+            }:
                 return s.value
     return 0.0
 
@@ -425,8 +570,15 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_blocks(server)
 def test_64_concurrent_streaming_clients(aclient_factory, server):
     async def one(ac, i):
         s = await ac.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Client {i} says hello."}], max_tokens=12,
-            temperature=0.5, seed=i, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Client {i} says hello."}],
+            max_tokens=12,
+            temperature=0.5,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, usage, finish = "", None, None
         async for c in s:
             if c.choices:
@@ -451,8 +603,13 @@ def test_64_concurrent_streaming_clients(aclient_factory, server):
 def test_metrics_exposed(server, client):
     client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
     m = server.metrics()
-    for name in ("duet_time_to_first_token_seconds_count", "duet_inter_token_latency_seconds_count",
-                 "duet_prompt_tokens_total", "duet_generation_tokens_total", "duet_cached_prompt_tokens_total"):
+    for name in (
+        "duet_time_to_first_token_seconds_count",
+        "duet_inter_token_latency_seconds_count",
+        "duet_prompt_tokens_total",
+        "duet_generation_tokens_total",
+        "duet_cached_prompt_tokens_total",
+    ):
         assert m[name] > 0, name
     assert m["duet_kv_blocks_total"] == m["duet_kv_blocks_used"] + m["duet_kv_blocks_free"]
     assert 0 < m["duet_prefix_cache_hit_rate"] <= 1
@@ -467,8 +624,18 @@ def test_metrics_exposed(server, client):
 def small_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-small")
     path = tiny_model(root / "tiny-small")
-    srv = ServerProcess(path, root / "server.log", "--cache-gb", "0.01", "--max-running", "1", "--max-queue", "1",
-                        "--api-key", "sekret")
+    srv = ServerProcess(
+        path,
+        root / "server.log",
+        "--cache-gb",
+        "0.01",
+        "--max-running",
+        "1",
+        "--max-queue",
+        "1",
+        "--api-key",
+        "sekret",
+    )
     yield srv
     srv.stop()
 
@@ -488,7 +655,13 @@ def test_full_queue_is_429_with_retry_after(small_server):
     headers = {"Authorization": "Bearer sekret"}
 
     def body(n_out):
-        return {"model": "tiny-small", "prompt": "Hello", "max_tokens": n_out, "ignore_eos": True, "stream": True}
+        return {
+            "model": "tiny-small",
+            "prompt": "Hello",
+            "max_tokens": n_out,
+            "ignore_eos": True,
+            "stream": True,
+        }
 
     async def run():
         async with httpx.AsyncClient(base_url=small_server.base, headers=headers, timeout=60) as c:
@@ -510,8 +683,13 @@ def test_full_queue_is_429_with_retry_after(small_server):
 def test_sigterm_ends_open_streams_with_an_error_chunk(small_server):
     body = {"model": "tiny-small", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     lines = []
-    with httpx.stream("POST", small_server.base + "/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": "Bearer sekret"}) as r:
+    with httpx.stream(
+        "POST",
+        small_server.base + "/v1/completions",
+        json=body,
+        timeout=60,
+        headers={"Authorization": "Bearer sekret"},
+    ) as r:
         it = r.iter_lines()
         while len([x for x in lines if x.startswith("data: {")]) < 3:
             lines.append(next(it))

@@ -15,13 +15,28 @@ from tests.test_server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 20}},
-                                                "required": ["city"], "additionalProperties": False}}}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +48,35 @@ def client(tmp_path_factory):
 
 def test_bundled_model_answers(client):
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct-Q4_1"
-    r = client.chat.completions.create(model="default", temperature=0, max_tokens=16,
-                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    r = client.chat.completions.create(
+        model="default",
+        temperature=0,
+        max_tokens=16,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
 
 
 def test_bundled_model_json_schema_and_forced_tool_call(client):
     r = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct-Q4_1", temperature=0, max_tokens=40,
+        model="SmolLM2-135M-Instruct-Q4_1",
+        temperature=0,
+        max_tokens=40,
         messages=[{"role": "user", "content": "Describe a person as JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
-    t = client.chat.completions.create(model="default", temperature=0, max_tokens=40, tools=[WEATHER],
-                                       tool_choice="required",
-                                       messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    t = client.chat.completions.create(
+        model="default",
+        temperature=0,
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice="required",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+    )
     (call,) = t.choices[0].message.tool_calls
     assert t.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}

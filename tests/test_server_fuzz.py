@@ -26,8 +26,13 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=12,
 )
-FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +111,22 @@ def test_fuzz_schema_bodies(http, spec, path, mode):
 
 
 def test_fuzz_broken_bodies(http, spec):
-    base = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-            "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 3}}
+    base = {
+        "/v1/chat/completions": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+        },
+        "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 3},
+    }
     comps = spec["components"]["schemas"]
-    fields = {p: sorted(comps[n]["properties"]) for p, n in
-              (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"))}
+    fields = {
+        p: sorted(comps[n]["properties"])
+        for p, n in (
+            ("/v1/chat/completions", "ChatCompletionRequest"),
+            ("/v1/completions", "CompletionRequest"),
+        )
+    }
 
     @st.composite
     def broken(draw):

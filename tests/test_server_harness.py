@@ -24,7 +24,7 @@ TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
-    "Call a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n"
+    'Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n'
     "{% endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'system' and tools and loop.first %}"
@@ -62,8 +62,13 @@ class ServerProcess:
         if model is not None:
             cmd += ["--model", str(model)]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=Path(__file__).resolve().parent.parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

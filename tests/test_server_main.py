@@ -11,9 +11,20 @@ from app.server import main
 from app.server.main import is_loopback, model_aliases
 
 
-@pytest.mark.parametrize("host, loop", [("127.0.0.1", True), ("127.3.4.5", True), ("localhost", True), ("::1", True),
-                                        ("[::1]", True), ("0.0.0.0", False), ("192.168.1.2", False), ("::", False),
-                                        ("example.org", False)])
+@pytest.mark.parametrize(
+    "host, loop",
+    [
+        ("127.0.0.1", True),
+        ("127.3.4.5", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("192.168.1.2", False),
+        ("::", False),
+        ("example.org", False),
+    ],
+)
 def test_is_loopback(host, loop):
     assert is_loopback(host) is loop
 

@@ -30,14 +30,21 @@ def stream_parse(text: str, seed: int) -> tuple[str, list]:
     [
         ("plain answer, no calls", "plain answer, no calls", []),
         (CALL_A, None, [("get_weather", {"city": "Paris", "unit": "c"})]),
-        ("Let me check.\n" + CALL_A + "\n" + CALL_B, "Let me check.\n", [
-            ("get_weather", {"city": "Paris", "unit": "c"}), ("now", {})]),
+        (
+            "Let me check.\n" + CALL_A + "\n" + CALL_B,
+            "Let me check.\n",
+            [("get_weather", {"city": "Paris", "unit": "c"}), ("now", {})],
+        ),
         # arguments already JSON-encoded as a string, and the "parameters" spelling
         ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [("f", {"x": 1})]),
         ('<tool_call>{"name": "f", "parameters": {"x": [1, 2]}}</tool_call>', None, [("f", {"x": [1, 2]})]),
         # unclosed block whose body parses (EOS right after the JSON)
         ('<tool_call>\n{"name": "f", "arguments": {"q": "a<b"}}\n', None, [("f", {"q": "a<b"})]),
-        ('<tool_call>{"name": "f", "arguments": {}}\n</tool_c', None, [("f", {})]),  # close tag cut by max_tokens
+        (
+            '<tool_call>{"name": "f", "arguments": {}}\n</tool_c',
+            None,
+            [("f", {})],
+        ),  # close tag cut by max_tokens
         # not a call: stays content verbatim
         ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
         ("a < b and <tool_ca", "a < b and <tool_ca", []),
@@ -69,6 +76,12 @@ def test_stream_holds_back_only_possible_tags():
 def test_tools_prompt_for_templates_without_tools():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     msgs = _with_tools_prompt([{"role": "user", "content": "hi"}], tools)
-    assert msgs[0]["role"] == "system" and '"name": "f"' in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
-    msgs = _with_tools_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools)
+    assert (
+        msgs[0]["role"] == "system"
+        and '"name": "f"' in msgs[0]["content"]
+        and "<tool_call>" in msgs[0]["content"]
+    )
+    msgs = _with_tools_prompt(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools
+    )
     assert len(msgs) == 2 and msgs[0]["content"].startswith("Be brief.") and "<tools>" in msgs[0]["content"]

@@ -28,8 +28,10 @@ def data_dir(tmp_path, monkeypatch):
 
 
 def make_app(model) -> ChatApp:
-    return ChatApp(None if model is None else str(model),
-                   load_backend=partial(LocalBackend.load, config=EngineConfig(cache_gb=0.02)))
+    return ChatApp(
+        None if model is None else str(model),
+        load_backend=partial(LocalBackend.load, config=EngineConfig(cache_gb=0.02)),
+    )
 
 
 async def until(pilot, cond, timeout: float = 30.0, what: str = "condition"):
@@ -60,7 +62,9 @@ async def reply_done(pilot):
 
 async def greedy_reference(engine, messages, max_tokens) -> str:
     out = []
-    req = GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+    req = GenerationRequest(
+        messages=messages, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0)
+    )
     async for ev in engine.generate(req):
         out.append(ev.text)
     return "".join(out)
@@ -88,7 +92,9 @@ async def test_send_message_streams_reply_and_saves(tiny_dirs, data_dir, monkeyp
         assert reply.role == "assistant" and reply.content
         assert len(appended) > 1, "the reply arrived in one piece instead of streaming token by token"
         assert "".join(appended) == reply.content
-        expected = await greedy_reference(app.backend.engine, [{"role": "user", "content": "Hello there"}], 24)
+        expected = await greedy_reference(
+            app.backend.engine, [{"role": "user", "content": "Hello there"}], 24
+        )
         assert reply.content == expected
         views = app.query(MessageView)
         assert [v.role for v in views] == ["user", "assistant"]
@@ -116,8 +122,11 @@ async def test_escape_stops_mid_stream_and_frees_the_engine(tiny_dirs, data_dir)
         await type_and_send(pilot, "/max 1500")
         await type_and_send(pilot, "/temp 0")  # greedy: this tiny model's reply runs all 1500 tokens
         await type_and_send(pilot, "Write a very long story")
-        await until(pilot, lambda: len(app.conv.messages) == 2 and len(app.conv.messages[-1].content) > 5,
-                    what="some streamed text")
+        await until(
+            pilot,
+            lambda: len(app.conv.messages) == 2 and len(app.conv.messages[-1].content) > 5,
+            what="some streamed text",
+        )
         await pilot.press("escape")
         await reply_done(pilot)
         reply = app.conv.messages[-1]
@@ -125,8 +134,11 @@ async def test_escape_stops_mid_stream_and_frees_the_engine(tiny_dirs, data_dir)
         assert 5 < len(reply.content)
         assert app.query(MessageView).last().query_one(".meta").render().plain == "stopped"
         engine = app.backend.engine
-        await until(pilot, lambda: engine.stats().running == 0 and engine.allocator.num_used == 0,
-                    what="the engine to drop the cancelled request")
+        await until(
+            pilot,
+            lambda: engine.stats().running == 0 and engine.allocator.num_used == 0,
+            what="the engine to drop the cancelled request",
+        )
         assert engine.stats().steps < 1500, "the request ran to max_tokens instead of stopping"
         # the app keeps working after a stop (in a new chat: how long the stopped reply grew depends
         # on timing, and with it the history could outgrow the tiny model's 2048-token context)

@@ -57,8 +57,11 @@ async def test_chat_through_the_server(server, data_dir):
         await reply_done(pilot)
         reply = app.conv.messages[-1]
         expected = []
-        req = GenerationRequest(messages=[{"role": "user", "content": "Hello server"}], max_tokens=16,
-                                sampling=SamplingParams(temperature=0.0))
+        req = GenerationRequest(
+            messages=[{"role": "user", "content": "Hello server"}],
+            max_tokens=16,
+            sampling=SamplingParams(temperature=0.0),
+        )
         async for ev in engine.generate(req):
             expected.append(ev.text)
         assert reply.content == "".join(expected)
@@ -70,7 +73,9 @@ async def test_chat_through_the_server(server, data_dir):
         await type_and_send(pilot, "/new")
         await type_and_send(pilot, "/max 1500")
         await type_and_send(pilot, "Write a very long story")  # greedy: runs all 1500 tokens on this model
-        await until(pilot, lambda: len(app.conv.messages[-1].content) > 5 and app.generating, what="streamed text")
+        await until(
+            pilot, lambda: len(app.conv.messages[-1].content) > 5 and app.generating, what="streamed text"
+        )
         await pilot.press("escape")
         await reply_done(pilot)
         assert app.conv.messages[-1].meta == "stopped"
@@ -89,4 +94,6 @@ async def test_unreachable_server_is_a_clear_error(data_dir):
     app = remote_app(f"http://127.0.0.1:{port}")
     async with app.run_test() as pilot:
         await until(pilot, lambda: isinstance(app.screen, ErrorScreen), what="the error screen")
-        assert f"cannot reach the server at http://127.0.0.1:{port}/v1" in str(app.screen.query_one("#message").render())
+        assert f"cannot reach the server at http://127.0.0.1:{port}/v1" in str(
+            app.screen.query_one("#message").render()
+        )

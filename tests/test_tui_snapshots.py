@@ -55,8 +55,13 @@ def chat_app(tiny_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()
     monkeypatch.setattr("app.tui.app.cached_models", lambda: ["HuggingFaceTB/SmolLM2-360M-Instruct"])
-    older = Conversation(id="ba9876543210", title="Trip to Lyon", created=1_699_000_000.0, updated=1_699_000_000.0,
-                         messages=[Message("user", "Plan a day in Lyon")])
+    older = Conversation(
+        id="ba9876543210",
+        title="Trip to Lyon",
+        created=1_699_000_000.0,
+        updated=1_699_000_000.0,
+        messages=[Message("user", "Plan a day in Lyon")],
+    )
     conv_dir = Store().conv_dir
     conv_dir.mkdir(parents=True)
     for c in (conversation(), older):  # written directly: Store.save would stamp the current time

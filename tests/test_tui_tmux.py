@@ -34,7 +34,9 @@ class Tmux:
         self.target = f"{name}:0"
 
     def run(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True
+        ).stdout
 
     def alive(self) -> bool:
         """Whether `duet chat` still runs (the pane stays after it exits: remain-on-exit)."""
@@ -69,8 +71,11 @@ def greedy_reply(model: Path, text: str, max_tokens: int) -> str:
     engine = Engine.load(str(model), config=EngineConfig(cache_gb=0.02))
 
     async def run():
-        req = GenerationRequest(messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
-                                sampling=SamplingParams(temperature=0.0))
+        req = GenerationRequest(
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=0.0),
+        )
         return "".join([ev.text async for ev in engine.generate(req)])
 
     try:
@@ -82,12 +87,27 @@ def greedy_reply(model: Path, text: str, max_tokens: int) -> str:
 def test_duet_chat_in_tmux(tiny_dirs, tmp_path):
     model = tiny_dirs("llama")
     data = tmp_path / "data"
-    env = {"DUET_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TERM": "xterm-256color", "PYTHONPATH": str(ROOT)}
-    cmd = " ".join([
-        "env", *(f"{k}={shlex.quote(v)}" for k, v in env.items()),
-        shlex.quote(sys.executable), "-m", "app.cli", "chat", "--model", shlex.quote(str(model)), "--cache-gb", "0.02",
-    ])
+    env = {
+        "DUET_DATA_DIR": str(data),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TERM": "xterm-256color",
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = " ".join(
+        [
+            "env",
+            *(f"{k}={shlex.quote(v)}" for k, v in env.items()),
+            shlex.quote(sys.executable),
+            "-m",
+            "app.cli",
+            "chat",
+            "--model",
+            shlex.quote(str(model)),
+            "--cache-gb",
+            "0.02",
+        ]
+    )
     tmux = Tmux(f"duet-test-{os.getpid()}")
     try:
         # start a shell first so remain-on-exit is set before `duet chat` can exit
@@ -113,4 +133,6 @@ def test_duet_chat_in_tmux(tiny_dirs, tmp_path):
     assert [m.role for m in conv.messages] == ["user", "assistant"] and reply
     assert reply == greedy_reply(model, "Hello from tmux", 20)
     words = re.findall(r"[A-Za-z]{3,}", reply)
-    assert not words or any(w in screen for w in words), f"none of {words} from the reply was on screen:\n{screen}"
+    assert not words or any(w in screen for w in words), (
+        f"none of {words} from the reply was on screen:\n{screen}"
+    )

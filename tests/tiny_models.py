@@ -40,7 +40,10 @@ def tokenizer_json() -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=400,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
     return tok.to_str()
@@ -88,6 +91,8 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0) ->
     (path / "config.json").write_text(json.dumps(config, indent=1))
     (path / "tokenizer.json").write_text(tj)
     (path / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML, "add_bos_token": False})
+        json.dumps(
+            {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML, "add_bos_token": False}
+        )
     )
     return path

@@ -33,9 +33,15 @@ def create_app(engine: Engine, *, api_key: str | None = None, aliases: tuple[str
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise APIError(401, "Incorrect API key provided." if auth else "Missing API key: send Authorization: Bearer KEY.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), state.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "Incorrect API key provided." if auth else "Missing API key: send Authorization: Bearer KEY.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     auth = [Depends(check_key)]
 

@@ -39,7 +39,7 @@ TOOLS_SYSTEM_PROMPT = (
     "You may call one or more functions to assist with the user query. The functions, as JSON schemas, "
     "are listed inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
     "To call a function, reply with a JSON object holding its name and arguments inside "
-    "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+    '<tool_call></tool_call> tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
     "</tool_call>"
 )
 
@@ -52,8 +52,10 @@ def _message_dicts(body: ChatCompletionRequest, template_knows_tools: bool) -> l
             parts = []
             for j, p in enumerate(content):
                 if p.type not in ("text", "refusal"):
-                    raise bad_request(f"content parts of type {p.type!r} are not supported: this model reads text only",
-                                      f"messages[{i}].content[{j}].type")
+                    raise bad_request(
+                        f"content parts of type {p.type!r} are not supported: this model reads text only",
+                        f"messages[{i}].content[{j}].type",
+                    )
                 parts.append(p.text or "")
             content = "".join(parts)
         d: dict = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
@@ -66,14 +68,19 @@ def _message_dicts(body: ChatCompletionRequest, template_knows_tools: bool) -> l
                     args = json.loads(c.function.arguments)
                 except ValueError:
                     args = c.function.arguments
-                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+                calls.append(
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
+                )
             if template_knows_tools:
                 d["tool_calls"] = calls
             else:  # spell the calls the way the model is asked to write them
-                blocks = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-                          for c in calls]
+                blocks = [
+                    json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                    for c in calls
+                ]
                 d["content"] = (d["content"] + "\n" if d["content"] else "") + "\n".join(
-                    f"<tool_call>\n{b}\n</tool_call>" for b in blocks)
+                    f"<tool_call>\n{b}\n</tool_call>" for b in blocks
+                )
         if m.role == "tool":
             if m.tool_call_id:
                 d["tool_call_id"] = m.tool_call_id
@@ -115,8 +122,9 @@ class ChatCall:
         elif not isinstance(choice, str):
             forced = [t for t in tools if t["function"]["name"] == choice.function.name]
             if not forced:
-                raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                                  "tool_choice")
+                raise bad_request(
+                    f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice"
+                )
         self.tools = tools if choice != "none" else None
         self.parse_tools = self.tools is not None
 
@@ -130,7 +138,9 @@ class ChatCall:
         rf = body.response_format
         if forced is not None:
             if rf is not None and rf.type != "text":
-                raise bad_request("response_format cannot be combined with a required tool call", "response_format")
+                raise bad_request(
+                    "response_format cannot be combined with a required tool call", "response_format"
+                )
             # one call unless asked for more: a forced grammar that allows another call after each
             # one lets weak models repeat the same call until max_tokens
             parallel = body.parallel_tool_calls is True and choice == "required"
@@ -139,9 +149,13 @@ class ChatCall:
             self.grammar = ("response_format", json_schema_grammar({"type": "object"}))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
-                raise bad_request("response_format of type json_schema needs a json_schema", "response_format.json_schema")
+                raise bad_request(
+                    "response_format of type json_schema needs a json_schema", "response_format.json_schema"
+                )
             try:
-                grammar = json_schema_grammar(rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {})
+                grammar = json_schema_grammar(
+                    rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+                )
             except RequestError as e:
                 raise bad_request(str(e), "response_format.json_schema.schema") from None
             self.grammar = ("response_format.json_schema.schema", grammar)
@@ -152,8 +166,10 @@ class ChatCall:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self.max_tokens = max_new_tokens(requested, len(self.prompt), engine.context_length, param)
         vocab = engine.tokenizer.vocab_size
-        self.samplings = [sampling_params(body, vocab, bool(body.logprobs), body.top_logprobs or 0, i)
-                          for i in range(self.n)]
+        self.samplings = [
+            sampling_params(body, vocab, bool(body.logprobs), body.top_logprobs or 0, i)
+            for i in range(self.n)
+        ]
         self.stop = stop_list(body.stop)
         self.id = new_id("chatcmpl")
         self.created = int(time.time())
@@ -184,8 +200,13 @@ class ChatCall:
         self.state.metrics.requests.labels("chat", "cancelled").inc(n)
 
     def _envelope(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_id,
-                "system_fingerprint": self.state.fingerprint}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.state.model_id,
+            "system_fingerprint": self.state.fingerprint,
+        }
 
     # --- non-streamed ---------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
@@ -209,7 +230,9 @@ class ChatCall:
             if self.body.logprobs:
                 logprobs = {"content": [chat_logprob(lp) for lp in c.logprobs], "refusal": None}
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        return JSONResponse({**self._envelope("chat.completion"), "choices": out, "usage": total_usage(choices, self.n)})
+        return JSONResponse(
+            {**self._envelope("chat.completion"), "choices": out, "usage": total_usage(choices, self.n)}
+        )
 
     # --- streamed -------------------------------------------------------------------
     async def stream_response(self, request: Request) -> Response:
@@ -218,8 +241,12 @@ class ChatCall:
         return StreamingResponse(self._sse(gen, request), media_type="text/event-stream", headers=SSE_HEADERS)
 
     def _chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
-        c = {**self._envelope("chat.completion.chunk"),
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        c = {
+            **self._envelope("chat.completion.chunk"),
+            "choices": [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            ],
+        }
         if self.include_usage:
             c["usage"] = None
         return sse(c)
@@ -255,9 +282,22 @@ class ChatCall:
                     else:
                         k = n_calls[i]
                         n_calls[i] += 1
-                        yield self._chunk(i, {"tool_calls": [{"index": k, "id": x.id, "type": "function",
-                                                              "function": {"name": x.name, "arguments": ""}}]})
-                        yield self._chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": x.arguments}}]})
+                        yield self._chunk(
+                            i,
+                            {
+                                "tool_calls": [
+                                    {
+                                        "index": k,
+                                        "id": x.id,
+                                        "type": "function",
+                                        "function": {"name": x.name, "arguments": ""},
+                                    }
+                                ]
+                            },
+                        )
+                        yield self._chunk(
+                            i, {"tool_calls": [{"index": k, "function": {"arguments": x.arguments}}]}
+                        )
                 if logprobs is not None and not sent_logprobs:
                     yield self._chunk(i, {"content": ""}, logprobs=logprobs)
                 if ev.finished:
@@ -268,8 +308,13 @@ class ChatCall:
                 if gen.cancelled:  # the client went away
                     return
                 if self.include_usage:
-                    yield sse({**self._envelope("chat.completion.chunk"), "choices": [],
-                               "usage": total_usage(choices, self.n)})
+                    yield sse(
+                        {
+                            **self._envelope("chat.completion.chunk"),
+                            "choices": [],
+                            "usage": total_usage(choices, self.n),
+                        }
+                    )
             yield SSE_DONE
         finally:
             watcher.cancel()
@@ -284,5 +329,3 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
     if call.stream:
         return await call.stream_response(request)
     return await call.respond(request)
-
-

@@ -56,7 +56,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def sampling_params(body: _Sampling, vocab_size: int, logprobs: bool, top_logprobs: int, index: int) -> SamplingParams:
+def sampling_params(
+    body: _Sampling, vocab_size: int, logprobs: bool, top_logprobs: int, index: int
+) -> SamplingParams:
     bias = None
     if body.logit_bias:
         bias = {}
@@ -66,8 +68,9 @@ def sampling_params(body: _Sampling, vocab_size: int, logprobs: bool, top_logpro
             except ValueError:
                 raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
             if not 0 <= tok < vocab_size:
-                raise bad_request(f"logit_bias token id {tok} is outside the vocabulary (0..{vocab_size - 1})",
-                                  "logit_bias")
+                raise bad_request(
+                    f"logit_bias token id {tok} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias"
+                )
             bias[tok] = float(v)
     p = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -208,7 +211,9 @@ def failure(choices: list[ChoiceState], err: BaseException | None) -> APIError |
     for c in choices:
         if c.finish_reason == "error":
             if c.error and "shut down" in c.error:
-                return APIError(503, "the server is shutting down", type="server_error", code="service_unavailable")
+                return APIError(
+                    503, "the server is shutting down", type="server_error", code="service_unavailable"
+                )
             return APIError(500, f"generation failed: {c.error}", type="server_error")
     return None
 

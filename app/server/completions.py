@@ -63,8 +63,12 @@ class _Logprobs:
         return self.as_dict(start)
 
     def as_dict(self, start: int = 0) -> dict:
-        return {"tokens": self.tokens[start:], "token_logprobs": self.token_logprobs[start:],
-                "top_logprobs": self.top[start:], "text_offset": self.text_offset[start:]}
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top[start:],
+            "text_offset": self.text_offset[start:],
+        }
 
 
 class CompletionCall:
@@ -116,8 +120,13 @@ class CompletionCall:
         self.state.metrics.requests.labels("completions", "cancelled").inc(n)
 
     def _envelope(self) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_id,
-                "system_fingerprint": self.state.fingerprint}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.model_id,
+            "system_fingerprint": self.state.fingerprint,
+        }
 
     async def respond(self, request: Request) -> Response:
         gen = Generation(self.state.engine, self.requests(), self._cancelled)
@@ -134,8 +143,14 @@ class CompletionCall:
                 lp.add(c.logprobs)
                 logprobs = lp.as_dict()
             self.state.metrics.requests.labels("completions", c.finish_reason).inc()
-            out.append({"index": i, "text": echo + "".join(c.text), "logprobs": logprobs,
-                        "finish_reason": c.finish_reason})
+            out.append(
+                {
+                    "index": i,
+                    "text": echo + "".join(c.text),
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+            )
         return JSONResponse({**self._envelope(), "choices": out, "usage": total_usage(choices, self.n)})
 
     async def stream_response(self, request: Request) -> Response:
@@ -144,8 +159,10 @@ class CompletionCall:
         return StreamingResponse(self._sse(gen, request), media_type="text/event-stream", headers=SSE_HEADERS)
 
     def _chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs=None) -> str:
-        c = {**self._envelope(),
-             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        c = {
+            **self._envelope(),
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
         if self.include_usage:
             c["usage"] = None
         return sse(c)

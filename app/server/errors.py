@@ -38,7 +38,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def queue_full(message: str) -> APIError:
-    return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    return APIError(
+        429, message, type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+    )
 
 
 def shutting_down() -> APIError:
@@ -55,7 +57,9 @@ def _loc(loc: tuple) -> str | None:
 
 def _validation_message(err: dict) -> str:
     if err.get("type") == "json_invalid":
-        return "We could not parse the JSON body of your request: " + str(err.get("ctx", {}).get("error", "invalid JSON"))
+        return "We could not parse the JSON body of your request: " + str(
+            err.get("ctx", {}).get("error", "invalid JSON")
+        )
     if err.get("type") == "model_attributes_type" and tuple(err.get("loc", ())) == ("body",):
         return "The request body must be a JSON object"
     if err.get("type") == "extra_forbidden":
@@ -83,7 +87,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind, headers=getattr(exc, "headers", None)).response()
+        return APIError(
+            exc.status_code, str(exc.detail), type=kind, headers=getattr(exc, "headers", None)
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -67,15 +67,24 @@ def _load(args) -> Engine:
 def serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if not is_loopback(args.host) and not args.api_key:
-        log.warning("binding %s without an API key: anyone who can reach this address can use the model; "
-                    "pass --api-key (or DUET_API_KEY) to require one", args.host)
+        log.warning(
+            "binding %s without an API key: anyone who can reach this address can use the model; "
+            "pass --api-key (or DUET_API_KEY) to require one",
+            args.host,
+        )
     engine = _load(args)
     app = create_app(engine, api_key=args.api_key, aliases=model_aliases(args.model))
     s = engine.stats()
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"duet: serving {engine.model_name} ({s.backend}, {s.weight_format} weights, {s.kv_blocks_total} KV blocks) "
-          f"at http://{host}:{args.port}/v1", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+    print(
+        f"duet: serving {engine.model_name} ({s.backend}, {s.weight_format} weights, {s.kv_blocks_total} KV blocks) "
+        f"at http://{host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10
+    )
     server = _Server(config, engine)
     try:
         server.run()

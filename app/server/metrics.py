@@ -23,16 +23,24 @@ class _EngineCollector:
             "duet_requests_waiting": ("requests waiting for a slot", s.waiting),
             "duet_kv_blocks_total": ("KV cache blocks", s.kv_blocks_total),
             "duet_kv_blocks_used": ("KV cache blocks held by requests", s.kv_blocks_used),
-            "duet_kv_blocks_free": ("KV cache blocks not held by requests", s.kv_blocks_total - s.kv_blocks_used),
+            "duet_kv_blocks_free": (
+                "KV cache blocks not held by requests",
+                s.kv_blocks_total - s.kv_blocks_used,
+            ),
             "duet_kv_blocks_cached": ("free KV blocks kept for prefix reuse", s.kv_blocks_cached),
             "duet_kv_cache_bytes": ("KV cache size in bytes", s.kv_bytes),
-            "duet_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache / prompt tokens looked up",
-                                           s.prefix_hit_rate),
+            "duet_prefix_cache_hit_rate": (
+                "prompt tokens served from the prefix cache / prompt tokens looked up",
+                s.prefix_hit_rate,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "duet_prefix_cache_query_tokens": ("prompt tokens looked up in the prefix cache", s.prefix_query_tokens),
+            "duet_prefix_cache_query_tokens": (
+                "prompt tokens looked up in the prefix cache",
+                s.prefix_query_tokens,
+            ),
             "duet_prefix_cache_hit_tokens": ("prompt tokens found in the prefix cache", s.prefix_hit_tokens),
             "duet_preemptions": ("requests preempted for KV space", s.preemptions),
             "duet_engine_steps": ("engine steps run", s.steps),
@@ -45,18 +53,35 @@ class Metrics:
     def __init__(self, engine: Engine):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("duet_time_to_first_token_seconds", "request arrival to first token",
-                              registry=r, buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram("duet_inter_token_latency_seconds", "time between streamed tokens",
-                             registry=r, buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram("duet_request_duration_seconds", "request arrival to last token",
-                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "duet_time_to_first_token_seconds",
+            "request arrival to first token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "duet_inter_token_latency_seconds",
+            "time between streamed tokens",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "duet_request_duration_seconds",
+            "request arrival to last token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.prompt_tokens = Counter("duet_prompt_tokens", "prompt tokens processed", registry=r)
-        self.cached_tokens = Counter("duet_cached_prompt_tokens", "prompt tokens served from the prefix cache",
-                                     registry=r)
+        self.cached_tokens = Counter(
+            "duet_cached_prompt_tokens", "prompt tokens served from the prefix cache", registry=r
+        )
         self.generated_tokens = Counter("duet_generation_tokens", "tokens generated", registry=r)
-        self.requests = Counter("duet_requests", "finished requests by endpoint and finish reason",
-                                ["endpoint", "finish_reason"], registry=r)
+        self.requests = Counter(
+            "duet_requests",
+            "finished requests by endpoint and finish reason",
+            ["endpoint", "finish_reason"],
+            registry=r,
+        )
         r.register(_EngineCollector(engine))
 
     def observe_usage(self, u: Usage) -> None:

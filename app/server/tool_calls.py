@@ -25,7 +25,11 @@ class ParsedToolCall:
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
     def to_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def parse_call_body(body: str) -> ParsedToolCall | None:

@@ -50,7 +50,7 @@ INPUT_KEYS = [
 
 
 def key_label(key: str) -> str:
-    """"ctrl+r" -> "Ctrl+R", "escape" -> "Esc", "f1" -> "F1"."""
+    """ "ctrl+r" -> "Ctrl+R", "escape" -> "Esc", "f1" -> "F1"."""
     names = {"escape": "Esc", "ctrl": "Ctrl", "shift": "Shift"}
     return "+".join(names.get(p, p.upper() if len(p) <= 3 else p) for p in key.split("+"))
 
@@ -69,10 +69,17 @@ class ChatApp(App):
         Binding("f3", "edit_system", "System", show=False, tooltip="edit the system prompt"),
         Binding("f4", "settings", "Sampling", show=False, tooltip="sampling settings"),
         Binding("ctrl+s", "save", "Save", show=False, tooltip="save the conversation"),
-        Binding("ctrl+b", "toggle_sidebar", "Sidebar", show=False,
-                tooltip="show or hide the conversations and peers panel"),
+        Binding(
+            "ctrl+b",
+            "toggle_sidebar",
+            "Sidebar",
+            show=False,
+            tooltip="show or hide the conversations and peers panel",
+        ),
         Binding("ctrl+t", "toggle_dark", "Light/dark", show=False, tooltip="switch between light and dark"),
-        Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="command palette (themes, actions)"),
+        Binding(
+            "ctrl+p", "command_palette", "Palette", show=False, tooltip="command palette (themes, actions)"
+        ),
         Binding("ctrl+q", "quit", "Quit", show=False, tooltip="save and quit"),  # App shows ^q already
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True, tooltip="save and quit"),
     ]
@@ -137,7 +144,9 @@ class ChatApp(App):
         if self.generating:
             self.action_stop()
         label = spec or BUNDLED_NAME
-        self.loading_row.query_one(Static).update(f"Connecting to {label}…" if self.remote else f"Loading {label}…")
+        self.loading_row.query_one(Static).update(
+            f"Connecting to {label}…" if self.remote else f"Loading {label}…"
+        )
         self.loading_row.display = True
         self._load_worker(spec)
 
@@ -194,8 +203,12 @@ class ChatApp(App):
             await self.run_command(text)
             return
         if self.generating or self.backend is None:
-            self.notify("A reply is still streaming; Esc stops it" if self.generating else "The model is still loading",
-                        severity="warning")
+            self.notify(
+                "A reply is still streaming; Esc stops it"
+                if self.generating
+                else "The model is still loading",
+                severity="warning",
+            )
             if not self.prompt.text:
                 self.prompt.load_text(event.text)  # give the message back to edit or resend
             return
@@ -281,7 +294,9 @@ class ChatApp(App):
         await self.reply()
 
     def last_reply(self) -> str | None:
-        return next((m.content for m in reversed(self.conv.messages) if m.role == "assistant" and m.content), None)
+        return next(
+            (m.content for m in reversed(self.conv.messages) if m.role == "assistant" and m.content), None
+        )
 
     def action_copy_reply(self) -> None:
         text = self.last_reply()
@@ -326,7 +341,8 @@ class ChatApp(App):
         await self.log_view.remove_children()
         label = conv.model or "Assistant"
         await self.log_view.mount_all(
-            MessageView(m.role, m.content, m.meta, label=label if m.role == "assistant" else "") for m in conv.messages
+            MessageView(m.role, m.content, m.meta, label=label if m.role == "assistant" else "")
+            for m in conv.messages
         )
         self.log_view.anchor()
         self.last_usage = None
@@ -336,8 +352,13 @@ class ChatApp(App):
         self.prompt.focus()
 
     async def action_new_chat(self) -> None:
-        await self.open_conversation(Conversation(system=self.conv.system, sampling=self.conv.sampling,
-                                                  model=self.backend.name if self.backend else ""))
+        await self.open_conversation(
+            Conversation(
+                system=self.conv.system,
+                sampling=self.conv.sampling,
+                model=self.backend.name if self.backend else "",
+            )
+        )
 
     def action_save(self) -> None:
         self.save_conversation()
@@ -393,8 +414,10 @@ class ChatApp(App):
         name, arg = name.lower(), arg.strip()
         if name in ALIASES or name in FIELDS:
             if not arg:
-                self.notify(f"/{name} needs a value, e.g. /{name} {getattr(self.conv.sampling, ALIASES.get(name, name))}",
-                            severity="warning")
+                self.notify(
+                    f"/{name} needs a value, e.g. /{name} {getattr(self.conv.sampling, ALIASES.get(name, name))}",
+                    severity="warning",
+                )
                 return
             try:
                 self.conv.sampling = self.conv.sampling.with_value(name, arg)
@@ -435,8 +458,12 @@ class ChatApp(App):
     def refresh_status(self) -> None:
         b = self.backend
         self.status_bar.show(
-            b.name if b else ("loading…" if self.loading_row.display else "no model"), self.context_used, b.context_length if b else None,
-            self.last_usage, b.resources() if b else None, self.live_tps,
+            b.name if b else ("loading…" if self.loading_row.display else "no model"),
+            self.context_used,
+            b.context_length if b else None,
+            self.last_usage,
+            b.resources() if b else None,
+            self.live_tps,
         )
 
     def action_quit(self) -> None:

@@ -116,7 +116,9 @@ class RemoteBackend:
             raise BackendError(f"the server at {url} lists no models")
         chosen = next((m for m in models if m.id == model), None) if model else models[0]
         if chosen is None:
-            raise BackendError(f"the server at {url} has no model {model!r}; it has: {', '.join(m.id for m in models)}")
+            raise BackendError(
+                f"the server at {url} has no model {model!r}; it has: {', '.join(m.id for m in models)}"
+            )
         return cls(url, chosen.id, _context_of(chosen), key, [m.id for m in models])
 
     def count_tokens(self, messages: list[dict]) -> int | None:

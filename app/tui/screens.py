@@ -35,8 +35,15 @@ class HelpScreen(Dialog):
 
         parts = []
         for title, rows in self.sections.items():
-            table = Table(title=title, title_justify="left", title_style="bold", show_header=False,
-                          box=None, padding=(0, 2, 0, 0), expand=True)
+            table = Table(
+                title=title,
+                title_justify="left",
+                title_style="bold",
+                show_header=False,
+                box=None,
+                padding=(0, 2, 0, 0),
+                expand=True,
+            )
             table.add_column(style="bold", no_wrap=True)
             table.add_column(ratio=1)
             for key, what in rows:
@@ -64,7 +71,9 @@ class ModelPicker(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label(f"Model — now: {self.current or 'none'}", classes="title")
-            yield OptionList(*(Option(label, id=str(i)) for i, (_, label) in enumerate(self.choices)), id="models")
+            yield OptionList(
+                *(Option(label, id=str(i)) for i, (_, label) in enumerate(self.choices)), id="models"
+            )
             yield Input(placeholder="or type: owner/name, a .gguf file or a model dir", id="spec")
             yield Static("Enter loads · Esc cancels", classes="hint")
 
@@ -119,13 +128,20 @@ class SettingsScreen(Dialog):
                 value = getattr(self.sampling, name)
                 with Horizontal(classes="field"):
                     yield Label(name.replace("_", " "), classes="name")
-                    yield Input("" if value is None else str(value), id=name, compact=True,
-                                placeholder="random" if name == "seed" else "")
+                    yield Input(
+                        "" if value is None else str(value),
+                        id=name,
+                        compact=True,
+                        placeholder="random" if name == "seed" else "",
+                    )
             yield Static("", id="error", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
-            yield Static("temperature 0 = greedy · top-k 0, top-p 1, min-p 0 = off · empty seed = random", classes="hint")
+            yield Static(
+                "temperature 0 = greedy · top-k 0, top-p 1, min-p 0 = off · empty seed = random",
+                classes="hint",
+            )
 
     def action_save(self) -> None:
         new = self.sampling
@@ -165,7 +181,10 @@ class ErrorScreen(ModalScreen[str]):
             yield Static(self.message, id="message", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Pick another model", variant="primary", id="pick")
-                yield Button("Keep the current model" if self.can_keep else "Quit", id="keep" if self.can_keep else "quit")
+                yield Button(
+                    "Keep the current model" if self.can_keep else "Quit",
+                    id="keep" if self.can_keep else "quit",
+                )
 
     def action_close(self) -> None:
         self.dismiss("keep" if self.can_keep else "pick")

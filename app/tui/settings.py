@@ -50,15 +50,19 @@ class Sampling:
             try:
                 value = kind(text)
             except ValueError:
-                raise ValueError(f"{name} needs {'an integer' if kind is int else 'a number'}, not {text!r}") from None
+                raise ValueError(
+                    f"{name} needs {'an integer' if kind is int else 'a number'}, not {text!r}"
+                ) from None
         new = replace(self, **{name: value})
         new.validate()  # RequestError is a ValueError
         return new
 
     def summary(self) -> str:
         seed = "random" if self.seed is None else str(self.seed)
-        return (f"temp {self.temperature:g} · top-p {self.top_p:g} · top-k {self.top_k} · min-p {self.min_p:g} · "
-                f"max {self.max_tokens} · seed {seed}")
+        return (
+            f"temp {self.temperature:g} · top-p {self.top_p:g} · top-k {self.top_k} · min-p {self.min_p:g} · "
+            f"max {self.max_tokens} · seed {seed}"
+        )
 
 
 def field_names() -> list[str]:

@@ -90,7 +90,9 @@ class Store:
         return path
 
     def load(self, conv_id: str) -> Conversation:
-        return Conversation.from_json(json.loads((self.conv_dir / f"{conv_id}.json").read_text(encoding="utf-8")))
+        return Conversation.from_json(
+            json.loads((self.conv_dir / f"{conv_id}.json").read_text(encoding="utf-8"))
+        )
 
     def delete(self, conv_id: str) -> None:
         (self.conv_dir / f"{conv_id}.json").unlink(missing_ok=True)

@@ -87,7 +87,9 @@ class MessageView(Vertical, can_focus=True):
 
     def _tick(self) -> None:
         dt = time.perf_counter() - self._t0
-        self.query_one(".thinking", Static).update(f"{SPINNER[int(dt * 10) % len(SPINNER)]} {self._note} {dt:.1f}s")
+        self.query_one(".thinking", Static).update(
+            f"{SPINNER[int(dt * 10) % len(SPINNER)]} {self._note} {dt:.1f}s"
+        )
 
     def stop_thinking(self) -> None:
         if self._spinner_timer is not None:
@@ -198,8 +200,13 @@ class StatusBar(Static):
     """model · context used/max · TTFT · tok/s · prefix-cache hits · KV memory · where prefill ran."""
 
     def show(
-        self, model: str, context_used: int | None, context_max: int | None, usage: Usage | None,
-        res: Resources | None, live_tps: float | None = None,
+        self,
+        model: str,
+        context_used: int | None,
+        context_max: int | None,
+        usage: Usage | None,
+        res: Resources | None,
+        live_tps: float | None = None,
     ) -> None:
         parts = [model or "no model"]
         ctx_max = f"{context_max:,}" if context_max else "?"
