@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .backend import backend_name, total_memory_bytes
-from .blas import active_blas
+from .blas import active_blas, warn_if_slow
 from .block_allocator import BlockAllocator
 from .detokenizer import StreamingDetokenizer
 from .kv_pool import KVPool
@@ -121,6 +121,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig()
+        warn_if_slow(backend_name())  # once per process, with the fix
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.context_length = loaded.context_length
