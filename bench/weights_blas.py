@@ -89,6 +89,8 @@ def main() -> None:
             env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
             if preload:
                 env["LD_PRELOAD"] = preload
+            else:  # `import mlx_engine` would load OpenBLAS itself
+                env["DUET_NO_OPENBLAS"] = "1"
             cmd = [sys.executable, __file__, "--child", weights, str(args.runs)]
             if args.model:
                 cmd += ["--model", args.model]
