@@ -231,15 +231,15 @@ class Engine:
         if request.messages is not None:
             if not request.messages:
                 raise RequestError("messages must not be empty", "messages")
-            try:
-                text = self.tokenizer.apply_chat_template(request.messages, True, request.tools)
+            try:  # control tokens come only from the template, never from message text
+                ids = self.tokenizer.encode_chat(request.messages, True, request.tools)
             except TemplateError as e:
                 raise RequestError(str(e), "messages") from e
-            ids = self.tokenizer.encode(text, add_special_tokens=True)
         elif isinstance(request.prompt, str):
             if not request.prompt:
                 raise RequestError("prompt must not be empty", "prompt")
-            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
+            # a text prompt is text (as at OpenAI): control tokens only as token ids
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True, parse_special=False)
         else:
             ids = [int(t) for t in request.prompt]
             if not ids:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
+import secrets
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -44,6 +47,78 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+@dataclass(frozen=True)
+class _ControlText:
+    """What control-token text looks like: whole tokens, and the pieces that could complete one
+    next to other text (a string that ends in ``<|im_`` or starts with ``start|>``)."""
+
+    whole: re.Pattern
+    prefixes: frozenset[str]  # proper prefixes of a control token's text
+    suffixes: frozenset[str]  # proper suffixes
+    longest: int
+
+    @classmethod
+    def of(cls, texts: set[str]) -> _ControlText | None:
+        if not texts:
+            return None
+        return cls(
+            whole=re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True))),
+            prefixes=frozenset(t[:k] for t in texts for k in range(1, len(t))),
+            suffixes=frozenset(t[k:] for t in texts for k in range(1, len(t))),
+            longest=max(map(len, texts)),
+        )
+
+    def spans(self, s: str) -> list[tuple[int, int]]:
+        """Where ``s`` holds control-token text, or a piece of one at either end."""
+        spans = [m.span() for m in self.whole.finditer(s)]
+        first = spans[0][0] if spans else len(s)
+        head = next((k for k in range(min(first, self.longest), 0, -1) if s[:k] in self.suffixes), 0)
+        rest = max(spans[-1][1] if spans else 0, head, len(s) - self.longest)
+        tail = next((k for k in range(len(s) - rest, 0, -1) if s[-k:] in self.prefixes), 0)
+        return ([(0, head)] if head else []) + spans + ([(len(s) - tail, len(s))] if tail else [])
+
+
+class _Sentinels:
+    """Stand-ins for control-token text in caller-supplied strings: private-use characters around
+    a random per-call number, which templates pass through unchanged and callers cannot guess."""
+
+    def __init__(self, control: _ControlText | None):
+        self.control = control
+        self.originals: dict[str, str] = {}  # sentinel -> the text it stands for
+        self._by_text: dict[str, str] = {}
+        self._nonce = f"{secrets.randbelow(10**12):012d}"
+        self._pattern = re.compile(f"\ue000{self._nonce}_\\d+\ue001")
+
+    def _sentinel(self, text: str) -> str:
+        if text not in self._by_text:
+            key = f"\ue000{self._nonce}_{len(self._by_text)}\ue001"
+            self._by_text[text] = key
+            self.originals[key] = text
+        return self._by_text[text]
+
+    def swap(self, value):
+        """``value`` (strings, lists and dicts, nested; keys too) with control-token text replaced."""
+        if self.control is None:
+            return value
+        if isinstance(value, str):
+            out, at = [], 0
+            for lo, hi in self.control.spans(value):
+                out += [value[at:lo], self._sentinel(value[lo:hi])]
+                at = hi
+            return "".join([*out, value[at:]]) if out else value
+        if isinstance(value, list | tuple):
+            return [self.swap(v) for v in value]
+        if isinstance(value, dict):
+            return {self.swap(k): self.swap(v) for k, v in value.items()}
+        return value
+
+    def found_in(self, text: str) -> bool:
+        return self._pattern.search(text) is not None
+
+    def restore(self, text: str) -> str:
+        return self._pattern.sub(lambda m: self.originals.get(m.group(), m.group()), text)
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -72,10 +147,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Text to ids. ``add_special_tokens`` adds BOS when the model wants it and the
-        text does not already start with it (chat templates usually write it)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        text does not already start with it (chat templates usually write it).
+
+        ``parse_special=False`` reads control-token text (``<|im_start|>``, ``<s>``...) as plain
+        text, the way untrusted text must be read; model-specific non-control added tokens
+        (``<think>``...) are still matched whole, as llama.cpp and transformers do."""
+        backend = self.backend if parse_special else self._text_backend
+        return self._with_bos(backend.encode(text, add_special_tokens=False).ids, add_special_tokens)
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if (
             add_special_tokens
             and self.add_bos_token
@@ -91,6 +173,20 @@ class Tokenizer:
     @cached_property
     def special_ids(self) -> frozenset[int]:
         return frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
+
+    @cached_property
+    def _text_backend(self) -> HFTokenizer:
+        """A copy of the backend that does not match control tokens (the flag is per tokenizer
+        object, and the original keeps serving other threads)."""
+        backend = HFTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @cached_property
+    def _control_text(self) -> _ControlText | None:
+        return _ControlText.of(
+            {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special and t.content}
+        )
 
     def piece(self, token_id: int) -> str:
         """A single token's text as it would appear in isolation (for logprobs)."""
@@ -124,6 +220,48 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from e
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Render a chat and tokenize it so that control tokens come only from the template.
+
+        Control-token text inside anything the caller supplied (message content and names, tool
+        calls and results, tool definitions, system text) is read as plain text: it is swapped for
+        a sentinel before rendering, and each stretch of rendered text between two of the
+        template's control tokens that holds a sentinel is re-encoded, sentinels restored, with
+        control-token matching off. Every other stretch keeps the ids of a plain ``encode`` of the
+        rendered text, so chats without control-token text tokenize exactly as before.
+        """
+        sentinels = _Sentinels(self._control_text)
+        messages = sentinels.swap(messages)
+        tools = sentinels.swap(tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        if not sentinels.originals:
+            return self.encode(text, add_special_tokens=True)
+        enc = self.backend.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        run: list[int] = []  # ids since the last control token
+        start = 0  # where the text of that run begins
+
+        def close_run(end: int) -> None:
+            piece = text[start:end]
+            if sentinels.found_in(piece):
+                ids.extend(self._text_backend.encode(sentinels.restore(piece), add_special_tokens=False).ids)
+            else:
+                ids.extend(run)
+            run.clear()
+
+        special = self.special_ids
+        for tok, (lo, hi) in zip(enc.ids, enc.offsets, strict=True):
+            if tok in special:
+                close_run(lo)
+                ids.append(tok)
+                start = hi
+            else:
+                run.append(tok)
+        close_run(len(text))
+        return self._with_bos(ids, True)
 
     # --- construction -------------------------------------------------------
     @classmethod
