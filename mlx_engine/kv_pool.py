@@ -14,6 +14,7 @@ evaluated); reads gather whole token rows by slot index.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 
 class KVPool:
@@ -132,6 +133,50 @@ class KVPool:
         parts = self.read_block(src)
         mx.eval(parts)
         self.write_block(dst, parts)
+
+    # --- token ranges (remote prefill: peer/kv_wire.py) ------------------------------
+    def layer_arrays(self, layer: int) -> list[mx.array]:
+        """One layer's pool arrays in wire order: K (or its triplet), then V (or its triplet)."""
+        return [x for a in (self.k[layer], self.v[layer]) for x in (a if isinstance(a, tuple) else (a,))]
+
+    def token_slots(self, table, t0: int, t1: int) -> mx.array:
+        """Flat slots of tokens ``[t0, t1)`` of a sequence with block table ``table``
+        (``table[t // block_size] * block_size + t % block_size``: any alignment)."""
+        if not 0 <= t0 < t1:
+            raise ValueError(f"token range [{t0}, {t1}) is empty or negative")
+        bs = self.block_size
+        blocks = np.asarray(table[t0 // bs : (t1 - 1) // bs + 1], dtype=np.int64)
+        if len(blocks) != (t1 - 1) // bs - t0 // bs + 1:
+            raise ValueError(f"block table of {len(table)} blocks does not cover tokens up to {t1}")
+        if blocks.min() < 1 or blocks.max() >= self.num_blocks:
+            raise ValueError(f"block table names a block outside 1..{self.num_blocks - 1}")
+        t = np.arange(t0, t1)
+        return mx.array((blocks[t // bs - t0 // bs] * bs + t % bs).astype(np.int32))
+
+    def write_tokens(self, layer: int, table, t0: int, parts: list[mx.array]) -> None:
+        """Store KV that is already in this pool's format (``layer_arrays`` order, each part
+        ``(t1 - t0, n_kv_heads, ...)``) for tokens ``[t0, t1)``. Idempotent: writing the same range
+        again overwrites the same slots. Evaluate ``layer_arrays(layer)`` (once per step, with
+        nothing else holding the old buffers) and MLX updates the pool in place."""
+        pool = self.layer_arrays(layer)
+        if len(parts) != len(pool):
+            raise ValueError(f"{len(parts)} KV parts for a pool layer of {len(pool)} arrays")
+        t1 = t0 + parts[0].shape[0]
+        slots = self.token_slots(table, t0, t1)
+        for a, p in zip(pool, parts, strict=True):
+            if p.shape != (t1 - t0, *a.shape[1:]) or p.dtype != a.dtype:
+                raise ValueError(f"KV part {p.dtype}{tuple(p.shape)} does not fit pool {a.dtype}{a.shape}")
+        for a, p in zip(pool, parts, strict=True):
+            a[slots] = p
+
+    def read_tokens(self, layer: int, table, t0: int, t1: int) -> list[mx.array]:
+        """Tokens ``[t0, t1)`` of one layer in this pool's format, as evaluated arrays of their
+        own. Never a slice or a pending gather: while one of those is held, the next write to the
+        layer cannot reuse its buffer and copies the whole pool array."""
+        slots = self.token_slots(table, t0, t1)
+        parts = [a[slots] for a in self.layer_arrays(layer)]
+        mx.eval(parts)
+        return parts
 
     # --- block transfer (copy-on-write, disk tier) ----------------------------------
     def read_block(self, block: int) -> list[mx.array]:
