@@ -19,12 +19,15 @@ import threading
 import llguidance as llg
 import numpy as np
 
+from .json_schema_embedding import embed_schemas
 from .request import RequestError
 from .tokenizer import Tokenizer
 
 # Canonical compact JSON ("a": 1, "b": 2): bounded, deterministic whitespace, and the layout
 # instruction-tuned models write anyway. Free whitespace lets a weak model pad forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -40,28 +43,35 @@ def json_schema_grammar(schema: dict | bool) -> str:
         raise RequestError(f"invalid JSON schema: {e}", "response_format") from e
 
 
+def tool_call_schema(tools: list[dict]) -> dict:
+    """The JSON schema of one call ``{"name": ..., "arguments": {...}}`` to one of ``tools``
+    (OpenAI function tools), whose arguments match that function's ``parameters``."""
+    if not tools:
+        raise RequestError("tool_choice needs at least one tool", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    # no parameters means none at all (an open object lets a weak model invent keys forever);
+    # each tool's $defs move to the wrapper's root so that its $refs still resolve
+    params, defs = embed_schemas([t["function"].get("parameters") or NO_PARAMETERS for t in tools], names)
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": p},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, p in zip(names, params, strict=True)
+    ]
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, **({"$defs": defs} if defs else {})}
+
+
 def tool_call_grammar(tools: list[dict], parallel: bool = True) -> str:
     """Hermes/Qwen tool calls: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
 
     ``tools`` are OpenAI function tools; each call's arguments must match that function's
     ``parameters`` schema. With ``parallel`` the model may emit several calls in a row.
     """
-    if not tools:
-        raise RequestError("tool_choice needs at least one tool", "tool_choice")
-    variants = []
-    for t in tools:
-        fn = t["function"]
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        variants.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    schema = {**schema, "x-guidance": JSON_OPTIONS}
+    schema = {**tool_call_schema(tools), "x-guidance": JSON_OPTIONS}
     call = f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + TOOL_CALL_CLOSE)}"
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return llg.LLMatcher.grammar_from_lark(f"{start}\n{call}\n")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mlx_engine import defaults
 from mlx_engine.constraints import json_schema_grammar, tool_call_grammar
 from mlx_engine.request import GenerationRequest, RequestError
 
@@ -32,8 +35,10 @@ from .common import (
 )
 from .errors import bad_request
 from .generation import Generation
-from .protocol import ChatCompletionRequest
-from .tool_calls import ToolCallStream, parse_tool_calls
+from .protocol import ChatCompletionRequest, Message, NamedCustomToolChoice, NamedFunction, NamedToolChoice
+from .tool_calls import ParsedToolCall, ToolCallStream, parse_tool_calls
+
+log = logging.getLogger("duet.server")
 
 TOOLS_SYSTEM_PROMPT = (
     "You may call one or more functions to assist with the user query. The functions, as JSON schemas, "
@@ -44,33 +49,53 @@ TOOLS_SYSTEM_PROMPT = (
 )
 
 
+def _text(m: Message, i: int) -> str:
+    """A message's text: its string content, or its text and refusal parts joined."""
+    content = m.content
+    if isinstance(content, list):
+        parts = []
+        for j, p in enumerate(content):
+            if p.type not in ("text", "refusal"):
+                raise bad_request(
+                    f"content parts of type {p.type!r} are not supported: this model reads text only",
+                    f"messages[{i}].content[{j}].type",
+                )
+            parts.append((p.text if p.type == "text" else p.refusal) or "")
+        content = "".join(parts)
+    if not content and m.role == "assistant" and m.refusal:
+        content = m.refusal  # an earlier refusal is what the assistant said
+    return content or ""
+
+
+def _calls(m: Message, i: int) -> list[dict]:
+    """An assistant message's tool calls (legacy ``function_call`` and custom calls included),
+    with the arguments decoded where they are JSON."""
+    raw = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or [] if c.function]
+    raw += [(c.id, c.custom.name, c.custom.input) for c in m.tool_calls or [] if c.custom and not c.function]
+    if m.function_call is not None:
+        raw.append((f"call_{i}", m.function_call.name, m.function_call.arguments))
+    calls = []
+    for id_, name, arguments in raw:
+        try:
+            args = json.loads(arguments)
+        except ValueError:
+            args = arguments
+        calls.append({"id": id_, "type": "function", "function": {"name": name, "arguments": args}})
+    return calls
+
+
 def _message_dicts(body: ChatCompletionRequest, template_knows_tools: bool) -> list[dict]:
     out = []
+    legacy_ids: dict[str, str] = {}  # a legacy function result answers the last call of that name
     for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                if p.type not in ("text", "refusal"):
-                    raise bad_request(
-                        f"content parts of type {p.type!r} are not supported: this model reads text only",
-                        f"messages[{i}].content[{j}].type",
-                    )
-                parts.append(p.text or "")
-            content = "".join(parts)
-        d: dict = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        d: dict = {"role": role, "content": _text(m, i)}
         if m.name:
             d["name"] = m.name
-        if m.tool_calls:
-            calls = []
-            for c in m.tool_calls:
-                try:
-                    args = json.loads(c.function.arguments)
-                except ValueError:
-                    args = c.function.arguments
-                calls.append(
-                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
-                )
+        calls = _calls(m, i) if m.role == "assistant" else []
+        if m.function_call is not None:
+            legacy_ids[m.function_call.name] = calls[-1]["id"]
+        if calls:
             if template_knows_tools:
                 d["tool_calls"] = calls
             else:  # spell the calls the way the model is asked to write them
@@ -81,13 +106,82 @@ def _message_dicts(body: ChatCompletionRequest, template_knows_tools: bool) -> l
                 d["content"] = (d["content"] + "\n" if d["content"] else "") + "\n".join(
                     f"<tool_call>\n{b}\n</tool_call>" for b in blocks
                 )
-        if m.role == "tool":
-            if m.tool_call_id:
-                d["tool_call_id"] = m.tool_call_id
+        if role == "tool":
+            call_id = m.tool_call_id or (legacy_ids.get(m.name) if m.name else None)
+            if call_id:
+                d["tool_call_id"] = call_id
             if not template_knows_tools:
                 d["content"] = f"<tool_response>\n{d['content']}\n</tool_response>"
         out.append(d)
     return out
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools, tool_choice (or legacy functions, function_call) ask for."""
+
+    offered: list[dict] | None  # the tools shown to the model (None: no tools)
+    forced: list[dict] | None  # the model must call one of these (a grammar), or None
+    parallel: bool  # a forced call may be followed by more
+    legacy: bool  # answer in the legacy function_call shape
+
+
+def _tool_plan(body: ChatCompletionRequest) -> ToolPlan:
+    for i, t in enumerate(body.tools or []):
+        if t.type == "custom":
+            raise bad_request(
+                "custom (free-form) tools are not supported by this server: declare a function tool "
+                "with JSON parameters",
+                f"tools[{i}]",
+            )
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    functions = [
+        {"type": "function", "function": f.model_dump(exclude_none=True)} for f in body.functions or []
+    ]
+    legacy = bool(functions) and not tools
+    tools += functions
+    by_name = {t["function"]["name"]: t for t in tools}
+
+    param = "tool_choice" if body.tool_choice is not None or body.function_call is None else "function_call"
+    choice = body.tool_choice if body.tool_choice is not None else body.function_call
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise bad_request(f"{param} is set but no tools were given", param)
+
+    def pick(names: list[str]) -> list[dict]:
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise bad_request(f"{param} names {unknown[0]!r}, which is not among the tools", param)
+        return [by_name[n] for n in names]
+
+    if choice == "none":
+        return ToolPlan(None, None, False, legacy)
+    if choice == "auto":
+        return ToolPlan(tools, None, False, legacy)
+    parallel = body.parallel_tool_calls is True and not legacy
+    if choice == "required":
+        return ToolPlan(tools, tools, parallel, legacy)
+    if isinstance(choice, NamedFunction):  # legacy {"name": ...}
+        return ToolPlan(tools, pick([choice.name]), False, legacy)
+    if isinstance(choice, NamedToolChoice):
+        return ToolPlan(tools, pick([choice.function.name]), False, legacy)
+    if isinstance(choice, NamedCustomToolChoice):
+        raise bad_request("custom (free-form) tools are not supported by this server", param)
+    names = []
+    for t in choice.allowed_tools.tools:
+        fn = t.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if t.get("type", "function") != "function" or not isinstance(name, str):
+            raise bad_request(
+                "allowed_tools.tools must name function tools: {'type': 'function', 'function': {'name': ...}}",
+                "tool_choice.allowed_tools.tools",
+            )
+        names.append(name)
+    allowed = pick(names)
+    if choice.allowed_tools.mode == "auto":
+        return ToolPlan(allowed, None, False, legacy)
+    return ToolPlan(allowed, allowed, parallel, legacy)
 
 
 def _with_tools_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
@@ -112,21 +206,20 @@ class ChatCall:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         self.include_usage = bool(self.stream and body.stream_options and body.stream_options.include_usage)
 
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-        if choice != "none" and not tools:
-            raise bad_request("tool_choice is set but no tools were given", "tool_choice")
-        forced = None
-        if choice == "required":
-            forced = tools
-        elif not isinstance(choice, str):
-            forced = [t for t in tools if t["function"]["name"] == choice.function.name]
-            if not forced:
-                raise bad_request(
-                    f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice"
-                )
-        self.tools = tools if choice != "none" else None
+        if body.modalities and any(m != "text" for m in body.modalities):
+            raise bad_request("this model produces text only: modalities can only be ['text']", "modalities")
+        ignored = body.ignored_fields()
+        if ignored:
+            log.debug("chat request: ignoring %s", ", ".join(ignored))
+
+        plan = _tool_plan(body)
+        forced = plan.forced
+        self.tools = plan.offered
+        self.legacy = plan.legacy
         self.parse_tools = self.tools is not None
+        self.forced = forced is not None
+        # the names a call may have (to complete one cut short by max_tokens)
+        self.tool_names = [t["function"]["name"] for t in forced or self.tools or []]
 
         template = engine.tokenizer.chat_template or ""
         knows_tools = "tools" in template
@@ -143,8 +236,7 @@ class ChatCall:
                 )
             # one call unless asked for more: a forced grammar that allows another call after each
             # one lets weak models repeat the same call until max_tokens
-            parallel = body.parallel_tool_calls is True and choice == "required"
-            self.grammar = ("tool_choice", tool_call_grammar(forced, parallel=parallel))
+            self.grammar = ("tool_choice", tool_call_grammar(forced, parallel=plan.parallel))
         elif rf is not None and rf.type == "json_object":
             self.grammar = ("response_format", json_schema_grammar({"type": "object"}))
         elif rf is not None and rf.type == "json_schema":
@@ -163,6 +255,8 @@ class ChatCall:
         probe = GenerationRequest(messages=messages, tools=self.tools if knows_tools else None, max_tokens=1)
         self.prompt = prompt_ids(engine, probe, "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if requested is None:
+            requested = defaults.MAX_TOKENS  # None: until EOS, a stop, or the context is full
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self.max_tokens = max_new_tokens(requested, len(self.prompt), engine.context_length, param)
         vocab = engine.tokenizer.vocab_size
@@ -199,6 +293,31 @@ class ChatCall:
     def _cancelled(self, n: int) -> None:
         self.state.metrics.requests.labels("chat", "cancelled").inc(n)
 
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        if called and reason == "stop":
+            return "function_call" if self.legacy else "tool_calls"
+        return reason
+
+    def _call_deltas(self, k: int, call: ParsedToolCall) -> list[dict]:
+        """The deltas that stream call number ``k``: its name, then its arguments."""
+        if self.legacy:
+            if k:  # the legacy API carries one call
+                return []
+            return [
+                {"function_call": {"name": call.name, "arguments": ""}},
+                {"function_call": {"arguments": call.arguments}},
+            ]
+        head = {
+            "index": k,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        return [
+            {"tool_calls": [head]},
+            {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]},
+        ]
+
     def _envelope(self, obj: str) -> dict:
         return {
             "id": self.id,
@@ -220,11 +339,15 @@ class ChatCall:
             text = "".join(c.text)
             content, calls = (text, [])
             if self.parse_tools:
-                content, calls = parse_tool_calls(text)
-            reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+                content, calls = parse_tool_calls(
+                    text, c.finish_reason == "length", self.tool_names, self.forced
+                )
+            reason = self._finish_reason(c.finish_reason, bool(calls))
             self.state.metrics.requests.labels("chat", reason).inc()
             message: dict = {"role": "assistant", "content": content, "refusal": None}
-            if calls:
+            if calls and self.legacy:  # the legacy API has one call, as function_call
+                message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            elif calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
             logprobs = None
             if self.body.logprobs:
@@ -256,7 +379,9 @@ class ChatCall:
         watcher = asyncio.create_task(wait_disconnect(request))
         watcher.add_done_callback(lambda _: gen.cancel())
         choices = [ChoiceState() for _ in range(self.n)]
-        parsers = [ToolCallStream() if self.parse_tools else None for _ in range(self.n)]
+        parsers = [
+            ToolCallStream(self.tool_names, self.forced) if self.parse_tools else None for _ in range(self.n)
+        ]
         n_calls = [0] * self.n
         try:
             for i in range(self.n):
@@ -273,7 +398,9 @@ class ChatCall:
                     logprobs = {"content": [chat_logprob(lp) for lp in ev.logprobs], "refusal": None}
                 items = [("content", ev.text)] if ev.text else []
                 if parsers[i] is not None:
-                    items = parsers[i].feed(ev.text) + (parsers[i].finish() if ev.finished else [])
+                    items = parsers[i].feed(ev.text)
+                    if ev.finished:
+                        items += parsers[i].finish(ev.finish_reason == "length")
                 sent_logprobs = False
                 for kind, x in items:
                     if kind == "content":
@@ -282,26 +409,12 @@ class ChatCall:
                     else:
                         k = n_calls[i]
                         n_calls[i] += 1
-                        yield self._chunk(
-                            i,
-                            {
-                                "tool_calls": [
-                                    {
-                                        "index": k,
-                                        "id": x.id,
-                                        "type": "function",
-                                        "function": {"name": x.name, "arguments": ""},
-                                    }
-                                ]
-                            },
-                        )
-                        yield self._chunk(
-                            i, {"tool_calls": [{"index": k, "function": {"arguments": x.arguments}}]}
-                        )
+                        for delta in self._call_deltas(k, x):
+                            yield self._chunk(i, delta)
                 if logprobs is not None and not sent_logprobs:
                     yield self._chunk(i, {"content": ""}, logprobs=logprobs)
                 if ev.finished:
-                    reason = "tool_calls" if n_calls[i] and ev.finish_reason == "stop" else ev.finish_reason
+                    reason = self._finish_reason(ev.finish_reason, n_calls[i] > 0)
                     self.state.metrics.requests.labels("chat", reason).inc()
                     yield self._chunk(i, {}, reason)
             else:
@@ -323,7 +436,7 @@ class ChatCall:
 
 async def chat_completions(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
     try:
-        call = ChatCall(state, body)
+        call = await asyncio.to_thread(ChatCall, state, body)  # template + tokenizer: off the loop
     except RequestError as e:
         raise bad_request(str(e), e.param) from None
     if call.stream:

@@ -6,21 +6,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import secrets
 import time
+import weakref
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from mlx_engine import __version__
+from mlx_engine import __version__, defaults
 from mlx_engine.constraints import GrammarFactory
 from mlx_engine.engine import Engine
 from mlx_engine.request import GenerationEvent, RequestError, SamplingParams, TokenLogprob, Usage
 
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, internal_error
 from .metrics import Metrics
 from .protocol import _Sampling
+
+log = logging.getLogger("duet.server")
 
 
 @dataclass
@@ -73,11 +77,14 @@ def sampling_params(
                 )
             bias[tok] = float(v)
     p = SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
+        # what the client leaves out takes Duet's defaults (mlx_engine.defaults, Ollama's set)
+        temperature=defaults.TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=defaults.TOP_P if body.top_p is None else body.top_p,
+        top_k=defaults.TOP_K if body.top_k is None else body.top_k,
+        min_p=defaults.MIN_P if body.min_p is None else body.min_p,
+        repetition_penalty=(
+            defaults.REPETITION_PENALTY if body.repetition_penalty is None else body.repetition_penalty
+        ),
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=bias,
@@ -115,7 +122,51 @@ def max_new_tokens(requested: int | None, prompt_len: int, context: int, param: 
     return requested
 
 
+# Unicode normalization (NFC/NFKC composition) turns at most 4 characters of text into one.
+_NORMALIZATION_SLACK = 4
+_longest_token: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_prompt_chars(engine: Engine) -> int:
+    """Characters of prompt text beyond which a prompt cannot fit the context, however it
+    tokenizes: a token covers at most as many characters of text as its vocabulary entry has
+    (entries are spelled in byte-level or metaspace alphabets, at least one character per
+    character of text), so text longer than context x longest entry x normalization slack needs
+    more tokens than the context holds. Computed from the vocabulary (fixed guesses fail: the
+    bundled SmolLM2 has an 81-character token of spaces)."""
+    tok = engine.tokenizer
+    longest = _longest_token.get(tok)
+    if longest is None:
+        longest = max((len(t) for t in tok.backend.get_vocab(with_added_tokens=True)), default=1)
+        _longest_token[tok] = longest
+    return engine.context_length * max(longest, 1) * _NORMALIZATION_SLACK
+
+
+def prompt_chars(request) -> int:
+    """Characters of client text in a request's prompt or message contents."""
+    if isinstance(request.prompt, str):
+        return len(request.prompt)
+    n = 0
+    for m in request.messages or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return n
+
+
 def prompt_ids(engine: Engine, request, param: str) -> list[int]:
+    """Token ids of a request's prompt. Blocking (template and tokenizer): call it off the event
+    loop. Text too long to fit the context is refused before it is tokenized."""
+    chars, limit = prompt_chars(request), max_prompt_chars(engine)
+    if chars > limit:
+        raise bad_request(
+            f"The prompt has {chars} characters, more than can fit this model's maximum context "
+            f"length of {engine.context_length} tokens. Please reduce the prompt.",
+            param,
+            "context_length_exceeded",
+        )
     try:
         return engine.prepare_prompt(request)
     except RequestError as e:
@@ -214,7 +265,8 @@ def failure(choices: list[ChoiceState], err: BaseException | None) -> APIError |
                 return APIError(
                     503, "the server is shutting down", type="server_error", code="service_unavailable"
                 )
-            return APIError(500, f"generation failed: {c.error}", type="server_error")
+            log.error("a generation failed: %s", c.error)  # the engine logged the traceback
+            return internal_error()
     return None
 
 

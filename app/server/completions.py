@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mlx_engine import defaults
 from mlx_engine.request import GenerationRequest, TokenLogprob
 
 from .common import (
@@ -31,7 +33,7 @@ from .errors import bad_request
 from .generation import Generation
 from .protocol import CompletionRequest
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+log = logging.getLogger("duet.server")
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -83,13 +85,17 @@ class CompletionCall:
             raise bad_request("suffix (insertion) is not supported by this server", "suffix")
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        ignored = body.ignored_fields()
+        if ignored:
+            log.debug("completions request: ignoring %s", ", ".join(ignored))
         self.stream = bool(body.stream)
         if body.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         self.include_usage = bool(self.stream and body.stream_options and body.stream_options.include_usage)
         self.prompts = []
         self.max_tokens = []
-        requested = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        # no max_tokens: until EOS, a stop, or the context is full (Duet's default, not OpenAI's 16)
+        requested = defaults.MAX_TOKENS if body.max_tokens is None else body.max_tokens
         for p in _prompts(body.prompt):
             ids = prompt_ids(engine, GenerationRequest(prompt=p, max_tokens=1), "prompt")
             self.prompts.append(ids)
@@ -202,7 +208,7 @@ class CompletionCall:
 
 
 async def completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
-    call = CompletionCall(state, body)
+    call = await asyncio.to_thread(CompletionCall, state, body)  # tokenizer: off the event loop
     if call.stream:
         return await call.stream_response(request)
     return await call.respond(request)

@@ -1,4 +1,8 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure."""
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+An unexpected exception (a bug, not a bad request) answers 500 ``internal error`` and nothing
+more: its text and traceback go to the server log, once, never to the client.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("duet.server")
@@ -43,6 +48,10 @@ def queue_full(message: str) -> APIError:
     )
 
 
+def internal_error() -> APIError:
+    return APIError(500, "internal error", type="server_error")
+
+
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", type="server_error", code="service_unavailable")
 
@@ -68,7 +77,32 @@ def _validation_message(err: dict) -> str:
     return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
 
 
+class GuardedRoute(APIRoute):
+    """A route whose unexpected exceptions become a 500 ``internal error``, logged here once with
+    the traceback. (An exception handler for ``Exception`` cannot do that: Starlette re-raises the
+    exception after it answers, so the server logs the traceback a second time.) Exceptions with
+    a handler of their own (APIError, validation, HTTP errors) pass through to it."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request):
+            try:
+                return await handler(request)
+            except Exception as e:
+                handlers = request.app.exception_handlers
+                if any(cls in handlers for cls in type(e).__mro__ if cls is not Exception):
+                    raise
+                log.exception("unexpected error while serving %s %s", request.method, request.url.path)
+                return internal_error().response()
+
+        return guarded
+
+
 def install(app: FastAPI) -> None:
+    """Error handlers, and ``GuardedRoute`` for every route added from now on."""
+    app.router.route_class = GuardedRoute
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
@@ -82,6 +116,8 @@ def install(app: FastAPI) -> None:
         if len(errors) > 1:
             msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
         param = None if first.get("type") == "json_invalid" else _loc(tuple(first.get("loc", ())))
+        if first.get("type") == "invalid_unicode":  # found by walking the whole body: it names the field
+            param = first.get("ctx", {}).get("param")
         return bad_request(msg, param, first.get("type")).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -93,5 +129,6 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error while serving %s", request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+        # outside a route (in a middleware): Starlette re-raises after this answer and the server
+        # logs the traceback, so it is not logged here too
+        return internal_error().response()

@@ -9,12 +9,15 @@ choices share its KV blocks copy-on-write.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 from mlx_engine.engine import Engine, QueueFullError
 from mlx_engine.request import GenerationEvent, GenerationRequest, RequestError
 
-from .errors import APIError, bad_request, queue_full, shutting_down
+from .errors import APIError, bad_request, internal_error, queue_full, shutting_down
+
+log = logging.getLogger("duet.server")
 
 
 def to_api_error(e: BaseException) -> APIError:
@@ -25,7 +28,26 @@ def to_api_error(e: BaseException) -> APIError:
         return queue_full(str(e))
     if isinstance(e, RuntimeError) and "shut down" in str(e):
         return shutting_down()
-    return APIError(500, f"generation failed: {e}", type="server_error")
+    log.error("a generation failed", exc_info=e)
+    return internal_error()
+
+
+def max_fanout(engine: Engine) -> int:
+    """Most sequences (prompts x n) one API call may ask for: no more than the engine runs at
+    once, and no more than its queue can ever hold (a bigger call could never be admitted)."""
+    return min(engine.config.max_running, engine.config.max_queue)
+
+
+def check_fanout(engine: Engine, count: int, n: int) -> None:
+    limit = max_fanout(engine)
+    if count > limit:
+        prompts = count // max(n, 1)
+        raise bad_request(
+            f"This request asks for {count} sequences ({prompts} prompt{'s' if prompts != 1 else ''} x n={n}); "
+            f"this server generates at most {limit} for one request. Please reduce n or the number of prompts.",
+            "n",
+            "too_many_sequences",
+        )
 
 
 class Generation:
@@ -62,6 +84,7 @@ class Generation:
         group fork the first one's prompt KV in the engine (copy-on-write) instead of computing
         the prompt again.
         """
+        check_fanout(self.engine, len(self.requests), n)
         try:
             for i, req in enumerate(self.requests):
                 if i % n:
