@@ -9,6 +9,31 @@ import pytest  # noqa: E402
 
 from tests.tiny_models import make_tiny_model_dir  # noqa: E402
 
+# Where Duet and the libraries it uses write per-user files. The suite points every one of them under
+# pytest's session tmp dir, so a test run never leaves anything in the user's home directory
+# (the Metal emulator's kernel builds alone are ~20 MB) and never depends on what is there.
+_USER_DIRS = {
+    "DUET_METAL_EMU_CACHE": "metal_emu",  # metal_kernels/emulator/build.py: compiled kernels
+    "DUET_DATA_DIR": "duet_data",  # app/tui/store.py: conversations, input history
+    "XDG_CACHE_HOME": "xdg_cache",  # platformdirs' user cache dir and everything else following XDG
+    "XDG_DATA_HOME": "xdg_data",
+    "XDG_CONFIG_HOME": "xdg_config",
+    "XDG_STATE_HOME": "xdg_state",
+    "HF_HOME": "hf_home",  # huggingface-hub's cache and token (offline: an empty cache)
+    "MPLCONFIGDIR": "matplotlib",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _user_dirs_in_tmp(tmp_path_factory):
+    """Set before any test runs, so in-process code and every subprocess a test starts inherit it."""
+    root = tmp_path_factory.mktemp("user_dirs")
+    with pytest.MonkeyPatch.context() as mp:
+        for var, name in _USER_DIRS.items():
+            (root / name).mkdir()
+            mp.setenv(var, str(root / name))
+        yield root
+
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):

@@ -1,4 +1,8 @@
-"""Compile translated kernels into shared libraries, cached on disk by content hash."""
+"""Compile translated kernels into shared libraries, cached on disk by content hash.
+
+The cache lives in ``$DUET_METAL_EMU_CACHE`` when set (the test suite points it at its tmp dir),
+else in the user cache directory (``~/.cache/duet/metal_emu`` on Linux).
+"""
 
 from __future__ import annotations
 
