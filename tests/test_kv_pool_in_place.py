@@ -59,3 +59,24 @@ def test_mixed_decode_and_prefill_step_updates_pool_in_place(runner):
 def test_copy_on_write_copies_one_block_not_the_pool(runner):
     grew = peak_growth(lambda: (runner.pool.copy_block(3, 4000), mx.eval(runner.pool.arrays())))
     assert grew < layer_array_bytes(runner.pool), f"copy_block allocated {grew} bytes: the KV pool was copied"
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_held_export_does_not_make_the_next_write_copy_the_layer(kv_bits):
+    # the peer exports a token range and keeps it queued for its sender while the next chunk's
+    # write lands in the same layer: the export must be an array of its own, not a view or a
+    # pending gather of the pool array, or that write copies the whole layer
+    pool = KVPool(2, 4096, 16, 2, 64, mx.float32, kv_bits)
+    table = list(range(100, 110))
+    snapshot = [bytes(memoryview(p)) for p in pool.read_tokens(0, table, 3, 40)]
+    held = pool.read_tokens(0, table, 3, 40)  # untouched until the write has run
+    fresh = [mx.full((37, *a.shape[1:]), 7, a.dtype) for a in pool.layer_arrays(0)]
+    mx.eval(fresh)
+
+    grew = peak_growth(lambda: (pool.write_tokens(0, table, 3, fresh), mx.eval(pool.layer_arrays(0))))
+    smallest = min(a.nbytes for a in pool.layer_arrays(0))
+    assert grew < smallest, f"a {grew}-byte peak for a 37-token write: the pool layer was copied"
+    assert [bytes(memoryview(p)) for p in held] == snapshot  # the export kept its own values
+    assert [bytes(memoryview(p)) for p in pool.read_tokens(0, table, 3, 40)] == [
+        bytes(memoryview(p)) for p in fresh
+    ]
