@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 
 from mlx_engine import __version__
@@ -221,13 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("DUET_API_KEY"))
-    s.add_argument("--max-queue", type=int, default=None)
-    s.add_argument(
-        "--max-running", type=int, default=None, help="most requests generated at once (batch size)"
-    )
+    from app.server.main import add_serve_args
+
+    add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="list the bundled model and models in the local HF cache")

@@ -53,11 +53,23 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str | Path | None, log_path: Path, *extra: str, timeout: float = 180):
+    """``extra``: more `duet serve` options (an ``--api-key`` among them is sent by ``headers``);
+    ``env``: more environment; ``preexec_fn``: run in the child before it starts (e.g. setrlimit)."""
+
+    def __init__(
+        self,
+        model: str | Path | None,
+        log_path: Path,
+        *extra: str,
+        timeout: float = 180,
+        env: dict[str, str] | None = None,
+        preexec_fn=None,
+    ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), *extra]
         if model is not None:
             cmd += ["--model", str(model)]
@@ -68,6 +80,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             env=env,
             cwd=Path(__file__).resolve().parent.parent,
+            preexec_fn=preexec_fn,
         )
         deadline = time.monotonic() + timeout
         while True:
@@ -86,8 +99,12 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.base + "/metrics", timeout=10).text
+        text = httpx.get(self.base + "/metrics", headers=self.headers, timeout=10).text
         out = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:

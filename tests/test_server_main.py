@@ -1,14 +1,19 @@
-"""`duet serve` start-up decisions: loopback detection, model aliases, the public-bind warning."""
+"""`duet serve` start-up decisions: loopback detection, model aliases, the API key and its sources,
+refusing a public bind without a key, taking the port before the model loads, the serve options."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import socket
 from argparse import Namespace
 
 import pytest
 
+from app.cli import build_parser
 from app.server import main
-from app.server.main import is_loopback, model_aliases
+from app.server.main import add_serve_args, api_key, is_loopback, listen, model_aliases, security_policy
+from mlx_engine.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -36,16 +41,129 @@ def test_model_aliases(tmp_path):
     assert model_aliases(None) == ("default",)
 
 
-def test_warns_when_public_without_key(monkeypatch, caplog):
+def serve_args(*argv: str) -> Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_options_are_defined_once_with_help():
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    options = {a.dest: a for a in p._actions if a.dest != "help"}
+    assert set(options) == {
+        "host",
+        "port",
+        "api_key",
+        "api_key_file",
+        "allowed_hosts",
+        "allowed_origins",
+        "max_body_mb",
+        "docs",
+        "insecure_no_key",
+        "max_queue",
+        "max_running",
+    }
+    assert all(a.help for a in options.values())
+    args = serve_args("--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "c.lan", "--docs")
+    assert args.allowed_hosts == ["a.lan,b.lan", "c.lan"] and args.docs and args.max_body_mb == 8
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv("DUET_API_KEY", raising=False)
+    assert api_key(serve_args()) is None
+    monkeypatch.setenv("DUET_API_KEY", "")
+    assert api_key(serve_args()) is None  # empty means no key, not "an empty bearer"
+    monkeypatch.setenv("DUET_API_KEY", "from-env")
+    assert api_key(serve_args()) == "from-env"
+    assert api_key(serve_args("--api-key", "from-flag")) == "from-flag"
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert api_key(serve_args("--api-key-file", str(f))) == "from-file"
+    with pytest.raises(ConfigError, match="not both"):
+        api_key(serve_args("--api-key-file", str(f), "--api-key", "x"))
+    f.write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        api_key(serve_args("--api-key-file", str(f)))
+    with pytest.raises(ConfigError, match="cannot read"):
+        api_key(serve_args("--api-key-file", str(tmp_path / "missing")))
+
+
+def test_public_bind_needs_a_key_or_an_explicit_opt_out(monkeypatch, caplog):
+    monkeypatch.delenv("DUET_API_KEY", raising=False)
+    for host in ("0.0.0.0", "::", "192.168.1.2"):
+        with pytest.raises(ConfigError, match="without an API key") as e:
+            security_policy(serve_args("--host", host))
+        assert "\n" not in str(e.value)
+    assert security_policy(serve_args("--host", "0.0.0.0", "--api-key", "k")).api_key == "k"
+    with caplog.at_level(logging.WARNING, logger="duet.server"):
+        assert security_policy(serve_args("--host", "0.0.0.0", "--insecure-no-key")).api_key is None
+    assert "without an API key" in caplog.text
+    assert security_policy(serve_args("--host", "127.0.0.1")).api_key is None
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (("--allowed-hosts", "http://x.lan"), "not a host name"),
+        (("--allowed-origins", "localhost:3000"), "not an origin"),
+        (("--max-body-mb", "0"), "must be positive"),
+        (("--max-queue", "0"), "at least 1"),
+        (("--max-running", "-2"), "at least 1"),
+    ],
+)
+def test_bad_security_options_are_one_line_config_errors(argv, match, monkeypatch):
+    monkeypatch.delenv("DUET_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match=match) as e:
+        security_policy(serve_args(*argv))
+    assert "\n" not in str(e.value)
+
+
+def test_listen_reports_a_taken_port_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match="already in use") as e:
+            listen("127.0.0.1", port)
+        assert "\n" not in str(e.value) and e.value.option == "port"
+    with pytest.raises(ConfigError, match="between 0 and 65535"):
+        listen("127.0.0.1", 70000)
+    sock = listen("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname(), timeout=5):
+            pass  # it listens
+    finally:
+        sock.close()
+
+
+def test_serve_takes_the_port_before_loading_the_model(monkeypatch):
+    """The port is listening while the model loads; a bad option stops serve before either."""
+    monkeypatch.delenv("DUET_API_KEY", raising=False)
+    seen = {}
+
     class Stop(Exception):
         pass
 
-    def no_load(args):
+    def fake_load(args):
+        with socket.create_connection(("127.0.0.1", args.port), timeout=5):
+            seen["listening"] = True
         raise Stop
 
-    monkeypatch.setattr(main, "_load", no_load)
-    for host, key, warned in [("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False)]:
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="duet.server"), pytest.raises(Stop):
-            main.serve(Namespace(host=host, port=0, api_key=key, model=None))
-        assert ("without an API key" in caplog.text) is warned
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(main, "_load", fake_load)
+    with pytest.raises(Stop):
+        main.serve(serve_args("--port", str(port)))
+    assert seen == {"listening": True}
+    # the socket was closed again after the failed load: the port is free
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+    monkeypatch.setattr(main, "_load", lambda args: pytest.fail("the model must not load"))
+    with pytest.raises(ConfigError):
+        main.serve(serve_args("--host", "0.0.0.0"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ConfigError, match="already in use"):
+            main.serve(serve_args("--port", str(taken.getsockname()[1])))

@@ -1,10 +1,10 @@
-"""The FastAPI application: routes, API-key check, health and metrics."""
+"""The FastAPI application: routes, health and metrics, behind the security middleware
+(Host/Origin checks, API key, body limits: ``security.py``)."""
 
 from __future__ import annotations
 
-import hmac
-
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from mlx_engine import __version__
@@ -15,35 +15,46 @@ from . import errors
 from .chat import chat_completions
 from .common import ServerState
 from .completions import completions
-from .errors import APIError
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .security import SecurityMiddleware, SecurityPolicy
 
 
-def create_app(engine: Engine, *, api_key: str | None = None, aliases: tuple[str, ...] = ()) -> FastAPI:
-    """``aliases``: other names clients may use for the served model (e.g. the --model path)."""
+def create_app(
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    aliases: tuple[str, ...] = (),
+    security: SecurityPolicy | None = None,
+    docs: bool = False,
+) -> FastAPI:
+    """``aliases``: other names clients may use for the served model (e.g. the --model path).
+    ``security``: Host/Origin allowlists, API key and body limits (default: loopback only, no
+    key, unless ``api_key`` is given). ``docs``: serve /docs, /redoc and /openapi.json."""
+    policy = security if security is not None else SecurityPolicy.build(api_key=api_key)
     ids = tuple(dict.fromkeys([engine.model_name, *[a for a in aliases if a]]))
-    state = ServerState(engine, Metrics(engine), GrammarFactory(engine.tokenizer), ids, api_key)
-    app = FastAPI(title="Duet", version=__version__, description="OpenAI-compatible API for a local model")
+    state = ServerState(engine, Metrics(engine), GrammarFactory(engine.tokenizer), ids, policy.api_key)
+    app = FastAPI(
+        title="Duet",
+        version=__version__,
+        description="OpenAI-compatible API for a local model",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.duet = state
     errors.install(app)
-
-    async def check_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), state.api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "Incorrect API key provided." if auth else "Missing API key: send Authorization: Bearer KEY.",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    auth = [Depends(check_key)]
+    # add_middleware puts the last one added outermost: the security checks run first, and the
+    # CORS middleware (only for --allowed-origins) answers the preflights they let through
+    if policy.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=["*"] if "*" in policy.allowed_origins else sorted(policy.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["authorization", "content-type"],
+            max_age=600,
+        )
+    app.add_middleware(SecurityMiddleware, policy=policy)
 
     def model_card() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "duet"}
@@ -57,20 +68,34 @@ def create_app(engine: Engine, *, api_key: str | None = None, aliases: tuple[str
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=auth)
+    def api(method: str, path: str, slash: bool = True):
+        """Register an API route at ``/v1/...`` and, as clients differ on both, without the
+        ``/v1`` prefix and with a trailing slash (instead of a redirect POST clients do not follow)."""
+        paths = [path, path.removeprefix("/v1")]
+        if slash:
+            paths += [p + "/" for p in paths]
+
+        def register(endpoint):
+            for i, p in enumerate(paths):
+                app.add_api_route(p, endpoint, methods=[method], include_in_schema=i == 0)
+            return endpoint
+
+        return register
+
+    @api("GET", "/v1/models")  # before /v1/models/{model}, which "/v1/models/" would match
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @api("GET", "/v1/models/{model:path}", slash=False)  # the path parameter takes any slash
     async def get_model(model: str) -> JSONResponse:
-        state.check_model(model)
+        state.check_model(model.removesuffix("/"))
         return JSONResponse(model_card())
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @api("POST", "/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat_completions(state, body, request)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @api("POST", "/v1/completions")
     async def complete(body: CompletionRequest, request: Request) -> Response:
         return await completions(state, body, request)
 

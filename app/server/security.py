@@ -1,0 +1,361 @@
+"""The server's front door, as pure ASGI middleware: who may talk to the API, and how much.
+
+Every HTTP request passes these checks in order, before any route runs or any body is parsed:
+
+1. **Host** (DNS rebinding, Ollama's CVE-2024-28224). A web page can point a name it controls at
+   127.0.0.1 and then call the API "same-origin"; the browser still sends that name as ``Host``.
+   Allowed: IP literals (a browser that sends one really connected to that address), ``localhost``
+   and ``*.localhost`` (which browsers resolve to loopback themselves), and ``--allowed-hosts``.
+   Anything else is a 403.
+2. **Origin** (cross-site requests). Browsers send ``Origin`` on cross-site and on POST requests;
+   clients such as curl or the OpenAI SDK send none, and those pass. Allowed: ``--allowed-origins``,
+   the server's own origin (the same host and port as the request's ``Host``) and loopback origins
+   on the server's port. Anything else, ``null`` included, is a 403. CORS headers go only to
+   ``--allowed-origins``: CORS stays closed by default.
+3. **API key**, when one is set: every path but ``/health`` needs ``Authorization: Bearer KEY``
+   (a constant-time comparison); 401 otherwise. CORS preflights from an allowed origin pass
+   (browsers never send credentials on a preflight).
+4. **Body size**: a ``Content-Length`` above the limit is a 413 at once; a body without one is
+   read incrementally and refused with a 413 as soon as it passes the limit. A body that does not
+   arrive in time is a 408.
+5. **Content type**: a request with a body must be ``application/json`` (or ``application/*+json``);
+   anything else is a 415. This is what keeps a cross-site ``text/plain`` form POST (which needs no
+   CORS preflight) from being parsed as JSON, whatever FastAPI version is installed.
+
+The body is read here, whole and within the limit, and handed to the app from memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/health"})  # answer without the API key
+DEFAULT_MAX_BODY_MB = 8.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+_BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def split_host(value: str) -> tuple[str, int | None]:
+    """``Host`` header value -> (lower-case name without brackets or trailing dot, port or None).
+    Raises ValueError for a malformed value."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [v6]:port
+        name, sep, rest = value[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(value)
+        port = rest[1:]
+    else:
+        name, _, port = value.partition(":") if value.count(":") == 1 else (value, "", "")
+    if not name or (port and not port.isdigit()):
+        raise ValueError(value)
+    return name.rstrip("."), int(port) if port else None
+
+
+def is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def is_loopback_name(name: str) -> bool:
+    """``localhost``, ``*.localhost`` or a loopback IP literal."""
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def normalize_origin(origin: str) -> str:
+    """``scheme://host[:port]`` in lower case, the scheme's default port left out.
+    Raises ValueError for anything that is not such an origin."""
+    origin = origin.strip().lower().rstrip("/")
+    if origin in ("*", "null"):
+        return origin
+    u = urlsplit(origin)
+    if not u.scheme or not u.hostname or u.path or u.query or u.fragment or u.username:
+        raise ValueError(origin)
+    port = u.port  # raises ValueError when malformed
+    host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+    if port is None or port == _DEFAULT_PORTS.get(u.scheme):
+        return f"{u.scheme}://{host}"
+    return f"{u.scheme}://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class SecurityPolicy:
+    """What the middleware lets through. Build it with ``SecurityPolicy.build`` to validate the lists."""
+
+    api_key: str | None = None
+    allowed_hosts: frozenset[str] = frozenset()  # names; "*.example.com" for subdomains; "*" for any
+    allowed_origins: frozenset[str] = frozenset()  # normalized origins; "*" for any
+    max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        api_key: str | None = None,
+        allowed_hosts: list[str] | tuple[str, ...] = (),
+        allowed_origins: list[str] | tuple[str, ...] = (),
+        max_body_mb: float = DEFAULT_MAX_BODY_MB,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    ) -> SecurityPolicy:
+        """Raises ValueError, naming the bad entry, for a malformed host or origin."""
+        hosts = set()
+        for h in allowed_hosts:
+            h = h.strip().lower().rstrip(".")
+            if not h:
+                continue
+            bare = h[2:] if h.startswith("*.") else h
+            if h != "*" and (not bare or any(c in bare for c in "/:*@ ")):
+                raise ValueError(f"--allowed-hosts: {h!r} is not a host name (example: myhost.lan or *.lan)")
+            hosts.add(h)
+        origins = set()
+        for o in allowed_origins:
+            if not o.strip():
+                continue
+            try:
+                origins.add(normalize_origin(o))
+            except ValueError:
+                raise ValueError(
+                    f"--allowed-origins: {o!r} is not an origin (example: http://localhost:3000)"
+                ) from None
+        if max_body_mb <= 0:
+            raise ValueError(f"--max-body-mb must be positive, got {max_body_mb}")
+        return cls(
+            api_key=api_key or None,
+            allowed_hosts=frozenset(hosts),
+            allowed_origins=frozenset(origins),
+            max_body_bytes=int(max_body_mb * 2**20),
+            body_timeout_s=body_timeout_s,
+        )
+
+    def host_allowed(self, name: str) -> bool:
+        if is_ip(name) or name == "localhost" or name.endswith(".localhost"):
+            return True
+        if "*" in self.allowed_hosts or name in self.allowed_hosts:
+            return True
+        return any(h.startswith("*.") and name.endswith(h[1:]) for h in self.allowed_hosts)
+
+    def origin_listed(self, origin: str) -> bool:
+        """Explicitly allowed (``--allowed-origins``): these get CORS headers."""
+        if "*" in self.allowed_origins:
+            return True
+        try:
+            return normalize_origin(origin) in self.allowed_origins
+        except ValueError:
+            return False
+
+    def origin_allowed(
+        self, origin: str, scheme: str, host: tuple[str, int | None], server_port: int | None
+    ) -> bool:
+        """``host``: the request's (already allowed) Host; ``server_port``: the port it came in on."""
+        if self.origin_listed(origin):
+            return True
+        try:
+            o = urlsplit(normalize_origin(origin))
+            o_port = o.port or _DEFAULT_PORTS.get(o.scheme)
+        except ValueError:
+            return False
+        if o.scheme not in _DEFAULT_PORTS or not o.hostname:
+            return False
+        name, port = host
+        if o.hostname == name and o_port == (port or _DEFAULT_PORTS.get(scheme)):
+            return True  # same origin: a page this server served
+        return is_loopback_name(o.hostname) and server_port is not None and o_port == server_port
+
+    def authorized(self, authorization: str) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, token = authorization.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
+
+
+def _error_body(status: int, message: str, type_: str, code: str | None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+
+
+class SecurityMiddleware:
+    """Pure ASGI: checks a request and reads its body before the app sees it (see the module doc)."""
+
+    def __init__(self, app: ASGIApp, policy: SecurityPolicy):
+        self.app = app
+        self.policy = policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        p = self.policy
+        headers: dict[str, str] = {}
+        for k, v in scope.get("headers", ()):
+            headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+        origin = headers.get("origin")
+        cors = (
+            [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+            if (origin is not None and p.origin_listed(origin))
+            else []
+        )
+
+        async def refuse(status: int, message: str, type_: str, code: str | None, extra=()) -> None:
+            body = _error_body(status, message, type_, code)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        *cors,
+                        *extra,
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+
+        # 1. Host
+        host_header = headers.get("host")
+        host: tuple[str, int | None] = ("", None)
+        if host_header is not None:  # HTTP/1.0 clients may omit it; browsers never do
+            try:
+                host = split_host(host_header)
+            except ValueError:
+                host = ("", None)
+            if not host[0] or not p.host_allowed(host[0]):
+                await refuse(
+                    403,
+                    f"Host {host_header!r} is not allowed; start the server with --allowed-hosts to serve it",
+                    "permission_error",
+                    "host_not_allowed",
+                )
+                return
+        # 2. Origin
+        server = scope.get("server") or (None, None)
+        if origin is not None and not p.origin_allowed(origin, scope.get("scheme", "http"), host, server[1]):
+            await refuse(
+                403,
+                f"Origin {origin!r} is not allowed; start the server with --allowed-origins to serve it",
+                "permission_error",
+                "origin_not_allowed",
+            )
+            return
+        method = scope.get("method", "GET")
+        if method == "OPTIONS" and cors and "access-control-request-method" in headers:
+            await self.app(scope, receive, send)  # a CORS preflight: the CORS middleware answers it
+            return
+        # 3. API key
+        if scope.get("path") not in OPEN_PATHS and not p.authorized(headers.get("authorization", "")):
+            await refuse(
+                401,
+                "Incorrect API key provided."
+                if "authorization" in headers
+                else "Missing API key: send Authorization: Bearer KEY.",
+                "invalid_request_error",
+                "invalid_api_key",
+                [(b"www-authenticate", b"Bearer")],
+            )
+            return
+        # 4. Body size by Content-Length
+        length = headers.get("content-length")
+        if length is not None and (not length.strip().isdigit() or int(length) > p.max_body_bytes):
+            await self._too_large(refuse)
+            return
+        has_body = (length is not None and int(length) > 0) or "transfer-encoding" in headers
+        if method in _BODYLESS_METHODS and not has_body:
+            await self.app(scope, receive, send)
+            return
+        # 5. Content type
+        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if has_body or method not in _BODYLESS_METHODS:
+            if not (
+                ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))
+            ):
+                await refuse(
+                    415,
+                    f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                    "invalid_request_error",
+                    "unsupported_media_type",
+                )
+                return
+        # 4'. The body itself, incrementally, within the limit and the deadline
+        body = await self._read_body(receive)
+        if body is None:
+            return  # the client went away
+        if body == 413:
+            await self._too_large(refuse)
+            return
+        if body == 408:
+            await refuse(
+                408,
+                f"The request body did not arrive within {p.body_timeout_s:g} s",
+                "invalid_request_error",
+                "request_timeout",
+                [(b"connection", b"close")],
+            )
+            return
+        assert isinstance(body, bytes)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: waits for http.disconnect
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, refuse) -> None:
+        mb = self.policy.max_body_bytes / 2**20
+        await refuse(
+            413,
+            f"The request body is larger than this server accepts ({mb:g} MB; see --max-body-mb)",
+            "invalid_request_error",
+            "request_too_large",
+        )
+
+    async def _read_body(self, receive: Receive) -> bytes | int | None:
+        """The whole body; 413 past the limit, 408 past the deadline, None if the client left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.body_timeout_s
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                return 408
+            try:
+                message = await asyncio.wait_for(receive(), left)
+            except TimeoutError:
+                return 408
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.policy.max_body_bytes:
+                return 413
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
