@@ -38,7 +38,8 @@ FUZZ = settings(
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-fuzz")
-    srv = ServerProcess(tiny_model(root / MODEL), root / "server.log", "--cache-gb", "0.02")
+    # --docs: the schema comes from the server's /openapi.json (off by default)
+    srv = ServerProcess(tiny_model(root / MODEL), root / "server.log", "--cache-gb", "0.02", "--docs")
     yield srv
     srv.stop()
 
