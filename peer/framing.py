@@ -59,6 +59,7 @@ def encode_frame(header: dict[str, Any], payload=()) -> list[memoryview | bytes]
     numpy array must be C-contiguous; it is sent from its own memory, not copied)."""
     views = [v for v in (_byte_view(b) for b in payload) if v.nbytes]
     header = dict(header, nbytes=sum(v.nbytes for v in views))
+    header.pop("checksum", None)
     if views:
         header["checksum"] = checksum(views)
     raw = pack_header(header)

@@ -14,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 
 from .framing import Frame, encode_frame
-from .protocol import Hello, LayerKV, bad_frame, check_supported
+from .handshake import check_supported
+from .protocol import Hello, LayerKV, bad_frame
 
 MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DTYPE_NAMES = {v: k for k, v in MX_DTYPES.items()}
@@ -106,7 +107,10 @@ def to_wire(part) -> np.ndarray:
         if part.dtype == mx.bfloat16:
             part = part.view(mx.uint16)
         part = np.asarray(part)
-    return np.ascontiguousarray(part)
+    part = np.ascontiguousarray(part)
+    if part.dtype.byteorder == ">":
+        part = part.astype(part.dtype.newbyteorder("<"))
+    return part
 
 
 def encode_layer(
@@ -118,7 +122,7 @@ def encode_layer(
     if len(arrays) != len(specs):
         raise ValueError(f"{len(arrays)} KV parts for a format with {len(specs)}")
     for a, (shape, dt) in zip(arrays, specs, strict=True):
-        if a.shape != shape or a.dtype.newbyteorder("<") != dt:
+        if a.shape != shape or a.dtype != dt:
             raise ValueError(f"KV part {a.dtype}{a.shape} is not the wire's {dt}{shape}")
     msg = LayerKV(
         request_id,

@@ -2,8 +2,9 @@
 
 A frame is ``u32 length`` (big-endian) + a msgpack header (a map with ``type`` and the fields of
 one of the dataclasses below, plus the frame fields ``nbytes`` and ``checksum``) + a raw payload of
-exactly ``nbytes`` bytes. Framing, sockets and buffers are in ``peer/framing.py``; KV arrays <->
-payload bytes in ``peer/kv_wire.py``; the whole protocol is described in ``docs/peer-protocol.md``.
+exactly ``nbytes`` bytes. Framing, sockets and buffers are in ``peer/framing.py``; the HELLO
+checks in ``peer/handshake.py``; KV arrays <-> payload bytes in ``peer/kv_wire.py``; the whole
+protocol is described in ``docs/peer-protocol.md``.
 
 Decoding is strict about the fields it knows (type, range) and ignores keys it does not know, so a
 newer peer can add fields without breaking an older one. Every violation raises ``ProtocolError``
@@ -315,55 +316,3 @@ def decode_message(header: dict[str, Any]) -> Message:
     msg = _from_fields(cls, header)
     msg.check()
     return msg
-
-
-# --- HELLO checks (before any compute) ---------------------------------------------------------
-
-
-def negotiate_version(local: Hello, remote: Hello) -> int:
-    """The highest protocol version both sides speak."""
-    top = min(local.protocol_max, remote.protocol_max)
-    if top < max(local.protocol_min, remote.protocol_min):
-        raise ProtocolError(
-            ErrorCode.VERSION,
-            f"peer speaks protocol {remote.protocol_min}..{remote.protocol_max}, "
-            f"this side {local.protocol_min}..{local.protocol_max}: upgrade the older side",
-        )
-    return top
-
-
-def check_supported(hello: Hello) -> None:
-    """Refuse models whose layers do not each write one uniform KV of their own exactly once."""
-    for i, spec in enumerate(hello.layers):
-        if spec.kind not in SUPPORTED_LAYER_KINDS:
-            raise ProtocolError(
-                ErrorCode.UNSUPPORTED_MODEL,
-                f"layer {i} is {spec.kind!r}: remote prefill supports only {'/'.join(SUPPORTED_LAYER_KINDS)} "
-                "attention layers",
-            )
-    shapes = {(s.n_kv_heads, s.head_dim, s.v_head_dim) for s in hello.layers}
-    if len(shapes) != 1:
-        raise ProtocolError(ErrorCode.UNSUPPORTED_MODEL, "layers differ in KV heads or head dims")
-
-
-def check_peer(local: Hello, remote: Hello) -> int:
-    """Everything that must match before a PREFILL is sent; returns the protocol version."""
-    version = negotiate_version(local, remote)
-    if local.model_fingerprint != remote.model_fingerprint:
-        raise ProtocolError(
-            ErrorCode.FINGERPRINT,
-            f"peer runs model {remote.model_fingerprint[:16]}, this side {local.model_fingerprint[:16]}",
-        )
-    check_supported(local)
-    check_supported(remote)
-    if local.layers != remote.layers:
-        raise ProtocolError(ErrorCode.FINGERPRINT, "peer reports different KV shapes for the same model")
-    return version
-
-
-def inexact_reasons(local: Hello, remote: Hello) -> list[str]:
-    """Why a remote prefill would not be bit-exact with local prefill (empty: exact).
-
-    Block size and weight format need not match; the chunk grid is carried by each PREFILL."""
-    a, b = local.numerics(), remote.numerics()
-    return [f"{k} {b[k]} != {a[k]}" for k in a if a[k] != b[k]]

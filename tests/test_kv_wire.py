@@ -135,6 +135,18 @@ def test_received_arrays_do_not_alias_the_pooled_buffer():
     assert np.array_equal(np.asarray(parts[0].view(mx.uint16)).ravel(), np.arange(128))
 
 
+def test_to_wire_makes_parts_contiguous_and_little_endian():
+    fmt = KVFormat(1, 2, 32, 32, "float32", None, 32, 16)
+    k = np.arange(4 * 2 * 64, dtype=">f4").reshape(4, 2, 64)[:, :, ::2]  # strided, big-endian
+    v = mx.arange(4 * 2 * 32, dtype=mx.float32).reshape(2, 4, 32).transpose(1, 0, 2)
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, encode_layer(fmt, "r", 1, 0, 0, 4, [k, v]))  # small: fits the socket buffer
+        with FrameReader(b, BufferPool(1 << 16), kv_format=fmt).read(idle_timeout=60) as frame:
+            got = decode_layer(frame, fmt)
+            assert np.array_equal(got[0], k) and np.array_equal(got[1], np.asarray(v))
+
+
 def test_bad_writes_are_refused():
     pool = make_pool(16, mx.float16, 8)
     table = [3, 4]

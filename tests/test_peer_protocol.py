@@ -23,6 +23,7 @@ from peer.framing import (
     encode_prefill,
     send_frame,
 )
+from peer.handshake import check_peer, inexact_reasons, negotiate_version
 from peer.kv_wire import KVFormat, decode_layer, encode_layer
 from peer.protocol import (
     MAX_HEADER_BYTES,
@@ -37,9 +38,6 @@ from peer.protocol import (
     LayerSpec,
     Prefill,
     ProtocolError,
-    check_peer,
-    inexact_reasons,
-    negotiate_version,
 )
 
 LAYERS = [LayerSpec("full", 2, 64, 64), LayerSpec("sliding", 2, 64, 64, window=128)]
@@ -83,6 +81,13 @@ class BytesSource:
 
 def joined(buffers) -> bytes:
     return b"".join(bytes(b) for b in buffers)
+
+
+def reframed(buffers, **change) -> bytes:
+    """The frame with header fields changed (its length prefix fixed, nbytes left as given)."""
+    header = {**msgpack.unpackb(bytes(buffers[0][4:])), **change}
+    raw = msgpack.packb(header)
+    return len(raw).to_bytes(4, "big") + raw + joined(buffers[1:])
 
 
 def reader_over(data: bytes, cap: int = 1 << 20, fmt: KVFormat | None = FMT) -> FrameReader:
@@ -220,31 +225,33 @@ def test_oversized_header_length_allocates_nothing():
     assert peak < 2 * MAX_HEADER_BYTES
 
 
-@pytest.mark.parametrize("nbytes", [2**62, 17])
-def test_payload_size_must_match_the_shapes(nbytes):
+@pytest.mark.parametrize("delta", [2**62, 1, -1])
+def test_payload_size_must_match_the_shapes(delta):
     buffers, _ = layer_frame()
-    header = msgpack.unpackb(bytes(buffers[0][4:]))
-    data = joined(encode_frame({**header, "nbytes": nbytes}))  # a lying size, no payload follows
-    err, peak = read_traced(data)
-    assert err.code == ErrorCode.BAD_FRAME and "payload" in str(err)
+    size = sum(len(b) for b in buffers[1:])
+    err, peak = read_traced(reframed(buffers, nbytes=size + delta))  # a lying size
+    assert err.code == ErrorCode.BAD_FRAME and f"payload of {size + delta} bytes" in str(err)
     assert peak < 2 * MAX_HEADER_BYTES
 
 
 @pytest.mark.parametrize(
-    "change",
+    "change,says",
     [
-        {"shapes": [[8, 2, 64], [8, 2, 32]]},
-        {"layer": 2},
-        {"dtype": "float16"},
-        {"kv_bits": 8},
-        {"t1": 5000},
+        ({"shapes": [[8, 2, 64], [8, 2, 32]]}, "part shapes"),
+        ({"layer": 2}, "layer 2 of a 2-layer model"),
+        ({"dtype": "float16"}, "is not this pool's"),
+        ({"kv_bits": 8}, "is not this pool's"),
+        ({"t1": 5000}, "exceed the 4096-token limit"),
+        ({"t0": 4}, "part shapes"),
+        ({"t0": 4, "shapes": [[7, 2, 64], [7, 2, 64]]}, "payload of"),  # fewer tokens than sent
     ],
 )
-def test_layer_kv_must_match_the_receivers_format(change):
-    header = msgpack.unpackb(bytes(layer_frame()[0][0][4:]))
-    with pytest.raises(ProtocolError) as e:
-        reader_over(joined(encode_frame({**header, **change}))).read()
-    assert e.value.code == ErrorCode.BAD_FRAME
+def test_layer_kv_must_match_the_receivers_format(change, says):
+    reader = reader_over(reframed(layer_frame()[0], **change))
+    with pytest.raises(ProtocolError, match=says) as e:
+        reader.read()
+    assert e.value.code == ErrorCode.BAD_FRAME and reader.buffers.peak == 0
+    assert reader_over(reframed(layer_frame()[0])).read().msg.t0 == 3  # unchanged, it reads
 
 
 def test_layer_kv_before_hello_and_oversized_prefill_are_refused():
