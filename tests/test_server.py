@@ -9,16 +9,29 @@ have made it so.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import json
+import logging
 import signal
 import time
+import types
+from typing import Annotated, Literal, Union, get_args, get_origin, get_type_hints
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from openai.types import completion_create_params
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.chat.chat_completion_content_part_text_param import ChatCompletionContentPartTextParam
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import is_typeddict
 
+from app.server import errors
 from tests.test_server_harness import ServerProcess, tiny_model
 
 MODEL = "tiny-tools"
@@ -326,6 +339,48 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 300
             400,
             "stream_options",
         ),
+        # OpenAI fields that are accepted still need the right type and a possible value
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "reasoning_effort": 5},
+            400,
+            "reasoning_effort",
+        ),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "metadata": "x"}, 400, "metadata"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "store": "yes"}, 400, "store"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "modalities": ["text", "audio"]},
+            400,
+            "modalities",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "function_call": "auto"},
+            400,
+            "function_call",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "functions": [{"name": "f"}], "function_call": {"name": "g"}},
+            400,
+            "function_call",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": USER, "tools": [{"type": "custom", "custom": {"name": "sql"}}]},
+            400,
+            "tools[0]",
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}
+            ),  # lone surrogate
+            400,
+            "messages[0].content",
+        ),
+        ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["ok", "\udfff"]}), 400, "prompt[1]"),
         ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
@@ -517,6 +572,279 @@ def test_tools_reach_the_template_and_tool_turns_render(client):
     )
     assert r.usage.prompt_tokens > with_tools.usage.prompt_tokens + 10
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+# --- what real OpenAI clients send ---------------------------------------------------------
+
+
+def sdk_value(tp):
+    """A valid value of an openai SDK request type, with every key of every TypedDict filled in
+    (the first choice of each union and literal): the request a client setting everything sends."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Union or origin is types.UnionType:
+        return sdk_value(next(a for a in args if a is not type(None)))
+    if origin is Literal:
+        return args[0]
+    if is_typeddict(tp):
+        return {k: sdk_value(v) for k, v in get_type_hints(tp).items()}
+    if origin in (list, collections.abc.Iterable, collections.abc.Sequence) or (
+        getattr(origin, "__name__", "") == "SequenceNotStr"
+    ):
+        return [sdk_value(args[0])]
+    if origin in (dict, collections.abc.Mapping):
+        return {"key": sdk_value(args[1])}
+    return {str: "text", int: 1, float: 0.5, bool: True, object: "text"}[tp]
+
+
+def every_chat_field() -> dict:
+    """Every field of the installed SDK's chat-completions request, each message kind included."""
+    body = sdk_value(chat_create_params.CompletionCreateParamsBase)
+    messages = [sdk_value(kind) for kind in get_args(ChatCompletionMessageParam)]
+    messages.append({"role": "user", "content": [sdk_value(ChatCompletionContentPartTextParam)]})
+    # the values the generic filler cannot know: this server's model, token ids, short replies
+    return {
+        **body,
+        "model": MODEL,
+        "messages": messages,
+        "logit_bias": {"1": 1},
+        "max_tokens": 3,
+        "max_completion_tokens": 3,
+    }
+
+
+def every_completion_field() -> dict:
+    body = sdk_value(completion_create_params.CompletionCreateParamsBase)
+    # echo with logprobs needs prompt logprobs and a suffix needs insertion: neither exists here
+    return {**body, "model": MODEL, "logit_bias": {"1": 1}, "max_tokens": 3, "echo": False, "suffix": ""}
+
+
+def test_every_field_of_the_sdks_chat_request_is_accepted(client):
+    body = every_chat_field()
+    fields = set(chat_create_params.CompletionCreateParamsBase.__annotations__)
+    assert set(body) == fields and len(fields) > 35  # follows the installed SDK
+    plain = {k: v for k, v in body.items() if k != "stream_options"}  # only allowed when streaming
+    r = client.chat.completions.create(**plain)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert r.choices[0].logprobs.content[0].top_logprobs  # logprobs and top_logprobs were honoured
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3  # include_usage
+
+
+def test_every_field_of_the_sdks_completion_request_is_accepted(client):
+    body = every_completion_field()
+    assert set(body) == set(completion_create_params.CompletionCreateParamsBase.__annotations__)
+    plain = {k: v for k, v in body.items() if k != "stream_options"}
+    r = client.completions.create(**plain)
+    assert r.choices[0].finish_reason == "length" and len(r.choices[0].logprobs.tokens) == 3
+    chunks = list(client.completions.create(**body, stream=True))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_paths_without_v1_and_with_a_trailing_slash(server):
+    chat = {"model": MODEL, "messages": USER, "max_tokens": 1}
+    comp = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for path in ("/v1/chat/completions/", "/chat/completions", "/chat/completions/"):
+        r = post(server, path, chat)
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion", (path, r.status_code)
+    for path in ("/v1/completions/", "/completions", "/completions/"):
+        r = post(server, path, comp)
+        assert r.status_code == 200 and r.json()["object"] == "text_completion", (path, r.status_code)
+    for path in ("/v1/models/", "/models", "/models/"):
+        r = httpx.get(server.base + path)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL, path
+    for path in ("/models/" + MODEL, "/v1/models/" + MODEL + "/"):
+        assert httpx.get(server.base + path).json()["id"] == MODEL, path
+    bare = openai.OpenAI(base_url=server.base, api_key="none", max_retries=0)
+    assert bare.chat.completions.create(model=MODEL, messages=USER, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_legacy_functions_and_function_call(client):
+    clock = {"name": "now", "description": "The time", "parameters": CLOCK["function"]["parameters"]}
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, functions=[clock], function_call={"name": "now"}, max_tokens=60
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "function_call" and ch.message.tool_calls is None
+    assert ch.message.function_call.name == "now" and json.loads(ch.message.function_call.arguments) == {}
+    s = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        functions=[clock],
+        function_call={"name": "now"},
+        max_tokens=60,
+        stream=True,
+    )
+    name, args, finish = "", "", None
+    for c in s:
+        fc = c.choices[0].delta.function_call
+        name += (fc.name or "") if fc else ""
+        args += (fc.arguments or "") if fc else ""
+        finish = c.choices[0].finish_reason or finish
+    assert (name, json.loads(args), finish) == ("now", {}, "function_call")
+    # the legacy turns of a conversation render: the assistant's function_call, the function's result
+    history = USER + [
+        {"role": "assistant", "content": None, "function_call": {"name": "now", "arguments": "{}"}},
+        {"role": "function", "name": "now", "content": '{"time": "12:00"}'},
+    ]
+    before = client.chat.completions.create(model=MODEL, messages=USER, functions=[clock], max_tokens=1)
+    after = client.chat.completions.create(model=MODEL, messages=history, functions=[clock], max_tokens=1)
+    assert after.usage.prompt_tokens > before.usage.prompt_tokens + 10
+
+
+def test_refusal_parts_are_read_like_text(client):
+    said = "I cannot help with that request."
+
+    def prompt_tokens(assistant: dict) -> int:
+        messages = [*USER, {"role": "assistant", **assistant}, {"role": "user", "content": "Why?"}]
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1
+        ).usage.prompt_tokens
+
+    as_text = prompt_tokens({"content": said})
+    assert prompt_tokens({"content": [{"type": "refusal", "refusal": said}]}) == as_text
+    assert prompt_tokens({"content": None, "refusal": said}) == as_text
+    assert prompt_tokens({"content": ""}) < as_text
+
+
+def test_sampling_defaults_are_duets(client):
+    from mlx_engine import defaults
+
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=24, seed=3)
+    omitted = client.completions.create(**kw).choices[0].text
+    duets = dict(temperature=defaults.TEMPERATURE, top_p=defaults.TOP_P, extra_body={"top_k": defaults.TOP_K})
+    assert client.completions.create(**kw, **duets).choices[0].text == omitted
+    openais = dict(temperature=1.0, top_p=1.0)  # what an omitted field meant before
+    assert client.completions.create(**kw, **openais).choices[0].text != omitted
+
+
+def test_omitted_max_tokens_runs_until_the_context_is_full(server):
+    body = {"model": MODEL, "prompt": [72] * 2040, "ignore_eos": True, "temperature": 0}  # context 2048
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+# --- tools as frameworks declare them ---------------------------------------------------------
+
+Short = Annotated[str, Field(min_length=1, max_length=6)]
+CLOSED = ConfigDict(extra="forbid")  # additionalProperties: false, as strict tools have it
+
+
+class Address(BaseModel):
+    model_config = CLOSED
+    street: Short
+    zip: Annotated[int, Field(ge=0, le=999)]
+
+
+class Person(BaseModel):
+    model_config = CLOSED
+    name: Short
+    homes: Annotated[list[Address], Field(min_length=1, max_length=2)]
+
+
+class Parcel(BaseModel):  # another "Address" of its own: the two definitions must not mix
+    class Address(BaseModel):
+        port: Short
+
+    to: Address
+
+
+def test_forced_tool_call_with_nested_pydantic_models(client):
+    # as instructor writes a tool (model_json_schema) and as the SDK's pydantic_function_tool does
+    person = {
+        "type": "function",
+        "function": {"name": "save_person", "parameters": Person.model_json_schema()},
+    }
+    tools = [person, openai.pydantic_function_tool(Parcel, name="send_parcel")]
+    assert all("$defs" in t["function"]["parameters"] for t in tools)
+    models = {"save_person": Person, "send_parcel": Parcel}
+    for choice, seed in (
+        ("required", 1),
+        ("required", 2),
+        ({"type": "function", "function": {"name": "save_person"}}, 3),
+    ):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            tools=tools,
+            tool_choice=choice,
+            max_tokens=300,
+            temperature=0.8,
+            seed=seed,
+        )
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        models[call.function.name].model_validate_json(call.function.arguments)  # the client's own check
+
+
+def test_forced_tool_without_parameters_gets_empty_arguments(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=[{"type": "function", "function": {"name": "now"}}],
+        tool_choice="required",
+        max_tokens=60,
+        temperature=1.0,
+        seed=5,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.arguments == "{}"
+
+
+def test_tool_call_cut_by_max_tokens_keeps_openais_shape(client):
+    long_city = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "minLength": 2000}},  # cannot end in time
+                "required": ["city"],
+            },
+        },
+    }
+    kw = dict(model=MODEL, messages=USER, tools=[long_city], tool_choice="required", max_tokens=80, seed=1)
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "length" and not ch.message.content
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    # what was generated before the cut (80 tokens cover the 52 characters of markup before it)
+    assert call.function.arguments.startswith('{"city": "')
+    calls, finish = {}, None
+    for c in client.chat.completions.create(**kw, stream=True):
+        d = c.choices[0].delta
+        assert not d.content
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            slot["name"] += (tc.function.name or "") if tc.function else ""
+            slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = c.choices[0].finish_reason or finish
+    assert finish == "length" and calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+
+
+# --- unexpected errors ---------------------------------------------------------------------------
+
+
+def test_unexpected_errors_say_internal_error_and_are_logged_once(caplog):
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("secret detail /home/user/model.gguf")
+
+    @app.get("/refused")
+    async def refused():
+        raise errors.bad_request("no", "x")
+
+    with TestClient(app) as c, caplog.at_level(logging.ERROR, logger="duet.server"):
+        r = c.get("/boom")  # TestClient re-raises anything the app lets escape: nothing does
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error"
+        assert "secret" not in r.text
+        assert c.get("/refused").json()["error"]["param"] == "x"  # handled errors pass through
+    logged = [x for x in caplog.records if x.exc_info]
+    assert len(logged) == 1 and "secret detail" in str(logged[0].exc_info[1])
 
 
 # --- load, disconnects, metrics -------------------------------------------------------------
