@@ -90,7 +90,7 @@ class KVPool:
 
     def arrays(self) -> list:
         """Everything to evaluate after a step."""
-        out = []
+        out: list[mx.array] = []
         for a in (*self.k, *self.v):
             out.extend(a if isinstance(a, tuple) else (a,))
         return out

@@ -275,7 +275,7 @@ class FrameReader:
             raise bad_frame("a frame with a payload needs an integer checksum")
         buf = self.buffers.acquire(nbytes)
         try:
-            self._recv_exact(memoryview(buf.array))
+            self._recv_exact(memoryview(buf.array.data))
             if checksum([buf.array]) != digest:
                 raise ProtocolError(ErrorCode.CHECKSUM, f"{msg.TYPE.value} payload checksum mismatch")
         except BaseException:

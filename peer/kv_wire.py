@@ -20,7 +20,11 @@ from .protocol import Hello, LayerKV, bad_frame
 MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DTYPE_NAMES = {v: k for k, v in MX_DTYPES.items()}
 # how each dtype travels: numpy has no bfloat16, its bits go as uint16
-NP_WIRE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+NP_WIRE: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+}
 U32 = np.dtype("<u4")
 
 
@@ -69,7 +73,7 @@ class KVFormat:
     def part_specs(self, ntok: int) -> list[tuple[tuple[int, ...], np.dtype]]:
         """(shape, wire dtype) of each payload part for ``ntok`` tokens."""
         act = NP_WIRE[self.dtype]
-        out = []
+        out: list[tuple[tuple[int, ...], np.dtype]] = []
         for dim in (self.head_dim, self.v_head_dim):
             if self.kv_bits is None:
                 out.append(((ntok, self.n_kv_heads, dim), act))

@@ -287,7 +287,7 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
     elif origin is list:
         if isinstance(value, list):
             return [_convert(v, args[0], name) for v in value]
-    elif dataclasses.is_dataclass(tp):
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return _from_fields(tp, value)
     raise bad_frame(f"field {name!r} has a bad value for {getattr(tp, '__name__', tp)}")
