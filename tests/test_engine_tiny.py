@@ -150,7 +150,16 @@ def test_cancel_and_break_free_blocks(tiny_dirs):
             n += len(ev.token_ids)
             if n >= 3:
                 break
-        await asyncio.sleep(0.2)
+        # breaking out cancels the request; the engine drops it on its worker thread: wait for that
+        # (the request gone and its blocks released), with a deadline only for a hang or a leak
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while True:
+            s = engine.stats()
+            if s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0:
+                break
+            assert loop.time() < deadline, f"the cancelled request still holds KV blocks: {s}"
+            await asyncio.sleep(0.01)
 
     try:
         asyncio.run(stop_early())
