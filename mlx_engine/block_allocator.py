@@ -59,7 +59,8 @@ class BlockAllocator:
         for _ in range(n):
             b, _ = self._free.popitem(last=False)
             if self.index is not None and self.index.contains_block(b):
-                if self.on_evict is not None:
+                # salted blocks never reach the disk tier: its files are keyed by tokens alone
+                if self.on_evict is not None and self.index.salt_of(b) is None:
                     for blk in self.index.subtree(b):  # their contents are still intact: spill them
                         self.on_evict(blk, self.index.path_tokens(blk))
                 self.index.remove_block(b)
@@ -99,19 +100,21 @@ class BlockAllocator:
         return new, True
 
     # --- prefix cache -----------------------------------------------------------
-    def match_prefix(self, tokens: list[int], max_tokens: int) -> list[int]:
-        """Blocks caching the longest full-block prefix of ``tokens[:max_tokens]``; each gets a reference."""
+    def match_prefix(self, tokens: list[int], max_tokens: int, salt: str | None = None) -> list[int]:
+        """Blocks caching the longest full-block prefix of ``tokens[:max_tokens]`` registered under
+        the same ``salt``; each gets a reference."""
         if self.index is None:
             return []
-        blocks = self.index.match(tokens, max_tokens)
+        blocks = self.index.match(tokens, max_tokens, salt)
         for b in blocks:
             self.incref(b)
         return blocks
 
-    def register(self, tokens: list[int], blocks: list[int], num_full: int) -> None:
-        """Make the first ``num_full`` full blocks of a sequence matchable by later requests."""
+    def register(self, tokens: list[int], blocks: list[int], num_full: int, salt: str | None = None) -> None:
+        """Make the first ``num_full`` full blocks of a sequence matchable by later requests with
+        the same ``salt``."""
         if self.index is not None and num_full > 0:
-            self.index.insert(tokens[: num_full * self.block_size], blocks[:num_full])
+            self.index.insert(tokens[: num_full * self.block_size], blocks[:num_full], salt)
 
     def check_invariants(self) -> None:
         for b in range(1, self.num_blocks):

@@ -217,7 +217,7 @@ class Engine:
         if self.disk is None or self.allocator.index is None:
             return
         index = self.allocator.index
-        for b in index.blocks():
+        for b in index.blocks(salted=False):  # salted prefixes never go to disk
             self.disk.save(index.path_tokens(b), self.pool.read_block(b))
 
     # --- public API -------------------------------------------------------------
@@ -228,6 +228,9 @@ class Engine:
         if request.max_tokens is None or request.max_tokens <= 0:
             raise RequestError("max_tokens must be a positive integer", "max_tokens")
         request.sampling.validate(self.tokenizer.vocab_size)
+        for name in ("group", "cache_salt"):
+            if not isinstance(getattr(request, name), str | None):
+                raise RequestError(f"{name} must be a string", name)
         if request.messages is not None:
             if not request.messages:
                 raise RequestError("messages must not be empty", "messages")
@@ -264,7 +267,14 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         ids = self.prepare_prompt(request)
         cap = min(self.context_length, (self.allocator.num_blocks - 1) * self.allocator.block_size)
-        seq = Sequence(request.request_id, list(ids), len(ids), min(len(ids) + request.max_tokens, cap))
+        seq = Sequence(
+            request.request_id,
+            list(ids),
+            len(ids),
+            min(len(ids) + request.max_tokens, cap),
+            group=request.group or request.fork_of,  # n > 1 choices: their first choice's group
+            cache_salt=request.cache_salt,
+        )
         active = _Active(
             req=request,
             seq=seq,
@@ -352,7 +362,8 @@ class Engine:
             for a in inbox:
                 self._active[a.req.request_id] = a
                 lead = self._active.get(a.req.fork_of) if a.req.fork_of else None
-                if lead is not None and lead.seq.tokens[: lead.seq.num_prompt] == a.seq.tokens:
+                same_prompt = lead is not None and lead.seq.tokens[: lead.seq.num_prompt] == a.seq.tokens
+                if same_prompt and lead.req.cache_salt == a.req.cache_salt:
                     a.seq.leader = lead.seq
                 self.scheduler.waiting.append(a.seq)
             for rid in cancels:
@@ -394,7 +405,7 @@ class Engine:
             seq.num_computed += n
             full = seq.num_computed // self.allocator.block_size
             if full > seq.num_registered:  # a block filled up: make it matchable by later requests
-                self.allocator.register(seq.tokens, seq.blocks, full)
+                self.allocator.register(seq.tokens, seq.blocks, full, seq.cache_salt)
                 seq.num_registered = full
             if seq.num_computed == len(seq.tokens):
                 sampled.append(i)

@@ -4,6 +4,10 @@
 full-block prefix; ``insert`` adds a sequence's full blocks; ``remove_block`` drops a
 block (the allocator evicts it) together with every descendant, which can no longer be
 reached. Reference counts and LRU order live in the allocator, not here.
+
+A *cache salt* gives a separate trie: blocks inserted under one salt are matched only by requests
+with the same salt (vLLM's ``cache_salt``), so one client cannot learn from ``cached_tokens``
+whether another's prompt began with a guessed prefix. ``None`` is the common, unsalted trie.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ class _Node:
     block: int
     parent: _Node | None
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    salt: str | None = None
 
 
 class PrefixIndex:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.root = _Node((), 0, None)
+        self._salted: dict[str, _Node] = {}  # salt -> the root of its own trie
         self._by_block: dict[int, _Node] = {}
 
     def __len__(self) -> int:
@@ -38,8 +44,20 @@ class PrefixIndex:
         for i in range(0, min(len(tokens), max_tokens) // bs * bs, bs):
             yield tuple(tokens[i : i + bs])
 
-    def match(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
-        node, out = self.root, []
+    def _root(self, salt: str | None, create: bool = False) -> _Node | None:
+        if salt is None:
+            return self.root
+        if create and salt not in self._salted:
+            self._salted[salt] = _Node((), 0, None, salt=salt)
+        return self._salted.get(salt)
+
+    def salt_of(self, block: int) -> str | None:
+        return self._by_block[block].salt
+
+    def match(self, tokens: list[int], max_tokens: int | None = None, salt: str | None = None) -> list[int]:
+        node, out = self._root(salt), []
+        if node is None:
+            return out
         for key in self._chunks(tokens, len(tokens) if max_tokens is None else max_tokens):
             node = node.children.get(key)
             if node is None:
@@ -47,25 +65,27 @@ class PrefixIndex:
             out.append(node.block)
         return out
 
-    def insert(self, tokens: list[int], blocks: list[int]) -> None:
+    def insert(self, tokens: list[int], blocks: list[int], salt: str | None = None) -> None:
         """Index ``blocks[i]`` as holding ``tokens[i*bs:(i+1)*bs]`` after the preceding blocks.
 
         Where a prefix is already cached under another block, the existing entry wins and the
         new block simply stays private to its sequence.
         """
-        node = self.root
+        node = root = self._root(salt, create=True)
         for key, block in zip(self._chunks(tokens, len(tokens)), blocks, strict=False):
             child = node.children.get(key)
             if child is None:
                 if block in self._by_block:  # the block already sits elsewhere in the tree
-                    return
-                child = _Node(key, block, node)
+                    break
+                child = _Node(key, block, node, salt=salt)
                 node.children[key] = child
                 self._by_block[block] = child
             elif child.block != block:
                 node = child
                 continue
             node = child
+        if salt is not None and not root.children:
+            del self._salted[salt]  # nothing was indexed under this salt
 
     def remove_block(self, block: int) -> list[int]:
         """Remove a block and its subtree from the index; returns every block removed."""
@@ -76,6 +96,8 @@ class PrefixIndex:
         del node.parent.children[node.key]
         for b in removed:
             del self._by_block[b]
+        if node.salt is not None and not node.parent.children and node.parent.parent is None:
+            del self._salted[node.salt]  # the salt's trie is empty: forget the salt
         return removed
 
     def subtree(self, block: int) -> list[int]:
@@ -87,8 +109,9 @@ class PrefixIndex:
             stack.extend(n.children.values())
         return out
 
-    def blocks(self) -> list[int]:
-        return list(self._by_block)
+    def blocks(self, salted: bool = True) -> list[int]:
+        """Every indexed block; ``salted=False`` leaves out blocks cached under a salt."""
+        return [b for b, n in self._by_block.items() if salted or n.salt is None]
 
     def path_tokens(self, block: int) -> list[int]:
         """All tokens from the root through ``block`` (used as the disk tier's key)."""
@@ -100,13 +123,15 @@ class PrefixIndex:
 
     def check_invariants(self) -> None:
         seen = 0
-        stack = list(self.root.children.values())
+        stack = [n for root in (self.root, *self._salted.values()) for n in root.children.values()]
+        assert all(root.children for root in self._salted.values())
         while stack:
             n = stack.pop()
             seen += 1
             assert self._by_block.get(n.block) is n
             assert len(n.key) == self.block_size
             assert n.parent is not None and n.parent.children.get(n.key) is n
+            assert n.salt == n.parent.salt
             stack.extend(n.children.values())
         assert seen == len(self._by_block)
 

@@ -100,6 +100,13 @@ class GenerationRequest:
     # one shares, copy-on-write, instead of computing the prompt again. Ignored when that
     # request is not running or its prompt differs.
     fork_of: str | None = None
+    # The client request this one is part of (its prompts x n choices share it; None: the one
+    # ``fork_of`` names, else itself). The scheduler serves groups round-robin, so one client's
+    # many sequences cannot starve another client's one.
+    group: str | None = None
+    # Prefix-cache isolation: cached prompt blocks are shared only between requests with the same
+    # salt (None: the common, unsalted cache). See docs/architecture.md, "Prefix cache".
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

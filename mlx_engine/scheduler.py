@@ -1,11 +1,19 @@
 """Continuous batching with chunked prefill.
 
 Each ``schedule()`` returns one step: ``{request_id: tokens_to_process}`` under a token
-budget. Running decodes go first (one token each), then prefill chunks of partially
-prefilled and waiting requests in arrival order, so a long prompt stalls the running
-streams for at most one chunk. When KV blocks run out, the most recently admitted running
-sequence is preempted: its blocks are released (full ones stay in the prefix cache) and it
-is re-queued at the front, to be recomputed later (vLLM's recompute policy).
+budget. Running sequences go first (decodes take one token, unfinished prefills a chunk), then
+waiting sequences are admitted, so a long prompt stalls the running streams for at most one
+chunk. When KV blocks run out, the last running sequence in fair order (below) is preempted:
+its blocks are released (full ones stay in the prefix cache) and it is re-queued at the front,
+to be recomputed later (vLLM's recompute policy).
+
+Fairness between client requests: the sequences of one request (its prompts x ``n`` choices)
+share a ``group``. Running and waiting sequences are served round-robin across groups (every
+group's first sequence, then every group's second, ...), a waiting group counting the sequences
+it already runs, so the group that runs fewest is admitted first. When the running slots or the
+KV blocks are all taken, the first waiting sequence of a group takes the place of the newest
+sequence of a group that runs at least two more (preempted). One client's 256 sequences thus
+delay another client's one by a step, not until they finish.
 
 A sequence with a ``leader`` (another choice of the same prompt) waits until the leader has
 computed the prompt, then shares all of the leader's prompt blocks, the partly filled last one
@@ -17,7 +25,8 @@ block that another sequence also holds, the writer gets its own copy: the step's
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .block_allocator import BlockAllocator
@@ -41,6 +50,12 @@ class Sequence:
     preemptions: int = 0
     admitted_once: bool = False
     leader: Sequence | None = None  # shares this running sequence's prompt blocks (n > 1)
+    group: str | None = None  # the client request it belongs to (None: a group of its own)
+    cache_salt: str | None = None  # shares prefix-cache blocks only with sequences of this salt
+
+    @property
+    def group_key(self) -> str:
+        return self.request_id if self.group is None else self.group
 
     @property
     def num_generated(self) -> int:
@@ -90,7 +105,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         # full blocks become matchable by later requests, then every block loses this reference
-        self.alloc.register(seq.tokens, seq.blocks, seq.num_computed // self.bs)
+        self.alloc.register(seq.tokens, seq.blocks, seq.num_computed // self.bs, seq.cache_salt)
         self.alloc.free(seq.blocks)
         seq.blocks = []
 
@@ -150,42 +165,99 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
+    @staticmethod
+    def _fair(seqs: Iterable[Sequence], running: Counter | None = None) -> list[tuple[int, Sequence]]:
+        """``(rank, seq)`` in round-robin order across groups: a sequence's rank is the number of
+        sequences of its group before it, plus those the group already runs (``running``); equal
+        ranks keep the order given."""
+        seen = Counter(running)
+        ranked = []
+        for i, seq in enumerate(seqs):
+            ranked.append((seen[seq.group_key], i, seq))
+            seen[seq.group_key] += 1
+        return [(rank, seq) for rank, _, seq in sorted(ranked, key=lambda r: r[:2])]
+
+    def _make_room(self) -> int:
+        """Fairness for the first waiting sequence in fair order when another group runs more
+        sequences than its group will (the other group's newest rank above it): if the running
+        slots or the free blocks do not let it in, preempt those newest sequences, while they
+        still rank above it. Returns the tokens of this step's budget to keep for it, so that the
+        running prefills of the other group cannot take them all."""
+        groups = Counter(s.group_key for s in self.running)
+        ready = [
+            (rank, seq)
+            for rank, seq in self._fair(self.waiting, groups)
+            if seq.leader is None or seq.leader.status == FINISHED
+        ]
+        order = self._fair(sorted(self.running, key=lambda s: s.arrival))
+        if not ready or not order or order[-1][0] <= ready[0][0]:
+            return 0
+        rank, seq = ready[0]
+        need = -(-min(seq.num_pending, self.cfg.prefill_chunk) // self.bs)
+
+        def blocked() -> bool:
+            return len(self.running) >= self.cfg.max_running or need > self.alloc.num_free
+
+        while order and blocked():
+            victim_rank, victim = order.pop()
+            if victim_rank <= rank:
+                break
+            self._preempt(victim)
+        if blocked():
+            return 0
+        decodes = sum(s.num_pending == 1 for s in self.running)
+        return max(min(seq.num_pending, self.cfg.prefill_chunk, self.cfg.max_batch_tokens - decodes), 0)
+
     def schedule(self) -> dict[str, int]:
         step: dict[str, int] = {}
         self.copies = []
         budget = self.cfg.max_batch_tokens
-        # 1. running sequences, oldest first: decodes (1 token) and unfinished prefills
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        reserve = self._make_room()  # kept from the running sequences for a waiting group
+        budget -= reserve
+        # 1. running sequences, round-robin across groups, oldest first within a group: decodes
+        # (1 token) and unfinished prefills
+        order = [seq for _, seq in self._fair(sorted(self.running, key=lambda s: s.arrival))]
+        place = {seq: i for i, seq in enumerate(order)}
+        for seq in order:
             if seq.status != RUNNING or budget <= 0:
                 continue
             n = min(seq.num_pending, self.cfg.prefill_chunk, budget)
             while not self._grow(seq, n):
-                victim = max((s for s in self.running if s.request_id not in step), key=lambda s: s.arrival)
+                victim = max((s for s in self.running if s.request_id not in step), key=place.__getitem__)
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status == RUNNING:
                 step[seq.request_id] = n
                 budget -= n
-        # 2. admit waiting sequences in arrival order while budget and blocks last; a choice
-        # whose leader is still computing the shared prompt lets the ones behind it go first
+        # 2. admit waiting sequences round-robin across groups (the groups running fewest first),
+        # in arrival order within a group, while budget and blocks last; a choice whose leader is
+        # still computing the shared prompt lets the ones behind it go first
+        budget += reserve
+        groups = Counter(s.group_key for s in self.running)
+        self.waiting = deque(seq for _, seq in self._fair(self.waiting, groups))
         held: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             seq = self.waiting[0]
             if not seq.blocks and not self._follow(seq):
                 held.append(self.waiting.popleft())
                 continue
-            if not seq.blocks and self.alloc.index is not None:
+            matched = not seq.blocks and self.alloc.index is not None
+            if matched:
                 # reuse the longest cached prefix; always recompute at least the last token
-                hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens) - 1)
-                if self.disk_lookup is not None:
+                hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens) - 1, seq.cache_salt)
+                if self.disk_lookup is not None and seq.cache_salt is None:  # the disk is unsalted
                     hit += self.disk_lookup(seq.tokens, len(hit), len(seq.tokens) - 1)
                 seq.blocks = hit
                 seq.num_computed = len(hit) * self.bs
-                self._count_reuse(seq)
             n = min(seq.num_pending, self.cfg.prefill_chunk, budget)
             if not self._grow(seq, n):
+                if matched:  # give the hit back (it stays cached): waiting sequences must not hold
+                    self.alloc.free(seq.blocks)  # blocks that running ones need
+                    seq.blocks, seq.num_computed = [], 0
                 break  # wait for running sequences to free blocks
+            if matched:
+                self._count_reuse(seq)
             self.waiting.popleft()
             seq.status = RUNNING
             seq.admitted_once = True
