@@ -7,6 +7,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+import mlx_engine  # noqa: E402, F401  (before anything imports mlx: it binds MLX to OpenBLAS)
 from tests.tiny_models import make_tiny_model_dir  # noqa: E402
 
 # Where Duet and the libraries it uses write per-user files. The suite points every one of them under
