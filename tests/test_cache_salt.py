@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from mlx_engine.block_allocator import BlockAllocator
@@ -166,3 +167,29 @@ def test_salted_prefixes_never_reach_the_disk_tier(tiny_dirs, tmp_path):
     finally:
         second.shutdown()
     assert len(list((tmp_path / "kv").rglob("*.safetensors"))) == 2  # the unsalted prompt's blocks
+
+
+def test_server_body_cache_salt(engine):
+    from app.server.app import create_app
+
+    text = "The quick brown fox jumps over the lazy dog. " * 4  # a few full blocks
+
+    async def run() -> list[int]:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        cached = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            for salt in ["s1", "s2", "s1", None]:
+                body = {"model": engine.model_name, "prompt": text, "max_tokens": 1}
+                if salt is not None:
+                    body["cache_salt"] = salt
+                r = await client.post("/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            bad = {"model": engine.model_name, "prompt": text, "max_tokens": 1, "cache_salt": 5}
+            r = await client.post("/v1/completions", json=bad, timeout=60)
+            assert r.status_code == 400 and "cache_salt" in r.text
+        return cached
+
+    first, other, again, unsalted = asyncio.run(run())
+    assert first == 0 and other == 0 and unsalted == 0
+    assert again > 0 and again % 16 == 0

@@ -254,3 +254,28 @@ def test_engine_serves_a_small_request_within_a_few_steps_of_a_fan_out(engine):
     assert ran == list(range(ran[0], ran[0] + 5))
     engine.allocator.check_invariants()
     assert engine.allocator.num_used == 0
+
+
+def test_the_server_puts_the_sequences_of_one_call_in_one_group(engine):
+    from app.server.generation import Generation
+
+    reqs = [
+        GenerationRequest(prompt=[3 + p, 4, 5], max_tokens=2, sampling=GREEDY, request_id=f"call-{p}-{j}")
+        for p in range(2)
+        for j in range(3)
+    ]
+    other = GenerationRequest(prompt=[9, 9], max_tokens=2, sampling=GREEDY, request_id="other")
+
+    async def run():
+        gen, alone = Generation(engine, reqs), Generation(engine, [other])
+        await gen.start(3)
+        await alone.start(1)
+        async for _ in gen.events():
+            pass
+        async for _ in alone.events():
+            pass
+
+    asyncio.run(run())
+    assert {r.group for r in reqs} == {"call-0-0"}
+    assert [r.fork_of for r in reqs] == [None, "call-0-0", "call-0-0", None, "call-1-0", "call-1-0"]
+    assert other.group == "other"

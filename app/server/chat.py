@@ -286,6 +286,7 @@ class ChatCall:
                 ignore_eos=bool(self.body.ignore_eos),
                 constraint=constraints[i],
                 request_id=f"{self.id}-{i}",
+                cache_salt=self.body.cache_salt,
             )
             for i in range(self.n)
         ]

@@ -117,6 +117,7 @@ class CompletionCall:
                 stop=self.stop,
                 ignore_eos=bool(self.body.ignore_eos),
                 request_id=f"{self.id}-{p * self.n + j}",
+                cache_salt=self.body.cache_salt,
             )
             for p, ids in enumerate(self.prompts)
             for j in range(self.n)

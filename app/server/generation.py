@@ -87,6 +87,7 @@ class Generation:
         check_fanout(self.engine, len(self.requests), n)
         try:
             for i, req in enumerate(self.requests):
+                req.group = self.requests[0].request_id  # the engine serves calls round-robin
                 if i % n:
                     req.fork_of = self.requests[i - i % n].request_id
                 await self._submit(i)

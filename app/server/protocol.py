@@ -83,6 +83,8 @@ class _Sampling(_Strict):
     min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     ignore_eos: bool | None = None
+    # prefix-cache isolation (vLLM's spelling): a prompt reuses cached KV only of the same salt
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="before")
     @classmethod
