@@ -13,6 +13,12 @@ from mlx_engine.sampler import CANDIDATES, SampleResult, SamplerRow, make_rng, s
 V = 49152  # SmolLM2's vocabulary
 
 
+def sampling(**kw) -> SamplingParams:
+    """Sampling parameters with top_k, top_p, min_p and the penalties off unless a test sets them:
+    these tests are about the sampler, not the front ends' defaults (``mlx_engine/defaults.py``)."""
+    return SamplingParams(**{"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, **kw})
+
+
 @pytest.fixture(autouse=True, params=["numpy", "mlx"])
 def array_lib(request, monkeypatch):
     """Run every test with both array libraries: numpy is what MLX's CPU backend uses, MLX what
@@ -64,7 +70,7 @@ def support(logits: np.ndarray, p: SamplingParams, slack: float = 0.0) -> set[in
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_greedy_is_argmax(dtype):
     logits = mx.random.normal((5, V), key=mx.random.key(1)).astype(dtype)
-    got = [r.token_id for r in sample(logits, rows_for(SamplingParams(temperature=0), 5))]
+    got = [r.token_id for r in sample(logits, rows_for(sampling(temperature=0), 5))]
     assert got == np.argmax(np.array(logits.astype(mx.float32)), axis=-1).tolist()
     assert all(isinstance(t, int) for t in got)
 
@@ -74,14 +80,14 @@ def test_greedy_ties_take_the_lowest_id():
     logits[0, [7, 3, 50]] = 5.0
     logits[1, [99, 98]] = 1.0
     for extra in ({}, {"logprobs": True}):  # fast path and general path
-        res = sample(mx.array(logits), rows_for(SamplingParams(temperature=0, **extra), 2))
+        res = sample(mx.array(logits), rows_for(sampling(temperature=0, **extra), 2))
         assert [r.token_id for r in res] == [3, 98]
 
 
 def test_greedy_on_the_adjusted_logits():
     logits = np.zeros((1, 10), dtype=np.float32)
     logits[0, 4] = 3.0
-    p = SamplingParams(temperature=0, logit_bias={6: 5.0}, repetition_penalty=2.0)
+    p = sampling(temperature=0, logit_bias={6: 5.0}, repetition_penalty=2.0)
     given = mx.array(logits)
     # bias, then penalty: token 6 is (0 + 5) / 2 = 2.5 < 3 (penalty first would give 5)
     assert sample(given, rows_for(p, 1, prompt_ids=[6]))[0].token_id == 4
@@ -90,7 +96,7 @@ def test_greedy_on_the_adjusted_logits():
 
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError):
-        sample(mx.zeros((2, 10)), rows_for(SamplingParams(), 3))
+        sample(mx.zeros((2, 10)), rows_for(sampling(), 3))
 
 
 # --- temperature, top_k, top_p, min_p -------------------------------------------------------
@@ -104,17 +110,15 @@ def entropy(draws: np.ndarray, vocab: int) -> float:
 
 def test_temperature_raises_entropy():
     logits = np.linspace(4.0, -4.0, 32)
-    ents = [
-        entropy(draw_many(logits, SamplingParams(temperature=t), 3000), 32) for t in (0.25, 0.7, 1.5, 4.0)
-    ]
+    ents = [entropy(draw_many(logits, sampling(temperature=t), 3000), 32) for t in (0.25, 0.7, 1.5, 4.0)]
     assert ents == sorted(ents) and ents[-1] - ents[0] > 1.5, ents
-    greedy = draw_many(logits, SamplingParams(temperature=0), 50)
+    greedy = draw_many(logits, sampling(temperature=0), 50)
     assert set(greedy.tolist()) == {0}
 
 
 def test_top_k_one_is_greedy():
     logits = np.random.default_rng(3).normal(size=(8, V)).astype(np.float32)
-    res = sample(mx.array(logits), rows_for(SamplingParams(temperature=1.5, top_k=1), 8))
+    res = sample(mx.array(logits), rows_for(sampling(temperature=1.5, top_k=1), 8))
     assert [r.token_id for r in res] == np.argmax(logits, axis=-1).tolist()
 
 
@@ -122,7 +126,7 @@ def test_top_k_one_is_greedy():
 def test_top_k_never_samples_outside(k):
     logits = np.random.default_rng(4).normal(size=V).astype(np.float32)
     top = set(np.argsort(-logits)[:k].tolist())
-    draws = draw_many(logits, SamplingParams(temperature=3.0, top_k=k), 300 if k == 5 else 60)
+    draws = draw_many(logits, sampling(temperature=3.0, top_k=k), 300 if k == 5 else 60)
     assert set(draws.tolist()) <= top
     if k == 5:
         assert set(draws.tolist()) == top
@@ -132,14 +136,14 @@ def test_top_p_keeps_the_smallest_nucleus():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(probs)
     for top_p, expected in ((0.45, {0}), (0.79, {0, 1}), (0.81, {0, 1, 2}), (0.96, {0, 1, 2, 3})):
-        draws = draw_many(logits, SamplingParams(temperature=1.0, top_p=top_p), 1000)
+        draws = draw_many(logits, sampling(temperature=1.0, top_p=top_p), 1000)
         assert set(draws.tolist()) == expected, top_p
 
 
 @pytest.mark.parametrize("scale", [6.0, 0.05])  # nucleus inside the candidates / far past them
 def test_top_p_large_vocab_matches_reference(scale):
     logits = (np.random.default_rng(5).normal(size=V) * scale).astype(np.float32)
-    p = SamplingParams(temperature=1.0, top_p=0.9)
+    p = sampling(temperature=1.0, top_p=0.9)
     nucleus = support(logits, p)
     assert (len(nucleus) < CANDIDATES) == (scale > 1)
     draws = draw_many(logits, p, 300 if scale > 1 else 60)
@@ -151,19 +155,30 @@ def test_top_p_large_vocab_matches_reference(scale):
 def test_top_k_then_top_p_renormalises():
     # top_k=2 leaves [0.5, 0.3] -> renormalised [0.625, 0.375]; top_p=0.6 keeps only the first
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    draws = draw_many(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.6), 500)
+    draws = draw_many(logits, sampling(temperature=1.0, top_k=2, top_p=0.6), 500)
     assert set(draws.tolist()) == {0}
-    draws = draw_many(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.65), 500)
+    draws = draw_many(logits, sampling(temperature=1.0, top_k=2, top_p=0.65), 500)
     assert set(draws.tolist()) == {0, 1}
 
 
 def test_min_p_excludes_tokens_below_fraction_of_max():
     probs = np.array([0.4, 0.3, 0.2, 0.06, 0.04])
     logits = np.log(probs)
-    draws = draw_many(logits, SamplingParams(temperature=1.0, min_p=0.12), 2000)  # cut at 0.048
+    draws = draw_many(logits, sampling(temperature=1.0, min_p=0.12), 2000)  # cut at 0.048
     assert set(draws.tolist()) == {0, 1, 2, 3}
-    draws = draw_many(logits, SamplingParams(temperature=1.0, min_p=0.6), 2000)  # cut at 0.24
+    draws = draw_many(logits, sampling(temperature=1.0, min_p=0.6), 2000)  # cut at 0.24
     assert set(draws.tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("top_k", [0, 4])  # the unsorted path / the truncated (sorted) path
+def test_min_p_applies_to_the_temperature_scaled_distribution(top_k):
+    # relative to the most likely token: [1, .75, .5, .15, .1] at temperature 1,
+    # [1, .866, .707, .387, .316] at 2 (the square root) and [1, .5625, .25, .0225, .01] at 0.5
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.06, 0.04]))
+    hot = draw_many(logits, sampling(temperature=2.0, min_p=0.35, top_k=top_k), 2000)
+    assert set(hot.tolist()) == {0, 1, 2, 3}  # token 3 is above the cut only after scaling
+    cold = draw_many(logits, sampling(temperature=0.5, min_p=0.4, top_k=top_k), 2000)
+    assert set(cold.tolist()) == {0, 1}  # token 2 is below the cut only after scaling
 
 
 @settings(max_examples=60, deadline=None)
@@ -176,7 +191,7 @@ def test_min_p_excludes_tokens_below_fraction_of_max():
     seed=st.integers(0, 2**32),
 )
 def test_draws_stay_in_the_reference_support(logits, temperature, top_k, top_p, min_p, seed):
-    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    p = sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     draws = draw_many(np.array(logits), p, 64, seed0=seed)
     assert set(draws.tolist()) <= support(np.array(logits), p, slack=1e-4)
 
@@ -189,7 +204,7 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_sampling_matches_softmax_chi_square():
     logits = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0, 0.2])
     probs = np.exp(log_softmax(logits / 0.8))
-    draws = draw_many(logits, SamplingParams(temperature=0.8), 20000, seed0=11)
+    draws = draw_many(logits, sampling(temperature=0.8), 20000, seed0=11)
     # df = 9: P(chi2 > 33.7) = 1e-4; seeded, so not flaky either way
     assert chi_square(np.bincount(draws, minlength=10), probs) < 33.7
 
@@ -202,7 +217,7 @@ def test_blocked_inverse_cdf_matches_softmax_on_an_odd_vocabulary():
     logits[live] = rng.normal(size=len(live))
     probs = np.exp(log_softmax(logits[live]))
     draws = np.concatenate(
-        [draw_many(logits, SamplingParams(temperature=1.0), 2000, seed0=s) for s in range(0, 8000, 2000)]
+        [draw_many(logits, sampling(temperature=1.0), 2000, seed0=s) for s in range(0, 8000, 2000)]
     )
     assert set(draws.tolist()) <= set(live.tolist())
     counts = np.array([(draws == t).sum() for t in live])
@@ -215,7 +230,7 @@ def test_truncated_sampling_matches_renormalised_distribution():
     logits = np.full(4 * CANDIDATES, -30.0, dtype=np.float32)
     head = rng.permutation(len(logits))[:8]
     logits[head] = np.array([3.0, 2.5, 2.2, 2.0, 1.0, 0.5, 0.0, -1.0])
-    p = SamplingParams(temperature=1.0, top_p=0.8)
+    p = sampling(temperature=1.0, top_p=0.8)
     nucleus = sorted(support(logits, p), key=lambda t: -logits[t])
     assert 2 <= len(nucleus) < 8
     probs = np.exp(log_softmax(logits[nucleus]))
@@ -240,7 +255,7 @@ def processed(logits: np.ndarray, row: SamplerRow) -> np.ndarray:
 def test_penalties_exact_logit_math():
     logits = np.array([2.0, -1.0, 0.5, 3.0, -2.0, 1.0, 0.0, -0.5], dtype=np.float32)
     prompt, output = [0, 1, 1], [3, 4, 3, 3, 6]
-    p = SamplingParams(
+    p = sampling(
         temperature=1.0,
         repetition_penalty=1.3,
         presence_penalty=0.4,
@@ -260,8 +275,8 @@ def test_penalties_exact_logit_math():
 
 def test_repetition_penalty_lowers_repeated_token_probability():
     logits = np.array([1.0, 1.0, -1.0, -1.0], dtype=np.float32)
-    p = SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=True, top_logprobs=4)
-    base = processed(logits, SamplerRow(SamplingParams(logprobs=True, top_logprobs=4), make_rng(0)))
+    p = sampling(temperature=1.0, repetition_penalty=1.5, logprobs=True, top_logprobs=4)
+    base = processed(logits, SamplerRow(sampling(logprobs=True, top_logprobs=4), make_rng(0)))
     pen = processed(logits, SamplerRow(p, make_rng(0), prompt_ids=[0, 2]))
     assert pen[0] < base[0] and pen[2] < base[2]  # both signs pushed down
     assert pen[1] > base[1] and pen[3] > base[3]  # the others gain the mass
@@ -269,18 +284,18 @@ def test_repetition_penalty_lowers_repeated_token_probability():
 
 def test_presence_and_frequency_ignore_the_prompt():
     logits = np.zeros(4, dtype=np.float32)
-    p = SamplingParams(presence_penalty=1.0, frequency_penalty=1.0, logprobs=True, top_logprobs=4)
+    p = sampling(presence_penalty=1.0, frequency_penalty=1.0, logprobs=True, top_logprobs=4)
     got = processed(logits, SamplerRow(p, make_rng(0), prompt_ids=[0, 1, 2, 3], output_ids=[]))
     np.testing.assert_allclose(got, np.log(0.25), atol=1e-6)
 
 
 def test_logit_bias_bans_and_forces():
     logits = np.linspace(5.0, 0.0, 50)
-    banned = draw_many(logits, SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0}), 500)
+    banned = draw_many(logits, sampling(temperature=1.0, logit_bias={0: -100.0, 1: -100.0}), 500)
     assert not {0, 1} & set(banned.tolist())
-    forced = draw_many(logits, SamplingParams(temperature=1.0, logit_bias={42: 100.0}), 500)
+    forced = draw_many(logits, sampling(temperature=1.0, logit_bias={42: 100.0}), 500)
     assert set(forced.tolist()) == {42}
-    string_keys = draw_many(logits, SamplingParams(temperature=1.0, logit_bias={"42": 100.0}), 50)
+    string_keys = draw_many(logits, sampling(temperature=1.0, logit_bias={"42": 100.0}), 50)
     assert set(string_keys.tolist()) == {42}
 
 
@@ -288,15 +303,13 @@ def test_mask_excludes():
     logits = np.random.default_rng(6).normal(size=V).astype(np.float32)
     allowed = np.zeros(V, dtype=bool)
     allowed[[10, 20, 30]] = True
-    for p in (SamplingParams(temperature=2.0), SamplingParams(temperature=0), SamplingParams(top_p=0.5)):
+    for p in (sampling(temperature=2.0), sampling(temperature=0), sampling(top_p=0.5)):
         draws = draw_many(logits, p, 100, allowed=allowed)
         assert set(draws.tolist()) <= {10, 20, 30}
     shorter = np.ones(100, dtype=bool)  # a model vocabulary padded past the tokenizer's
-    assert set(draw_many(logits, SamplingParams(temperature=5.0), 100, allowed=shorter).tolist()) <= set(
-        range(100)
-    )
+    assert set(draw_many(logits, sampling(temperature=5.0), 100, allowed=shorter).tolist()) <= set(range(100))
     with pytest.raises(ValueError):
-        draw_many(logits, SamplingParams(), 1, allowed=np.zeros(V, dtype=bool))
+        draw_many(logits, sampling(), 1, allowed=np.zeros(V, dtype=bool))
 
 
 # --- logprobs --------------------------------------------------------------------------
@@ -305,9 +318,9 @@ def test_mask_excludes():
 def test_logprobs_are_log_softmax_and_top_sorted():
     logits = np.random.default_rng(7).normal(size=(3, V)).astype(np.float32) * 3
     params = [
-        SamplingParams(temperature=0, logprobs=True, top_logprobs=5),
-        SamplingParams(temperature=0.7, top_p=0.9, logprobs=True, top_logprobs=20),
-        SamplingParams(temperature=1.0, logprobs=True),
+        sampling(temperature=0, logprobs=True, top_logprobs=5),
+        sampling(temperature=0.7, top_p=0.9, logprobs=True, top_logprobs=20),
+        sampling(temperature=1.0, logprobs=True),
     ]
     res = sample(mx.array(logits), [SamplerRow(p, make_rng(i)) for i, p in enumerate(params)])
     for i, r in enumerate(res):
@@ -321,7 +334,7 @@ def test_logprobs_are_log_softmax_and_top_sorted():
 
 
 def test_no_logprobs_unless_asked():
-    res = sample(mx.zeros((2, 10)), rows_for(SamplingParams(temperature=0.5), 2))
+    res = sample(mx.zeros((2, 10)), rows_for(sampling(temperature=0.5), 2))
     assert all(r.logprob is None and r.top == [] for r in res)
     assert isinstance(res[0], SampleResult)
 
@@ -329,7 +342,7 @@ def test_no_logprobs_unless_asked():
 def test_logprobs_leave_out_banned_alternatives():
     allowed = np.zeros(50, dtype=bool)
     allowed[[1, 2]] = True
-    p = SamplingParams(temperature=0, logprobs=True, top_logprobs=5)
+    p = sampling(temperature=0, logprobs=True, top_logprobs=5)
     r = sample(mx.zeros((1, 50)), [SamplerRow(p, make_rng(0), allowed=allowed)])[0]
     assert sorted(t for t, _ in r.top) == [1, 2]
     assert r.logprob == pytest.approx(math.log(0.5))
@@ -339,21 +352,19 @@ def test_logprobs_leave_out_banned_alternatives():
 
 
 TARGETS = [
-    SamplingParams(temperature=0.8, seed=1),
-    SamplingParams(temperature=1.0, top_p=0.9, seed=2),
-    SamplingParams(temperature=0.7, top_k=40, min_p=0.05, seed=3),
-    SamplingParams(
-        temperature=1.2, top_p=0.95, repetition_penalty=1.2, logprobs=True, top_logprobs=3, seed=4
-    ),
+    sampling(temperature=0.8, seed=1),
+    sampling(temperature=1.0, top_p=0.9, seed=2),
+    sampling(temperature=0.7, top_k=40, min_p=0.05, seed=3),
+    sampling(temperature=1.2, top_p=0.95, repetition_penalty=1.2, logprobs=True, top_logprobs=3, seed=4),
 ]
 OTHERS = [
-    SamplingParams(temperature=0),
-    SamplingParams(temperature=0.5, top_k=5),
-    SamplingParams(temperature=1.3, top_p=0.5, presence_penalty=1.0),
-    SamplingParams(temperature=2.0, min_p=0.1, logit_bias={1: 5.0}),
-    SamplingParams(temperature=1.0, top_k=CANDIDATES * 2),
-    SamplingParams(temperature=0.9, top_p=0.99, frequency_penalty=0.5),
-    SamplingParams(temperature=0.3, logprobs=True, top_logprobs=2),
+    sampling(temperature=0),
+    sampling(temperature=0.5, top_k=5),
+    sampling(temperature=1.3, top_p=0.5, presence_penalty=1.0),
+    sampling(temperature=2.0, min_p=0.1, logit_bias={1: 5.0}),
+    sampling(temperature=1.0, top_k=CANDIDATES * 2),
+    sampling(temperature=0.9, top_p=0.99, frequency_penalty=0.5),
+    sampling(temperature=0.3, logprobs=True, top_logprobs=2),
 ]
 
 
@@ -388,9 +399,7 @@ def test_different_seeds_differ_and_unseeded_is_fresh():
     logits = mx.array(step_logits(0, 1))
 
     def run(rng) -> list[int]:
-        return [
-            sample(logits, [SamplerRow(SamplingParams(temperature=1.0), rng)])[0].token_id for _ in range(20)
-        ]
+        return [sample(logits, [SamplerRow(sampling(temperature=1.0), rng)])[0].token_id for _ in range(20)]
 
     assert run(make_rng(1)) == run(make_rng(1))
     assert run(make_rng(1)) != run(make_rng(2))

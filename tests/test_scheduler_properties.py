@@ -55,6 +55,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         step = self.sched.schedule()
+        assert sum(step.values()) <= self.sched.cfg.max_batch_tokens
+        assert len(self.sched.running) <= self.sched.cfg.max_running
         for src, dst in self.sched.copies:  # what the engine does before the forward pass
             self.kv[dst] = list(self.kv[src])
         for rid, n in step.items():

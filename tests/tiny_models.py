@@ -3,6 +3,10 @@
 ``make_tiny_model_dir(path, arch)`` writes config.json, model.safetensors (fp32, random),
 tokenizer.json (a byte-level BPE trained here on a small multilingual corpus) and
 tokenizer_config.json with a ChatML template, then returns the path.
+
+``gemma3_text`` is the windowed one: its first layer attends over a sliding window of
+``SLIDING_WINDOW`` tokens (its second is global), far shorter than the test prompts, so a paged
+attention mask that forgot the window gives different tokens from mlx-lm's rotating cache.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3_text")
+SLIDING_WINDOW = 8
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. 0123456789",
@@ -64,8 +69,11 @@ def _config(arch: str, vocab: int) -> dict:
         "tie_word_embeddings": arch in ("qwen3", "gemma"),
         "eos_token_id": 0,
     }
-    if arch in ("qwen3", "gemma"):
+    if arch in ("qwen3", "gemma", "gemma3_text"):
         base["head_dim"] = 32
+    if arch == "gemma3_text":
+        # layer 0 slides over a short window, layer 1 is global (pattern 2)
+        base.update(sliding_window=SLIDING_WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=32)
     if arch == "mistral":
         base["architectures"] = ["MistralForCausalLM"]
     return base
