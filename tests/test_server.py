@@ -398,6 +398,18 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
         assert err["code"] == "context_length_exceeded"
 
 
+def test_deeply_nested_bodies_are_refused_before_anything_recurses_into_them(server):
+    deep: dict = {"type": "object"}
+    for _ in range(120):
+        deep = {"type": "object", "properties": {"a": deep}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": USER, "tools": [tool]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "too_deep", r.text
+    assert err["param"].startswith("tools[0].function.parameters.properties.a.")
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
 def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=USER)

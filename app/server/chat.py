@@ -92,8 +92,8 @@ def _message_dicts(body: ChatCompletionRequest, template_knows_tools: bool) -> l
         d: dict = {"role": role, "content": _text(m, i)}
         if m.name:
             d["name"] = m.name
-        calls = _calls(m, i) if m.role == "assistant" else []
-        if m.function_call is not None:
+        calls = _calls(m, i) if m.role == "assistant" else []  # other roles' calls mean nothing
+        if m.role == "assistant" and m.function_call is not None:
             legacy_ids[m.function_call.name] = calls[-1]["id"]
         if calls:
             if template_knows_tools:

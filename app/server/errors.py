@@ -116,7 +116,7 @@ def install(app: FastAPI) -> None:
         if len(errors) > 1:
             msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
         param = None if first.get("type") == "json_invalid" else _loc(tuple(first.get("loc", ())))
-        if first.get("type") == "invalid_unicode":  # found by walking the whole body: it names the field
+        if first.get("type") in ("invalid_unicode", "too_deep"):  # found walking the body: it names the field
             param = first.get("ctx", {}).get("param")
         return bad_request(msg, param, first.get("type")).response()
 

@@ -11,7 +11,7 @@ keys because clients round-trip whole response objects into them.
 Strict types: a string where OpenAI wants a number is a 400, as it is there. Range checks mirror
 OpenAI's documented limits; deeper checks (prompt length, token ids) need the model and happen
 when a request is built. Strings must be valid Unicode: a lone UTF-16 surrogate (``"\\ud800"``,
-which JSON allows) is a 400 naming the field.
+which JSON allows) is a 400 naming the field, and so is nesting deeper than ``MAX_DEPTH``.
 """
 
 from __future__ import annotations
@@ -36,21 +36,28 @@ class _Open(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-def _lone_surrogate(value: Any, where: str) -> str | None:
-    """Where the first string holding a lone surrogate is, as a param path, or None."""
-    stack = [(value, where)]
+MAX_DEPTH = 100  # JSON nesting: deeper bodies would exhaust the recursion of what parses them later
+
+
+def _body_problem(value: Any) -> tuple[str, str] | None:
+    """(error kind, where as a param path) for the first string holding a lone surrogate or the
+    first container nested deeper than MAX_DEPTH; None when the body has neither."""
+    stack = [(value, "", 0)]
     while stack:
-        v, at = stack.pop()
+        v, at, depth = stack.pop()
         if isinstance(v, str):
             if _SURROGATE.search(v):
-                return at
-        elif isinstance(v, dict):
+                return "invalid_unicode", at
+            continue
+        if isinstance(v, dict | list) and depth > MAX_DEPTH:
+            return "too_deep", at
+        if isinstance(v, dict):
             for k, x in v.items():
                 if isinstance(k, str) and _SURROGATE.search(k):
-                    return at
-                stack.append((x, f"{at}.{k}" if at else str(k)))
+                    return "invalid_unicode", at
+                stack.append((x, f"{at}.{k}" if at else str(k), depth + 1))
         elif isinstance(v, list):
-            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+            stack.extend((x, f"{at}[{i}]", depth + 1) for i, x in enumerate(v))
     return None
 
 
@@ -88,16 +95,18 @@ class _Sampling(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = _lone_surrogate(data, "")
-        if where is not None:
-            raise PydanticCustomError(
-                "invalid_unicode",
-                "{param}: the text contains a lone UTF-16 surrogate (such as \\ud800), which is not valid "
-                "Unicode; send the text as UTF-8 or escape whole surrogate pairs",
-                {"param": where or "body"},
-            )
-        return data
+    def _valid_body(cls, data: Any) -> Any:
+        problem = _body_problem(data)
+        if problem is None:
+            return data
+        kind, where = problem
+        where = where if len(where) <= 80 else where[:80] + "..."
+        message = {
+            "invalid_unicode": "{param}: the text contains a lone UTF-16 surrogate (such as \\ud800), which "
+            "is not valid Unicode; send the text as UTF-8 or escape whole surrogate pairs",
+            "too_deep": f"{{param}}: nested more than {MAX_DEPTH} levels deep",
+        }[kind]
+        raise PydanticCustomError(kind, message, {"param": where or "body"})
 
     def ignored_fields(self) -> list[str]:
         """The fields this request set that the server accepts but does not act on."""
