@@ -15,7 +15,14 @@ from app.tui.backends import RemoteBackend
 from app.tui.screens import ErrorScreen, ModelPicker
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.request import GenerationRequest, SamplingParams
-from tests.test_tui import loaded, reply_done, type_and_send, until
+from tests.test_tui import (  # noqa: F401 (count_handled_lines: an autouse fixture type_and_send needs)
+    EngineGate,
+    count_handled_lines,
+    loaded,
+    reply_done,
+    type_and_send,
+    until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,6 +47,7 @@ def server(tiny_dirs):
 @pytest.fixture
 def data_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("DUET_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.delenv("DUET_NO_HISTORY", raising=False)
 
 
 def remote_app(url: str) -> ChatApp:
@@ -69,22 +77,34 @@ async def test_chat_through_the_server(server, data_dir):
         assert app.last_usage.prompt_tokens > 0 and app.context_used == app.last_usage.total_tokens
         assert "prefill server" in str(app.status_bar.render())
 
-        # Esc closes the stream; the server cancels the request
+        # Esc closes the stream; the server cancels the request. The server's engine is held after 20
+        # passes, so the reply is mid-stream when Esc comes however fast the model is.
         await type_and_send(pilot, "/new")
         await type_and_send(pilot, "/max 1500")
-        await type_and_send(pilot, "Write a very long story")  # greedy: runs all 1500 tokens on this model
+        with EngineGate(engine, passes=20) as gate:
+            await type_and_send(pilot, "Write a very long story")
+            await until(
+                pilot,
+                lambda: gate.blocked.is_set() and app.conv.messages[-1].content,
+                what="streamed text, then the engine held",
+            )
+            steps = engine.stats().steps
+            await pilot.press("escape")
+            await reply_done(pilot)  # the engine is still held: the stop does not wait for the server
+            assert app.conv.messages[-1].meta == "stopped"
+            await until(pilot, gate.cancelled.is_set, what="the server to cancel the request")
         await until(
-            pilot, lambda: len(app.conv.messages[-1].content) > 5 and app.generating, what="streamed text"
+            pilot,
+            lambda: engine.stats().running == 0 and engine.allocator.num_used == 0,
+            what="the server's engine to drop the request and free its blocks",
         )
-        await pilot.press("escape")
-        await reply_done(pilot)
-        assert app.conv.messages[-1].meta == "stopped"
-        await until(pilot, lambda: engine.stats().running == 0, what="the server to cancel the request")
+        assert engine.stats().steps == steps, "the server ran another step for a stopped reply"
 
         await pilot.press("f2")
-        assert isinstance(app.screen, ModelPicker)
+        await until(pilot, lambda: isinstance(app.screen, ModelPicker), what="the model picker")
         assert [spec for spec, _ in app.screen.choices][0] == "llama"
         await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, ModelPicker), what="the picker to close")
 
 
 async def test_unreachable_server_is_a_clear_error(data_dir):

@@ -1,8 +1,10 @@
 """`duet chat`: the Textual chat app.
 
 The model loads in a thread worker (the UI shows progress meanwhile); replies stream
-from ``backend.stream`` in an async worker on the app's loop, so Esc (cancelling the
-worker) stops a reply at once, even during prefill.
+from ``backend.stream`` in an async worker on the app's loop. Esc cancels the request in
+the backend at once and cancels the worker, which closes the stream; the worker hands the
+loop back after every event, so key presses are handled between tokens however fast they
+arrive (text is rendered at most every ``widgets.FLUSH_S``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from contextlib import aclosing
 from datetime import datetime
 
 from textual import work
@@ -21,21 +24,24 @@ from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar, Stat
 from mlx_engine.request import RequestError, Usage
 from mlx_engine.resolve import BUNDLED_NAME, cached_models
 
-from .backends import BackendError
+from .backends import Backend, BackendError
 from .screens import ErrorScreen, HelpScreen, ModelPicker, SettingsScreen, SystemPromptEditor
 from .settings import ALIASES, FIELDS
-from .store import Conversation, Message, Store
+from .store import NO_HISTORY_ENV, Conversation, Message, Store, history_off_by_env
 from .widgets import MessageView, PromptInput, StatusBar, usage_line
 
 SLASH_COMMANDS = {
     "/model [name]": "switch model (no name: open the model picker)",
     "/system [text]": "set the system prompt (no text: open the editor)",
-    "/temp <t>": "temperature (0 = greedy); also /top_p, /top_k, /min_p, /max <tokens>, /seed <n|off>",
+    "/temp <t>": "temperature (0 = greedy); also /top_p, /top_k, /min_p, /seed <n|off>",
+    "/max <n|auto>": "longest reply in tokens; auto (the default): until the model stops or the context is full",
     "/settings": "open the sampling settings",
     "/save [title]": "save the conversation (optionally naming it)",
     "/new": "start a new chat",
     "/regen": "regenerate the last reply",
     "/copy": "copy the last reply",
+    "/clear-history": "delete the saved input history (input_history.json) and forget it",
+    "/history on|off": f"save the input history between runs or not (saved; {NO_HISTORY_ENV}=1 also turns it off)",
     "/help": "show this help",
     "/quit": "save and quit",
 }
@@ -53,6 +59,14 @@ def key_label(key: str) -> str:
     """ "ctrl+r" -> "Ctrl+R", "escape" -> "Esc", "f1" -> "F1"."""
     names = {"escape": "Esc", "ctrl": "Ctrl", "shift": "Shift"}
     return "+".join(names.get(p, p.upper() if len(p) <= 3 else p) for p in key.split("+"))
+
+
+class ConversationItem(ListItem):
+    """A saved conversation in the sidebar list."""
+
+    def __init__(self, conv_id: str, *children: Label):
+        super().__init__(*children)
+        self.conv_id = conv_id
 
 
 class ChatApp(App):
@@ -74,7 +88,7 @@ class ChatApp(App):
             "toggle_sidebar",
             "Sidebar",
             show=False,
-            tooltip="show or hide the conversations and peers panel",
+            tooltip="show or hide the conversations panel",
         ),
         Binding("ctrl+t", "toggle_dark", "Light/dark", show=False, tooltip="switch between light and dark"),
         Binding(
@@ -97,13 +111,14 @@ class ChatApp(App):
         self.load_backend = load_backend  # blocking: spec -> backend; raises BackendError
         self.remote = remote
         self.store = store or Store()
-        self.backend = None
+        self.backend: Backend | None = None
         self.conv = Conversation()
         self.generating = False
         self.last_usage: Usage | None = None
         self.context_used: int | None = None
         self.live_tps: float | None = None
         self.recent_models: list[str] = []
+        self.preferences = self.store.load_preferences()
         self.sent = self.store.load_history()  # the input history; PromptInput appends to it
 
     # --- layout -------------------------------------------------------------------
@@ -112,8 +127,6 @@ class ChatApp(App):
             with Vertical(id="sidebar"):
                 yield Label("Conversations", classes="section")
                 yield ListView(id="conversations")
-                yield Label("Peers", classes="section")
-                yield Static("no peers", id="peers")
             with Vertical(id="chat"):
                 with Horizontal(id="loading"):
                     yield Static("", id="loading-label", markup=False)
@@ -182,7 +195,7 @@ class ChatApp(App):
             if what == "pick":
                 self.action_pick_model()
             elif what == "quit":
-                self.action_quit()
+                self.exit()
 
         self.push_screen(ErrorScreen("The model did not load", message, self.backend is not None), chosen)
 
@@ -218,36 +231,44 @@ class ChatApp(App):
         await self.reply()
 
     async def reply(self) -> None:
-        view = MessageView("assistant", label=self.backend.name)
+        backend = self.backend
+        assert backend is not None  # callers check
+        view = MessageView("assistant", label=backend.name)
         await self.log_view.mount(view)
         self.log_view.anchor()
-        n = self.backend.count_tokens(self.conv.chat_messages())
+        n = backend.count_tokens(self.conv.chat_messages())
         view.start_thinking(f"prefill {n} tokens…" if n else "waiting for the first token…")
         self.generating = True
-        self.generate(view, n)
+        self.generate(backend, view, n)
 
     @work(exclusive=True, group="generate")
-    async def generate(self, view: MessageView, prompt_tokens: int | None) -> None:
-        backend, conv = self.backend, self.conv
+    async def generate(self, backend: Backend, view: MessageView, prompt_tokens: int | None) -> None:
+        conv = self.conv
         messages = conv.chat_messages()
         msg = Message("assistant", "")
         conv.messages.append(msg)
         final, meta = None, ""
         n_tokens, t_first = 0, None
         try:
-            async for ev in backend.stream(messages, conv.sampling):
-                if ev.text:
-                    await view.append(ev.text)
-                    msg.content = view.content
-                n_tokens += len(ev.token_ids) or (1 if ev.text else 0)  # remote chunks carry no ids
-                if prompt_tokens is not None:
-                    self.context_used = prompt_tokens + n_tokens
-                if n_tokens and t_first is None:
-                    t_first = time.perf_counter()
-                elif t_first is not None and n_tokens > 1:
-                    self.live_tps = (n_tokens - 1) / max(time.perf_counter() - t_first, 1e-9)
-                if ev.finished:
-                    final = ev
+            # aclosing: a cancelled worker closes the stream now (the backend stops the request),
+            # not whenever the abandoned generator is collected
+            async with aclosing(backend.stream(messages, conv.sampling)) as events:
+                async for ev in events:
+                    if ev.text:
+                        await view.append(ev.text)  # buffered: rendered at most every FLUSH_S
+                        msg.content = view.content
+                    n_tokens += len(ev.token_ids) or (1 if ev.text else 0)  # remote chunks carry no ids
+                    if prompt_tokens is not None:
+                        self.context_used = prompt_tokens + n_tokens
+                    if n_tokens and t_first is None:
+                        t_first = time.perf_counter()
+                    elif t_first is not None and n_tokens > 1:
+                        self.live_tps = (n_tokens - 1) / max(time.perf_counter() - t_first, 1e-9)
+                    if ev.finished:
+                        final = ev
+                    # Hand the loop back after every event: when the backend is ahead of the UI its
+                    # queue never blocks, and a key press (Esc) must not wait for the backlog.
+                    await asyncio.sleep(0)
         except RequestError as e:
             meta = f"error: {e}"
         except asyncio.CancelledError:
@@ -260,7 +281,7 @@ class ChatApp(App):
                 if final.finish_reason == "error":
                     meta = f"error: {final.error or 'generation failed'}"
                 elif final.finish_reason == "length":
-                    meta += " · hit max tokens"
+                    meta += " · hit max tokens" if conv.sampling.max_tokens else " · context full"
                 elif final.finish_reason == "cancelled":
                     meta = "stopped"
                 if final.usage:
@@ -274,7 +295,11 @@ class ChatApp(App):
                 self.save_conversation(quiet=True)
 
     def action_stop(self) -> None:
+        """Esc: stop the reply now. The backend drops the request before its next step (whatever the
+        worker is doing at this moment), and cancelling the worker ends the stream in the UI."""
         if self.generating:
+            if self.backend is not None:
+                self.backend.stop()
             self.workers.cancel_group(self, "generate")
         else:
             self.prompt.focus()
@@ -322,14 +347,13 @@ class ChatApp(App):
         lv.clear()
         for c in self.store.list():
             when = datetime.fromtimestamp(c.updated).strftime("%b %d %H:%M")
-            item = ListItem(Label(c.display_title(), markup=False), Label(when, classes="when"))
-            item.conv_id = c.id
-            lv.append(item)
+            lv.append(
+                ConversationItem(c.id, Label(c.display_title(), markup=False), Label(when, classes="when"))
+            )
 
     async def on_list_view_selected(self, event: ListView.Selected) -> None:
-        conv_id = getattr(event.item, "conv_id", None)
-        if conv_id is not None and conv_id != self.conv.id:
-            await self.open_conversation(self.store.load(conv_id))
+        if isinstance(event.item, ConversationItem) and event.item.conv_id != self.conv.id:
+            await self.open_conversation(self.store.load(event.item.conv_id))
 
     async def open_conversation(self, conv: Conversation) -> None:
         if self.generating:
@@ -396,8 +420,26 @@ class ChatApp(App):
         self.push_screen(HelpScreen(self.help_sections()))
 
     def help_sections(self) -> dict[str, list[tuple[str, str]]]:
-        keys = [(key_label(b.key), b.tooltip or b.description) for b in self.BINDINGS]
-        return {"Keys": keys + INPUT_KEYS, "Slash commands": list(SLASH_COMMANDS.items())}
+        keys = [
+            (key_label(b.key), b.tooltip or b.description) for b in self.BINDINGS if isinstance(b, Binding)
+        ]
+        history = (
+            "every line you send is saved in input_history.json in Duet's data directory, for Up/Down "
+            "recall in later runs; /clear-history deletes it, /history off or "
+            f"{NO_HISTORY_ENV}=1 stops saving it (now: {'on' if self.saves_history else 'off'})"
+        )
+        files = [
+            (
+                "Conversations",
+                "saved as JSON in Duet's data directory ($DUET_DATA_DIR, or the user data dir)",
+            ),
+            ("Input history", history),
+        ]
+        return {
+            "Keys": keys + INPUT_KEYS,
+            "Slash commands": list(SLASH_COMMANDS.items()),
+            "Saved data": files,
+        }
 
     def action_toggle_sidebar(self) -> None:
         shown = self.sidebar.display
@@ -415,7 +457,7 @@ class ChatApp(App):
         if name in ALIASES or name in FIELDS:
             if not arg:
                 self.notify(
-                    f"/{name} needs a value, e.g. /{name} {getattr(self.conv.sampling, ALIASES.get(name, name))}",
+                    f"/{name} needs a value, e.g. /{name} {self.conv.sampling.shown(ALIASES.get(name, name))}",
                     severity="warning",
                 )
                 return
@@ -441,12 +483,42 @@ class ChatApp(App):
             await self.action_regenerate()
         elif name == "copy":
             self.action_copy_reply()
+        elif name == "clear-history":
+            self.clear_history()
+        elif name == "history":
+            self.set_history_saving(arg.lower())
         elif name == "help":
             self.action_help()
         elif name in ("quit", "exit"):
-            self.action_quit()
+            self.exit()
         else:
             self.notify(f"Unknown command /{name}; /help lists them", severity="error")
+
+    # --- input history ----------------------------------------------------------------------
+    @property
+    def saves_history(self) -> bool:
+        """Whether the input history is kept in input_history.json between runs."""
+        return self.preferences.save_input_history and not history_off_by_env()
+
+    def clear_history(self) -> None:
+        deleted = self.store.clear_history()
+        self.prompt.forget()
+        where = self.store.history_path
+        self.notify(f"Deleted {where}" if deleted else "Input history cleared (nothing was saved)", timeout=4)
+
+    def set_history_saving(self, arg: str) -> None:
+        if arg not in ("on", "off"):
+            now = "on" if self.saves_history else "off"
+            self.notify(f"/history on or /history off (saving is {now})", severity="warning")
+            return
+        self.preferences.save_input_history = arg == "on"
+        self.store.save_preferences(self.preferences)
+        if arg == "on" and history_off_by_env():
+            self.notify(f"{NO_HISTORY_ENV} is set: the input history stays unsaved", severity="warning")
+        elif arg == "on":
+            self.notify("The input history is saved between runs", timeout=3)
+        else:
+            self.notify("The input history is no longer saved; /clear-history deletes what was", timeout=4)
 
     # --- status and exit -------------------------------------------------------------------
     def _count_context(self) -> None:
@@ -466,9 +538,6 @@ class ChatApp(App):
             self.live_tps,
         )
 
-    def action_quit(self) -> None:
-        self.exit()
-
     def close_backend(self) -> None:
         if self.backend is not None:
             self.backend.close()
@@ -478,5 +547,6 @@ class ChatApp(App):
         """However the app ends (Ctrl+C, Ctrl+Q, /quit): save, then stop the engine."""
         if self.conv.messages:
             self.store.save(self.conv)
-        self.store.save_history(self.sent)
+        if self.saves_history and self.sent:
+            self.store.save_history(self.sent)
         self.close_backend()

@@ -2,19 +2,26 @@
 
 Both speak the Engine API's vocabulary (GenerationEvent, Usage), so the chat app
 does not care which one it has. ``load``/``connect`` block (run them in a thread);
-``stream`` is async and runs on the app's event loop. Leaving ``stream`` early
-(break, task cancel) stops the generation.
+``stream`` is async and runs on the app's event loop. Closing ``stream`` early
+(``aclose``, which ``contextlib.aclosing`` does on break or task cancel) stops the
+generation; ``stop`` cancels every reply in flight at once, from the UI's key handler.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
+from mlx_engine.errors import DuetError
 from mlx_engine.request import GenerationEvent, GenerationRequest, RequestError, Usage
 
 from .settings import Sampling
+
+if TYPE_CHECKING:
+    from mlx_engine.engine import Engine, EngineConfig
 
 
 class BackendError(RuntimeError):
@@ -34,18 +41,19 @@ class Resources:
 class LocalBackend:
     kind = "local"
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.name: str = engine.model_name
         self.context_length: int | None = engine.context_length
+        self._live: set[str] = set()  # request ids of the replies streaming now
 
     @classmethod
-    def load(cls, spec: str | None, config=None) -> LocalBackend:
+    def load(cls, spec: str | None, config: EngineConfig | None = None) -> LocalBackend:
         from mlx_engine.engine import Engine
 
         try:
             return cls(Engine.load(spec, config=config))
-        except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
+        except (DuetError, OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
             # ModelNotFoundError, ModelLoadError, GGUF errors, bad configs, out of memory
             raise BackendError(f"could not load model {spec or 'bundled'!r}: {e}") from e
 
@@ -55,10 +63,24 @@ class LocalBackend:
         except RequestError:
             return None
 
-    async def stream(self, messages: list[dict], sampling: Sampling) -> AsyncIterator[GenerationEvent]:
-        req = GenerationRequest(messages=messages, max_tokens=sampling.max_tokens, sampling=sampling.params())
-        async for ev in self.engine.generate(req):
-            yield ev
+    async def stream(self, messages: list[dict], sampling: Sampling) -> AsyncGenerator[GenerationEvent, None]:
+        # max_tokens auto: the context length, which the engine caps at what the context and KV cache hold
+        max_tokens = sampling.max_tokens or self.engine.context_length
+        req = GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling.params())
+        self._live.add(req.request_id)
+        try:
+            # closed now, not when collected (engine.generate is an async generator)
+            gen = cast(AsyncGenerator[GenerationEvent, None], self.engine.generate(req))
+            async with aclosing(gen) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self._live.discard(req.request_id)
+
+    def stop(self) -> None:
+        """Cancel the replies in flight now; the engine drops them before its next step."""
+        for rid in list(self._live):
+            self.engine.cancel(rid)
 
     def resources(self) -> Resources:
         s = self.engine.stats()
@@ -124,7 +146,7 @@ class RemoteBackend:
     def count_tokens(self, messages: list[dict]) -> int | None:
         return None
 
-    async def stream(self, messages: list[dict], sampling: Sampling) -> AsyncIterator[GenerationEvent]:
+    async def stream(self, messages: list[dict], sampling: Sampling) -> AsyncGenerator[GenerationEvent, None]:
         import openai
 
         t0 = time.perf_counter()
@@ -134,12 +156,12 @@ class RemoteBackend:
         try:
             stream = await self.client.chat.completions.create(
                 model=self.name,
-                messages=messages,
+                messages=cast(Any, messages),  # OpenAI's message dicts, as the app builds them
                 stream=True,
                 stream_options={"include_usage": True},
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                max_tokens=sampling.max_tokens,
+                max_tokens=sampling.max_tokens,  # None (auto): null, the server's own default
                 seed=sampling.seed,
                 extra_body={"top_k": sampling.top_k, "min_p": sampling.min_p},
             )
@@ -163,7 +185,7 @@ class RemoteBackend:
             yield GenerationEvent("", "", finish_reason="error", error=f"server error: {e}", usage=usage)
             return
         n_out = usage.completion_tokens or n_chunks
-        if t_first is not None:
+        if t_first is not None and t_last is not None:
             usage.ttft_s = t_first - t0
             if n_out > 1 and t_last > t_first:
                 usage.decode_tps = (n_out - 1) / (t_last - t_first)
@@ -172,5 +194,12 @@ class RemoteBackend:
     def resources(self) -> Resources:
         return Resources(detail=f"server {self.url}")
 
+    def stop(self) -> None:
+        """Nothing to do at once: closing ``stream`` (the app cancels its task) closes the HTTP
+        response, and the server cancels the request when its client goes away."""
+
     def close(self) -> None:
         pass
+
+
+Backend = LocalBackend | RemoteBackend

@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
-from .settings import FIELDS, Sampling
+from .settings import FIELDS, UNSET_LABEL, Sampling
 
 
 class Dialog(ModalScreen):
@@ -29,11 +29,11 @@ class HelpScreen(Dialog):
         self.sections = sections  # title -> [(key or command, what it does)]
 
     def compose(self) -> ComposeResult:
-        from rich.console import Group
+        from rich.console import Group, RenderableType
         from rich.table import Table
         from rich.text import Text
 
-        parts = []
+        parts: list[RenderableType] = []
         for title, rows in self.sections.items():
             table = Table(
                 title=title,
@@ -78,7 +78,7 @@ class ModelPicker(Dialog):
             yield Static("Enter loads · Esc cancels", classes="hint")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(self.choices[int(event.option.id)][0])
+        self.dismiss(self.choices[event.option_index][0])
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         if event.value.strip():
@@ -132,14 +132,15 @@ class SettingsScreen(Dialog):
                         "" if value is None else str(value),
                         id=name,
                         compact=True,
-                        placeholder="random" if name == "seed" else "",
+                        placeholder=UNSET_LABEL.get(name, ""),
                     )
             yield Static("", id="error", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
             yield Static(
-                "temperature 0 = greedy · top-k 0, top-p 1, min-p 0 = off · empty seed = random",
+                "temperature 0 = greedy · top-k 0, top-p 1, min-p 0 = off · empty max tokens = auto "
+                "(until the model stops) · empty seed = random",
                 classes="hint",
             )
 

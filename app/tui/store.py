@@ -1,12 +1,15 @@
-"""Conversations and input history, kept as JSON under the user data dir.
+"""Conversations, input history and chat preferences, kept as JSON under the user data dir.
 
 The directory is ``$DUET_DATA_DIR`` when set (tests point it at a tmp dir), else
 platformdirs' user data dir for "duet". One file per conversation:
-``<data>/conversations/<id>.json``.
+``<data>/conversations/<id>.json``; every line typed into the chat (for Up/Down recall):
+``<data>/input_history.json``, unless saving it is off (``/history off``, kept in
+``<data>/preferences.json``, or ``DUET_NO_HISTORY=1``).
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import time
@@ -19,6 +22,7 @@ from platformdirs import user_data_dir
 from .settings import Sampling
 
 HISTORY_LIMIT = 500
+NO_HISTORY_ENV = "DUET_NO_HISTORY"
 
 
 def data_dir() -> Path:
@@ -72,6 +76,22 @@ class Conversation:
         )
 
 
+@dataclass
+class Preferences:
+    """Chat preferences kept between runs (``/history on|off``)."""
+
+    save_input_history: bool = True
+
+    @classmethod
+    def from_json(cls, d: dict) -> Preferences:
+        return cls(save_input_history=bool(d.get("save_input_history", True)))
+
+
+def history_off_by_env() -> bool:
+    """``DUET_NO_HISTORY=1`` (or true/yes/on) turns saving the input history off, whatever the preferences say."""
+    return os.environ.get(NO_HISTORY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 class Store:
     def __init__(self, root: Path | None = None):
         self.root = root or data_dir()
@@ -112,12 +132,35 @@ class Store:
     def history_path(self) -> Path:
         return self.root / "input_history.json"
 
-    def load_history(self) -> list[str]:
+    def load_history(self) -> builtins.list[str]:
         try:
             items = json.loads(self.history_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return []
         return [s for s in items if isinstance(s, str)][-HISTORY_LIMIT:]
 
-    def save_history(self, items: list[str]) -> None:
+    def save_history(self, items: builtins.list[str]) -> None:
         self._write(self.history_path, json.dumps(items[-HISTORY_LIMIT:], ensure_ascii=False))
+
+    def clear_history(self) -> bool:
+        """Delete the saved input history; True if there was a file to delete."""
+        try:
+            self.history_path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    # --- preferences ---------------------------------------------------------------
+    @property
+    def preferences_path(self) -> Path:
+        return self.root / "preferences.json"
+
+    def load_preferences(self) -> Preferences:
+        try:
+            d = json.loads(self.preferences_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return Preferences()
+        return Preferences.from_json(d) if isinstance(d, dict) else Preferences()
+
+    def save_preferences(self, prefs: Preferences) -> None:
+        self._write(self.preferences_path, json.dumps(asdict(prefs), indent=1))

@@ -7,7 +7,9 @@ import time
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message as TMessage
+from textual.timer import Timer
 from textual.widgets import Markdown, Static, TextArea
+from textual.widgets.markdown import MarkdownStream
 
 from mlx_engine.request import Usage
 
@@ -56,10 +58,10 @@ class MessageView(Vertical, can_focus=True):
         self.content = content
         self.meta = meta
         self.label = label or ("You" if role == "user" else "Assistant")
-        self._stream = None
+        self._stream: MarkdownStream | None = None
         self._pending = ""
         self._last_flush = 0.0
-        self._spinner_timer = None
+        self._spinner_timer: Timer | None = None
         self._t0 = 0.0
 
     def compose(self):
@@ -193,6 +195,12 @@ class PromptInput(TextArea):
         if text and (not self.sent or self.sent[-1] != text):
             self.sent.append(text)
         self._pos = len(self.sent)
+        self._recalled = None
+
+    def forget(self) -> None:
+        """Drop every remembered line (``/clear-history``)."""
+        self.sent.clear()
+        self._pos = 0
         self._recalled = None
 
 
