@@ -16,6 +16,7 @@ import pytest
 
 from app.tui.app import ChatApp
 from app.tui.backends import LocalBackend
+from app.tui.screens import ErrorScreen, HelpScreen, ModelPicker, SettingsScreen
 from app.tui.settings import Sampling
 from app.tui.store import Conversation, Message, Store
 from mlx_engine.engine import EngineConfig
@@ -77,10 +78,15 @@ def chat_app(tiny_dirs, tmp_path, monkeypatch):
     time.tzset()
 
 
-async def ready(pilot) -> None:
-    while pilot.app.backend is None:
-        await pilot.pause(0.05)
+async def until(pilot, cond) -> None:
+    """Wait for a condition (the test's timeout is the deadline for a hang), then let it settle."""
+    while not cond():
+        await pilot.pause(0.02)
     await pilot.pause()
+
+
+async def ready(pilot) -> None:
+    await until(pilot, lambda: pilot.app.backend is not None)
 
 
 async def still(pilot) -> None:
@@ -88,13 +94,14 @@ async def still(pilot) -> None:
     for screen in pilot.app.screen_stack:
         for w in screen.query("Input, TextArea"):
             w.cursor_blink = False
-    await pilot.pause(0.1)
+    await pilot.pause()
 
 
 async def with_conversation(pilot) -> None:
     await ready(pilot)
     await pilot.app.open_conversation(Store().load("0123456789ab"))
-    await pilot.pause(0.2)
+    # the reply's Markdown has rendered its blocks (the code block is the last one to appear)
+    await until(pilot, lambda: pilot.app.query("MessageView Markdown MarkdownFence"))
     await still(pilot)
 
 
@@ -110,7 +117,7 @@ def test_main_screen_light_theme(snap_compare, chat_app):
     async def light(pilot):
         await with_conversation(pilot)
         await pilot.press("ctrl+t")
-        await pilot.pause(0.2)
+        await until(pilot, lambda: not pilot.app.current_theme.dark)
         await still(pilot)
 
     assert snap_compare(chat_app(), terminal_size=(100, 28), run_before=light)
@@ -120,7 +127,7 @@ def test_help_screen(snap_compare, chat_app):
     async def help_(pilot):
         await ready(pilot)
         await pilot.press("f1")
-        await pilot.pause(0.3)
+        await until(pilot, lambda: isinstance(pilot.app.screen, HelpScreen))
         await still(pilot)
 
     assert snap_compare(chat_app(), terminal_size=(100, 40), run_before=help_)
@@ -130,7 +137,7 @@ def test_model_picker(snap_compare, chat_app):
     async def picker(pilot):
         await ready(pilot)
         await pilot.press("f2")
-        await pilot.pause(0.2)
+        await until(pilot, lambda: isinstance(pilot.app.screen, ModelPicker))
         await still(pilot)
 
     assert snap_compare(chat_app(), terminal_size=(80, 24), run_before=picker)
@@ -140,19 +147,15 @@ def test_settings_screen(snap_compare, chat_app):
     async def settings(pilot):
         await ready(pilot)
         await pilot.press("f4")
-        await pilot.pause(0.2)
+        await until(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen))
         await still(pilot)
 
     assert snap_compare(chat_app(), terminal_size=(80, 24), run_before=settings)
 
 
 def test_error_screen_for_a_bad_model(snap_compare, chat_app, tmp_path):
-    from app.tui.screens import ErrorScreen
-
     async def error(pilot):
-        while not isinstance(pilot.app.screen, ErrorScreen):
-            await pilot.pause(0.05)
-        await pilot.pause(0.2)
+        await until(pilot, lambda: isinstance(pilot.app.screen, ErrorScreen))
         await still(pilot)
 
     assert snap_compare(chat_app("/nonexistent/model-dir"), terminal_size=(80, 24), run_before=error)
