@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server (`duet serve`).
 
-Modules: ``main`` (start-up, uvicorn, shutdown), ``app`` (routes, API key), ``protocol``
+Modules: ``main`` (options, the port, start-up, uvicorn, shutdown), ``app`` (routes),
+``security`` (ASGI middleware: Host/Origin allowlists, API key, body limits, JSON content type),
+``connections`` (fd limit, header timeout, connection cap, rate-limited logs), ``protocol``
 (request models = the OpenAPI schema), ``chat`` / ``completions`` (the two generation
-endpoints), ``generation`` (the n engine requests of one call), ``tool_calls`` (Hermes/Qwen
-parser), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects), ``common``.
+endpoints), ``generation`` (the n engine requests of one call, fan-out bound), ``tool_calls``
+(Hermes/Qwen parser), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects), ``common``.
 
 Behaviour worth knowing (decisions where OpenAI's API leaves room):
 - Model names: the served id (the GGUF's name, or the model directory's name) and, as aliases,

@@ -63,7 +63,7 @@ def protocol_class(
         _timer: asyncio.TimerHandle | None = None
         _phase: str | None = None  # "headers", "drain" or None
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             idle[self] = None
             self._set_phase("headers")
