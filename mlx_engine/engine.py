@@ -8,14 +8,19 @@ Callers submit requests from any event loop; the worker runs scheduler steps
 (continuous batching, chunked prefill, paged KV, prefix cache) and pushes events back to
 each caller's loop. Leaving the ``async for`` early cancels the request, and its KV
 blocks are released before the next step.
+
+``shutdown()`` (or leaving ``with Engine.load(...) as engine:``) stops the worker and waits for
+it; engines still running when the interpreter exits are shut down by an ``atexit`` hook.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -24,35 +29,21 @@ import mlx.core as mx
 from .backend import backend_name, total_memory_bytes
 from .blas import active_blas, warn_if_slow
 from .block_allocator import BlockAllocator
+from .config import EngineConfig
 from .detokenizer import StreamingDetokenizer
+from .errors import ConfigError, ContextLengthError, EngineShutDownError, QueueFullError, RequestError
 from .kv_pool import KVPool
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, Row
 from .prefix_disk import PrefixDiskTier
-from .request import GenerationEvent, GenerationRequest, RequestError, TokenLogprob, Usage
+from .request import GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from .sampler import SamplerRow, make_rng, sample
-from .scheduler import QueueFullError, Scheduler, SchedulerConfig, Sequence
+from .scheduler import Scheduler, SchedulerConfig, Sequence
 from .stop_strings import StopMatcher
-from .tokenizer import TemplateError
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "QueueFullError", "RequestError"]
 
-
-@dataclass
-class EngineConfig:
-    kv_bits: int | None = None  # 8 or 4 to quantize the KV cache
-    kv_group_size: int = 32
-    cache_gb: float | None = None  # KV pool budget in GiB; default min(4 GiB, 15% of memory)
-    cache_fraction: float | None = None  # or the budget as a fraction of device memory
-    block_size: int = 16
-    max_batch_tokens: int = 512
-    prefill_chunk: int = 256
-    max_running: int = 64
-    max_queue: int = 256
-    prefix_cache: bool = True
-    weights: str = "auto"  # "dense", "quantized" or "auto" (dense on CPU, quantized on GPU)
-    disk_cache_dir: str | None = None  # prefix-cache disk tier (off when None)
-    disk_cache_gb: float = 4.0  # size cap of the disk tier
+GiB = 2**30
 
 
 @dataclass
@@ -117,10 +108,21 @@ def _flush_outbox(outbox: Outbox) -> None:
     outbox.clear()
 
 
+# Engines whose worker may still run: shut down at interpreter exit (see Engine.shutdown).
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    for engine in list(_live_engines):
+        engine.shutdown()
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig()
+        self.config.validate()
         warn_if_slow(backend_name())  # once per process, with the fix
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -138,33 +140,45 @@ class Engine:
         self._thread.start()
         self._ready.wait()
         if self._init_error is not None:
+            self._thread.join()
             raise self._init_error
+        _live_engines.add(self)
 
     @classmethod
     def load(cls, model: str | None = None, *, config: EngineConfig | None = None) -> Engine:
+        """Load ``model`` (None: the bundled one) and start the engine. The options are checked
+        first (``ConfigError``), so a bad option fails before anything is loaded."""
         config = config or EngineConfig()
+        config.validate()
         return cls(load_model(model, weights=config.weights), config)
 
     # --- set-up on the worker thread (MLX streams are per thread) -----------------
     def _build(self) -> None:
         c, m = self.config, self.loaded
-        if c.kv_bits not in (None, 4, 8):
-            raise ValueError("kv_bits must be 4 or 8")
-        if c.cache_fraction is not None and not 0 < c.cache_fraction <= 0.9:
-            raise ValueError("cache_fraction must be in (0, 0.9]")
-        if c.cache_fraction is not None and c.cache_gb:
-            raise ValueError("give cache_gb or cache_fraction, not both")
-        if c.cache_gb:
-            budget = c.cache_gb * 2**30
-        elif c.cache_fraction:
-            budget = c.cache_fraction * total_memory_bytes()
-        else:
-            budget = min(4 * 2**30, 0.15 * total_memory_bytes())
+        memory = total_memory_bytes()
         num_blocks = KVPool.blocks_for_budget(
-            budget, m.num_layers, m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size, c.block_size
+            c.kv_budget_bytes(memory),
+            m.num_layers,
+            m.n_kv_heads,
+            m.head_dim,
+            m.dtype,
+            c.kv_bits,
+            c.kv_group_size,
+            c.block_size,
         )
         # never more than the running sequences could fill at full context
         num_blocks = min(num_blocks, c.max_running * -(-m.context_length // c.block_size) + 1)
+        per_block = c.block_size * m.num_layers
+        per_block *= KVPool.bytes_per_token_per_layer(
+            m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
+        )
+        kv_bytes, weight_bytes = num_blocks * per_block, m.weight_bytes
+        if kv_bytes + weight_bytes > memory:
+            raise ConfigError(
+                f"the KV cache ({kv_bytes / GiB:.1f} GiB) and the model's weights ({weight_bytes / GiB:.1f} GiB) "
+                f"need more than this machine's {memory / GiB:.1f} GiB of memory; lower cache_gb or cache_fraction",
+                "cache_gb" if c.cache_gb is not None else "cache_fraction",
+            )
         self.pool = KVPool(
             m.num_layers,
             num_blocks,
@@ -225,8 +239,14 @@ class Engine:
         """Prompt token ids for a request; raises RequestError for anything invalid."""
         if (request.prompt is None) == (request.messages is None):
             raise RequestError("give exactly one of prompt or messages", "messages")
-        if request.max_tokens is None or request.max_tokens <= 0:
-            raise RequestError("max_tokens must be a positive integer", "max_tokens")
+        if request.max_tokens is not None and (
+            isinstance(request.max_tokens, bool)
+            or not isinstance(request.max_tokens, int)
+            or request.max_tokens <= 0
+        ):
+            raise RequestError(
+                "max_tokens must be a positive integer (or None: until the context is full)", "max_tokens"
+            )
         request.sampling.validate(self.tokenizer.vocab_size)
         for name in ("group", "cache_salt"):
             if not isinstance(getattr(request, name), str | None):
@@ -234,10 +254,8 @@ class Engine:
         if request.messages is not None:
             if not request.messages:
                 raise RequestError("messages must not be empty", "messages")
-            try:  # control tokens come only from the template, never from message text
-                ids = self.tokenizer.encode_chat(request.messages, True, request.tools)
-            except TemplateError as e:
-                raise RequestError(str(e), "messages") from e
+            # control tokens come only from the template, never from message text (TemplateError)
+            ids = self.tokenizer.encode_chat(request.messages, True, request.tools)
         elif isinstance(request.prompt, str):
             if not request.prompt:
                 raise RequestError("prompt must not be empty", "prompt")
@@ -250,12 +268,12 @@ class Engine:
             if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
                 raise RequestError("prompt token ids must be inside the vocabulary", "prompt")
         if len(ids) >= self.context_length:
-            raise RequestError(
+            raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens but the model's context is {self.context_length} tokens",
                 "messages" if request.messages is not None else "prompt",
             )
         if not self.scheduler.can_ever_fit(len(ids) + 1):
-            raise RequestError(
+            raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens, more than the KV cache holds "
                 f"({(self.allocator.num_blocks - 1) * self.allocator.block_size} tokens); raise cache_gb",
                 "prompt",
@@ -264,14 +282,16 @@ class Engine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         if self._stopping:
-            raise RuntimeError("the engine is shut down")
+            raise EngineShutDownError("the engine is shut down")
         ids = self.prepare_prompt(request)
+        # max_tokens None: until EOS, a stop, or the context (or the whole KV cache) is full
         cap = min(self.context_length, (self.allocator.num_blocks - 1) * self.allocator.block_size)
+        limit = cap if request.max_tokens is None else min(len(ids) + request.max_tokens, cap)
         seq = Sequence(
             request.request_id,
             list(ids),
             len(ids),
-            min(len(ids) + request.max_tokens, cap),
+            limit,
             group=request.group or request.fork_of,  # n > 1 choices: their first choice's group
             cache_salt=request.cache_salt,
         )
@@ -286,6 +306,8 @@ class Engine:
             outbox=self._outbox,
         )
         with self._cv:
+            if self._stopping:
+                raise EngineShutDownError("the engine is shut down")
             if request.request_id in self._active or any(
                 a.req.request_id == request.request_id for a in self._inbox
             ):
@@ -332,10 +354,15 @@ class Engine:
         )
 
     def shutdown(self) -> None:
+        """Stop taking requests, end running ones (finish_reason "error") and wait for the worker.
+
+        Safe to call more than once. Requests submitted afterwards raise ``EngineShutDownError``."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        _live_engines.discard(self)
 
     def __enter__(self) -> Engine:
         return self
@@ -345,6 +372,20 @@ class Engine:
 
     # --- worker -----------------------------------------------------------------
     def _worker(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # Free this thread's MLX state (its streams and its compile cache) while the thread
+            # still holds the interpreter. Left to the C++ thread-exit destructors, the compile
+            # cache releases Python objects after ``join()`` has returned; if the interpreter is
+            # finalizing by then, the thread is killed inside a destructor: "terminate called
+            # without an active exception" (SIGABRT) at exit. (MLX >= 0.31.2; older versions
+            # keep one compile cache per process and need nothing here.)
+            clear_streams = getattr(mx, "clear_streams", None)
+            if clear_streams is not None:
+                clear_streams()
+
+    def _serve(self) -> None:
         try:
             self._build()
         except BaseException as e:  # reported to the constructor

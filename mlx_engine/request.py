@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from . import defaults
 from .errors import RequestError
 
 _ids = itertools.count()
@@ -18,13 +19,15 @@ _ids = itertools.count()
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling knobs. ``temperature == 0`` means greedy."""
+    """Per-request sampling knobs. ``temperature == 0`` means greedy.
 
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    min_p: float = 0.0  # 0 = off
-    repetition_penalty: float = 1.0  # 1 = off; CTRL-style over prompt + output
+    The defaults are Duet's one set for every front end (``mlx_engine/defaults.py``, Ollama's)."""
+
+    temperature: float = defaults.TEMPERATURE
+    top_k: int = defaults.TOP_K  # 0 = off
+    top_p: float = defaults.TOP_P  # 1 = off
+    min_p: float = defaults.MIN_P  # 0 = off
+    repetition_penalty: float = defaults.REPETITION_PENALTY  # 1 = off; CTRL-style over prompt + output
     presence_penalty: float = 0.0  # OpenAI-style over output tokens
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
@@ -84,11 +87,14 @@ class Constraint(Protocol):
 
 @dataclass
 class GenerationRequest:
-    """One completion. Give exactly one of ``prompt`` (text or token ids) or ``messages``."""
+    """One completion. Give exactly one of ``prompt`` (text or token ids) or ``messages``.
+
+    ``max_tokens`` None (the default) generates until the model stops (EOS or a stop) or the
+    context is full."""
 
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
-    max_tokens: int = 256
+    max_tokens: int | None = defaults.MAX_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,117 @@
+"""Engine options (``EngineConfig``) and the checks that run before anything is loaded or allocated.
+
+``EngineConfig.validate()`` raises ``ConfigError`` with a one-line message for any option that
+cannot work, including memory budgets the machine cannot hold, so a bad option fails at once
+instead of after the model has loaded (or after the kernel has killed the process).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+GiB = 2**30
+# The most of the machine's memory the KV cache may take: the rest is for the weights, MLX's
+# working buffers and everything else on the machine.
+MAX_MEMORY_FRACTION = 0.9
+WEIGHT_FORMATS = ("auto", "dense", "quantized")
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def _plain(name: str) -> str:
+    return name
+
+
+@dataclass
+class EngineConfig:
+    kv_bits: int | None = None  # 8 or 4 to quantize the KV cache
+    kv_group_size: int = 32
+    cache_gb: float | None = None  # KV pool budget in GiB; default min(4 GiB, 15% of memory)
+    cache_fraction: float | None = None  # or the budget as a fraction of device memory
+    block_size: int = 16
+    max_batch_tokens: int = 512
+    prefill_chunk: int = 256
+    max_running: int = 64
+    max_queue: int = 256
+    prefix_cache: bool = True
+    weights: str = "auto"  # "dense", "quantized" or "auto" (dense on CPU, quantized on GPU)
+    disk_cache_dir: str | None = None  # prefix-cache disk tier (off when None)
+    disk_cache_gb: float = 4.0  # size cap of the disk tier
+
+    def validate(self, memory_bytes: int | None = None, spell: Callable[[str], str] = _plain) -> None:
+        """Raise ``ConfigError`` for the first option that cannot work; allocate nothing.
+
+        ``memory_bytes`` is the machine's memory (device memory on Metal/CUDA, RAM on CPU; looked up
+        when not given). ``spell`` names an option in messages, e.g. ``cache_gb`` as ``--cache-gb``.
+        """
+
+        def fail(option: str, message: str) -> ConfigError:
+            return ConfigError(message, option)
+
+        def number(option: str) -> float:
+            v = getattr(self, option)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise fail(option, f"{spell(option)} must be a number, not {v!r}")
+            return v
+
+        def positive_int(option: str) -> None:
+            v = getattr(self, option)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise fail(option, f"{spell(option)} must be a positive integer, not {v!r}")
+
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise fail("kv_bits", f"{spell('kv_bits')} must be 4 or 8, not {self.kv_bits!r}")
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            raise fail("kv_group_size", f"{spell('kv_group_size')} must be 32, 64 or 128")
+        if self.weights not in WEIGHT_FORMATS:
+            raise fail("weights", f"{spell('weights')} must be one of {', '.join(WEIGHT_FORMATS)}")
+        for option in ("block_size", "max_batch_tokens", "prefill_chunk", "max_running", "max_queue"):
+            positive_int(option)
+        if self.cache_gb is not None and self.cache_fraction is not None:
+            raise fail("cache_gb", f"give {spell('cache_gb')} or {spell('cache_fraction')}, not both")
+        if self.cache_fraction is not None:
+            f = number("cache_fraction")
+            if not 0 < f <= MAX_MEMORY_FRACTION:
+                raise fail(
+                    "cache_fraction",
+                    f"{spell('cache_fraction')} must be above 0 and at most {MAX_MEMORY_FRACTION} "
+                    f"(a fraction of memory), not {f:g}",
+                )
+        if self.cache_gb is not None:
+            gb = number("cache_gb")
+            if gb <= 0:
+                raise fail("cache_gb", f"{spell('cache_gb')} must be above 0 GiB, not {gb:g}")
+            memory = memory_bytes if memory_bytes is not None else _memory_bytes()
+            limit = MAX_MEMORY_FRACTION * memory
+            if gb * GiB > limit:
+                what = "more than" if gb * GiB >= memory else "too much of"
+                raise fail(
+                    "cache_gb",
+                    f"{spell('cache_gb')} {gb:g} is {what} this machine's {memory / GiB:.1f} GiB of memory "
+                    f"(at most {limit / GiB:.1f} GiB, leaving room for the model)",
+                )
+        if self.disk_cache_dir is not None:
+            d = number("disk_cache_gb")
+            if d <= 0:
+                raise fail("disk_cache_gb", f"{spell('disk_cache_gb')} must be above 0 GiB, not {d:g}")
+
+    def kv_budget_bytes(self, memory_bytes: int) -> float:
+        """The KV pool's byte budget on a machine with ``memory_bytes`` of memory."""
+        if self.cache_gb is not None:
+            return self.cache_gb * GiB
+        if self.cache_fraction is not None:
+            return self.cache_fraction * memory_bytes
+        return min(4 * GiB, 0.15 * memory_bytes)
+
+
+def _memory_bytes() -> int:
+    from .backend import total_memory_bytes
+
+    return total_memory_bytes()
+
+
+__all__ = ["EngineConfig", "MAX_MEMORY_FRACTION"]
