@@ -1,61 +1,250 @@
-"""`duet` command line: generate, chat, serve, models."""
+"""`duet` command line: generate, chat, serve, models.
+
+Every command checks its arguments (engine options, sampling values, the model's files) before
+anything is loaded, and ``main`` is the one place that turns a ``DuetError`` into a one-line
+``duet: error: <message>`` on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import sys
+from typing import TYPE_CHECKING
 
-from mlx_engine import __version__
+from mlx_engine import __version__, defaults
+from mlx_engine.errors import ConfigError, ContextLengthError, DuetError, RequestError
+
+if TYPE_CHECKING:
+    from mlx_engine.config import EngineConfig
+    from mlx_engine.request import SamplingParams
+
+EXIT_ERROR = 2  # a bad argument, model or request (argparse uses 2 for bad usage too)
 
 
+def flag(option: str) -> str:
+    """An option's command-line spelling: ``cache_gb`` -> ``--cache-gb``."""
+    return "--" + option.replace("_", "-")
+
+
+# --- arguments ----------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         "-m",
         default=None,
-        help="GGUF file, HF/MLX model dir or HF repo id (default: bundled SmolLM2-135M)",
+        help="GGUF file, HF/MLX model directory or Hugging Face repo id (default: the bundled "
+        "SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="quantize the KV cache")
-    p.add_argument("--cache-gb", type=float, default=None, help="KV cache budget in GiB")
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="quantize the KV cache to 8 or 4 bits: more tokens in the same memory (default: off)",
+    )
+    p.add_argument(
+        "--cache-gb",
+        type=float,
+        default=None,
+        help="KV cache budget in GiB, above 0 and at most 90%% of the machine's memory "
+        "(default: 15%% of memory, at most 4 GiB)",
+    )
     p.add_argument(
         "--cache-fraction",
         type=float,
         default=None,
-        help="KV cache budget as a fraction of device memory (default: min(4 GiB, 0.15))",
+        help="KV cache budget as a fraction of the machine's memory, above 0 and at most 0.9 "
+        "(instead of --cache-gb)",
     )
     p.add_argument(
         "--weights",
         choices=("auto", "dense", "quantized"),
         default="auto",
-        help="weight format (auto: dense on CPU, quantized on Metal/CUDA)",
+        help="weight format (default auto: dense float32 on CPU, quantized on Metal/CUDA)",
     )
 
 
-def _engine_config(args):
-    from mlx_engine.engine import EngineConfig
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = defaults
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=d.MAX_TOKENS,
+        help="most tokens to generate (default: until the model stops or its context is full)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=d.TEMPERATURE,
+        help=f"sampling temperature, 0 = greedy (default {d.TEMPERATURE:g})",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=d.TOP_P, help=f"nucleus sampling mass, 1 = off (default {d.TOP_P:g})"
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=d.TOP_K,
+        help=f"sample from the k likeliest tokens, 0 = off (default {d.TOP_K})",
+    )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=d.MIN_P,
+        help=f"drop tokens below this fraction of the likeliest one's probability, 0 = off (default {d.MIN_P:g})",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=d.REPETITION_PENALTY,
+        help=f"penalise tokens already in the prompt or output, 1 = off (default {d.REPETITION_PENALTY:g})",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="random seed, for the same output again (default: random)"
+    )
 
-    return EngineConfig(
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="duet", description="Local LLMs: chat, generate, serve.")
+    p.add_argument("--version", action="version", version=f"duet {__version__}")
+    sub = p.add_subparsers(dest="command")
+
+    g = sub.add_parser(
+        "generate",
+        help="answer one prompt and print the reply",
+        description="Answer one prompt: it goes through the model's chat template when the model has "
+        "one (like `ollama run`), or as plain text to complete with --raw. Sampling defaults are "
+        "Ollama's.",
+    )
+    _add_model_args(g)
+    g.add_argument(
+        "--prompt", "-p", required=True, help="the prompt (a user message, or text to complete with --raw)"
+    )
+    _add_sampling_args(g)
+    g.add_argument("--stop", action="append", help="stop when the reply contains this text (repeatable)")
+    template = g.add_mutually_exclusive_group()
+    template.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as plain text for the model to continue, without the chat template",
+    )
+    template.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template (the default; kept for older scripts)",
+    )
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object: text, token ids, usage, timings"
+    )
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser(
+        "chat",
+        help="chat in the terminal",
+        description="Chat in a full-screen terminal app. Without a terminal (e.g. `echo hi | duet chat`) "
+        "it reads one message per line from stdin and prints each reply on stdout.",
+    )
+    _add_model_args(c)
+    c.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="talk to an OpenAI-compatible server at this URL instead of loading a model",
+    )
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...).",
+    )
+    _add_model_args(s)
+    from app.server.main import add_serve_args
+
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser(
+        "models",
+        help="list the bundled model and models in the local HF cache",
+        description="List the bundled model and the models in the local Hugging Face cache.",
+    )
+    m.set_defaults(func=cmd_models)
+    return p
+
+
+# --- checks before anything loads ---------------------------------------------------------
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The one place command-line arguments become an ``EngineConfig`` (generate, chat, serve),
+    checked: a bad option raises ``ConfigError`` naming its flag."""
+    from mlx_engine.config import EngineConfig
+
+    extra = {
+        name: getattr(args, name)
+        for name in ("max_queue", "max_running")
+        if getattr(args, name, None) is not None
+    }
+    config = EngineConfig(
         kv_bits=args.kv_bits,
         cache_gb=args.cache_gb,
         cache_fraction=args.cache_fraction,
         weights=args.weights,
-        **({"max_queue": args.max_queue} if getattr(args, "max_queue", None) else {}),
+        **extra,
     )
+    config.validate(spell=flag)
+    return config
 
 
-def _load_engine(args):
-    from mlx_engine.engine import Engine
-    from mlx_engine.gguf_loader import GGUFError
-    from mlx_engine.loader import ModelLoadError
-    from mlx_engine.resolve import ModelNotFoundError
+_engine_config = engine_config  # the name app/server/main.py imports
 
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """Checked sampling options (``ConfigError`` naming the flag) and ``--max-tokens``."""
+    from mlx_engine.request import SamplingParams
+
+    if args.max_tokens is not None and args.max_tokens <= 0:
+        raise ConfigError(
+            f"--max-tokens must be a positive integer, not {args.max_tokens} "
+            "(leave it out to generate until the model stops)",
+            "max_tokens",
+        )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
     try:
-        return Engine.load(args.model, config=_engine_config(args))
-    except (ModelNotFoundError, ModelLoadError, GGUFError) as e:
-        print(f"duet: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        params.validate()
+    except RequestError as e:
+        value = getattr(args, e.param, None) if e.param else None
+        raise ConfigError(f"{e} (got {flag(e.param)} {value})" if e.param else str(e), e.param) from None
+    return params
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    from mlx_engine.preflight import check_model
+
+    check_model(args.model)
+
+
+def _use_fast_blas() -> None:
+    """Re-execute once with OpenBLAS preloaded where that helps (returns if not needed); after the
+    checks, so a bad argument fails at once."""
+    from mlx_engine.blas import reexec_with_openblas
+
+    reexec_with_openblas()
+
+
+def _load_engine(args: argparse.Namespace, config: EngineConfig):
+    from mlx_engine.engine import Engine
+
+    return Engine.load(args.model, config=config)
 
 
 def _describe(engine) -> str:
@@ -66,40 +255,37 @@ def _describe(engine) -> str:
     )
 
 
+# --- commands -------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
-    from mlx_engine.request import GenerationRequest, RequestError, SamplingParams
+    from mlx_engine.request import GenerationRequest
 
-    engine = _load_engine(args)
-    if not args.json:
-        print(_describe(engine), file=sys.stderr)
-    messages = [{"role": "user", "content": args.prompt}] if args.chat else None
-    req = GenerationRequest(
-        prompt=None if args.chat else args.prompt,
-        messages=messages,
-        max_tokens=args.max_tokens,
-        sampling=SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-        ),
-        stop=args.stop or [],
-    )
+    sampling = sampling_params(args)
+    config = engine_config(args)
+    _check_model(args)
+    _use_fast_blas()
+    with _load_engine(args, config) as engine:
+        if not args.json:
+            print(_describe(engine), file=sys.stderr)
+        chat = not args.raw and engine.tokenizer.chat_template is not None
+        req = GenerationRequest(
+            prompt=None if chat else args.prompt,
+            messages=[{"role": "user", "content": args.prompt}] if chat else None,
+            max_tokens=args.max_tokens,
+            sampling=sampling,
+            stop=args.stop or [],
+        )
 
-    async def run():
-        text, ids, last = [], [], None
-        async for ev in engine.generate(req):
-            text.append(ev.text)
-            ids.extend(ev.token_ids)
-            if not args.json:
-                print(ev.text, end="", flush=True)
-            last = ev
-        return "".join(text), ids, last
+        async def run():
+            text, ids, last = [], [], None
+            async for ev in engine.generate(req):
+                text.append(ev.text)
+                ids.extend(ev.token_ids)
+                if not args.json:
+                    print(ev.text, end="", flush=True)
+                last = ev
+            return "".join(text), ids, last
 
-    try:
         text, ids, last = asyncio.run(run())
-    except RequestError as e:
-        print(f"duet: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        engine.shutdown()
     u = last.usage
     if args.json:
         print(
@@ -108,6 +294,7 @@ def cmd_generate(args) -> int:
                     "text": text,
                     "token_ids": ids,
                     "finish_reason": last.finish_reason,
+                    "chat_template": chat,
                     "usage": {
                         "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens,
@@ -125,6 +312,8 @@ def cmd_generate(args) -> int:
             f"TTFT {u.ttft_s * 1000:.0f} ms, decode {u.decode_tps:.1f} tok/s",
             file=sys.stderr,
         )
+    if last.error:
+        print(f"duet: error: {last.error}", file=sys.stderr)
     return 0 if last.finish_reason in ("stop", "length") else 1
 
 
@@ -141,105 +330,113 @@ def cmd_models(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    try:
-        from app.tui.main import run_chat
-    except ImportError:
-        run_chat = None
-    if run_chat is not None:
+    config = engine_config(args)
+    if not args.server:
+        _check_model(args)
+    _use_fast_blas()
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        try:
+            from app.tui.main import run_chat
+        except ImportError:  # no Textual: the line chat still works
+            return line_chat(args, config, interactive=True)
         return run_chat(args)
-    return _line_chat(args)
+    return line_chat(args, config, interactive=False)
 
 
-def _line_chat(args) -> int:
-    """Plain line REPL (used when the TUI is unavailable)."""
-    from mlx_engine.request import GenerationRequest, SamplingParams
+def line_chat(args, config: EngineConfig, *, interactive: bool) -> int:
+    """Chat one line at a time: each line of stdin is a user message, each reply is streamed to
+    stdout. ``interactive`` adds a banner and a prompt; without it (a pipe) stdout holds the
+    replies only, one per line. The oldest exchanges are dropped when the conversation outgrows
+    the model's context. Returns 1 if any reply failed."""
+    from app.tui.backends import BackendError, LocalBackend, RemoteBackend
+    from app.tui.settings import Sampling
 
-    engine = _load_engine(args)
-    print(_describe(engine))
-    print("Type a message; /quit to leave.")
+    backend: LocalBackend | RemoteBackend
+    if args.server:
+        try:
+            remote = RemoteBackend.connect(args.server, args.model)
+        except BackendError as e:  # unreachable, or no such model there
+            raise ConfigError(str(e), "server") from None
+        backend, banner = remote, f"server {remote.url} | model {remote.name}"
+    else:
+        engine = _load_engine(args, config)
+        backend, banner = LocalBackend(engine), _describe(engine)
+    sampling = Sampling()
     history: list[dict] = []
+    failed = False
+
+    async def reply(messages: list[dict]) -> tuple[str, str | None]:
+        out: list[str] = []
+        async for ev in backend.stream(messages, sampling):
+            if ev.text:
+                print(ev.text, end="", flush=True)
+                out.append(ev.text)
+            if ev.finished:
+                return "".join(out), ev.error if ev.finish_reason == "error" else None
+        return "".join(out), None
+
     try:
+        if interactive:
+            print(banner)
+            print("Type a message; /quit to leave.")
         while True:
             try:
-                line = input("> ").strip()
+                line = input("> " if interactive else "").strip()
             except EOFError:
                 break
             if not line:
                 continue
-            if line in ("/quit", "/exit"):
+            if interactive and line in ("/quit", "/exit"):
                 break
-            history.append({"role": "user", "content": line})
-            req = GenerationRequest(
-                messages=list(history), max_tokens=512, sampling=SamplingParams(temperature=0.7)
-            )
-
-            async def run(req=req):
-                out = []
-                async for ev in engine.generate(req):
-                    print(ev.text, end="", flush=True)
-                    out.append(ev.text)
-                return "".join(out)
-
-            history.append({"role": "assistant", "content": asyncio.run(run())})
-            print()
+            turn = [*history, {"role": "user", "content": line}]
+            try:
+                while True:
+                    try:
+                        text, error = asyncio.run(reply(turn))
+                        break
+                    except ContextLengthError:
+                        if len(turn) < 3:  # this message alone does not fit
+                            raise
+                        del turn[:2]  # forget the oldest exchange and try again
+            except RequestError as e:  # this message is refused; the chat goes on without it
+                text, error = "", str(e)
+            if error is None or text:
+                print()  # ends the reply's line
+            if error is None:
+                history = [*turn, {"role": "assistant", "content": text}]
+            else:
+                failed = True
+                print(f"duet: error: {error}", file=sys.stderr)
     except KeyboardInterrupt:
         print()
     finally:
-        engine.shutdown()
-    return 0
+        backend.close()
+    return 1 if failed else 0
 
 
 def cmd_serve(args) -> int:
+    engine_config(args)
+    _check_model(args)
+    _use_fast_blas()
     from app.server.main import serve
 
     return serve(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="duet", description="Local LLMs: chat, generate, serve.")
-    p.add_argument("--version", action="version", version=f"duet {__version__}")
-    sub = p.add_subparsers(dest="command")
-
-    g = sub.add_parser("generate", help="complete a prompt and print the result")
-    _add_model_args(g)
-    g.add_argument("--prompt", "-p", required=True)
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--json", action="store_true", help="print JSON with token ids and usage")
-    g.set_defaults(func=cmd_generate)
-
-    c = sub.add_parser("chat", help="open the terminal chat")
-    _add_model_args(c)
-    c.add_argument("--server", default=None, help="talk to an OpenAI-compatible server at this URL instead")
-    c.set_defaults(func=cmd_chat)
-
-    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    _add_model_args(s)
-    from app.server.main import add_serve_args
-
-    add_serve_args(s)
-    s.set_defaults(func=cmd_serve)
-
-    m = sub.add_parser("models", help="list the bundled model and models in the local HF cache")
-    m.set_defaults(func=cmd_models)
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
-        build_parser().print_help()
+        parser.print_help()
         return 0
-    if args.command in ("generate", "chat", "serve"):
-        from mlx_engine.blas import reexec_with_openblas
-
-        reexec_with_openblas()  # returns when already active or unavailable
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except DuetError as e:
+        print(f"duet: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # the reader went away (`duet ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from .backends import LocalBackend, RemoteBackend
 def build_app(args) -> ChatApp:
     if getattr(args, "server", None):
         return ChatApp(args.model, load_backend=partial(RemoteBackend.connect, args.server), remote=True)
-    from mlx_engine.engine import EngineConfig
+    from app.cli import engine_config  # the one builder: every engine option, checked
 
-    config = EngineConfig(kv_bits=args.kv_bits, cache_gb=args.cache_gb, weights=args.weights)
+    config = engine_config(args)
     return ChatApp(args.model, load_backend=partial(LocalBackend.load, config=config))
 
 
