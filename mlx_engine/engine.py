@@ -31,7 +31,14 @@ from .blas import active_blas, warn_if_slow
 from .block_allocator import BlockAllocator
 from .config import EngineConfig
 from .detokenizer import StreamingDetokenizer
-from .errors import ConfigError, ContextLengthError, EngineShutDownError, QueueFullError, RequestError
+from .errors import (
+    ConfigError,
+    ContextLengthError,
+    DuetError,
+    EngineShutDownError,
+    QueueFullError,
+    RequestError,
+)
 from .kv_pool import KVPool
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, Row
@@ -412,7 +419,7 @@ class Engine:
                     self._finish(self._active[rid], "cancelled")
             if stopping:
                 for a in list(self._active.values()):
-                    self._finish(a, "error", "the engine shut down")
+                    self._finish(a, "error", "the engine shut down", error_type=EngineShutDownError)
                 _flush_outbox(self._outbox)
                 self._flush_prefix_cache()
                 return
@@ -513,7 +520,13 @@ class Engine:
             self._finish(a, "length")
 
     def _finish(
-        self, a: _Active, reason: str, error: str | None = None, stop_reason=None, flush: bool = True
+        self,
+        a: _Active,
+        reason: str,
+        error: str | None = None,
+        stop_reason=None,
+        flush: bool = True,
+        error_type: type[DuetError] | None = None,
     ) -> None:
         if a.done:
             return
@@ -532,4 +545,4 @@ class Engine:
             usage.prefill_tps = (seq.num_prompt - seq.num_cached) / max(usage.ttft_s, 1e-9)
             if n_out > 1 and a.t_last is not None and a.t_last > a.t_first:
                 usage.decode_tps = (n_out - 1) / (a.t_last - a.t_first)
-        a.emit(GenerationEvent(a.req.request_id, text, [], [], reason, usage, error, stop_reason))
+        a.emit(GenerationEvent(a.req.request_id, text, [], [], reason, usage, error, stop_reason, error_type))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import defaults
-from .errors import RequestError
+from .errors import DuetError, RequestError
 
 _ids = itertools.count()
 
@@ -153,6 +153,9 @@ class GenerationEvent:
     usage: Usage | None = None
     error: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # The error's kind (e.g. EngineShutDownError), for callers that tell kinds apart without
+    # reading the message; None for an unexpected failure.
+    error_type: type[DuetError] | None = None
 
     @property
     def finished(self) -> bool:

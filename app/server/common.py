@@ -18,6 +18,7 @@ from fastapi import Request
 from mlx_engine import __version__, defaults
 from mlx_engine.constraints import GrammarFactory
 from mlx_engine.engine import Engine
+from mlx_engine.errors import ContextLengthError, DuetError, EngineShutDownError
 from mlx_engine.request import GenerationEvent, RequestError, SamplingParams, TokenLogprob, Usage
 
 from .errors import APIError, bad_request, internal_error
@@ -170,7 +171,7 @@ def prompt_ids(engine: Engine, request, param: str) -> list[int]:
     try:
         return engine.prepare_prompt(request)
     except RequestError as e:
-        code = "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e) else None
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
         raise bad_request(str(e), param if e.param in ("prompt", "messages") else e.param, code) from None
 
 
@@ -233,6 +234,7 @@ class ChoiceState:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    error_type: type[DuetError] | None = None
     t_last: float | None = None
 
     def add(self, ev: GenerationEvent, metrics: Metrics, t0: float) -> None:
@@ -248,6 +250,7 @@ class ChoiceState:
         self.logprobs.extend(ev.logprobs)
         if ev.finished:
             self.finish_reason, self.usage, self.error = ev.finish_reason, ev.usage, ev.error
+            self.error_type = ev.error_type
             if ev.usage is not None:
                 metrics.observe_usage(ev.usage)
             metrics.e2e.observe(now - t0)
@@ -261,7 +264,7 @@ def failure(choices: list[ChoiceState], err: BaseException | None) -> APIError |
         return to_api_error(err)
     for c in choices:
         if c.finish_reason == "error":
-            if c.error and "shut down" in c.error:
+            if c.error_type is not None and issubclass(c.error_type, EngineShutDownError):
                 return APIError(
                     503, "the server is shutting down", type="server_error", code="service_unavailable"
                 )

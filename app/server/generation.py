@@ -12,8 +12,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from mlx_engine.engine import Engine, QueueFullError
-from mlx_engine.request import GenerationEvent, GenerationRequest, RequestError
+from mlx_engine.engine import Engine
+from mlx_engine.errors import ContextLengthError, EngineShutDownError, QueueFullError, RequestError
+from mlx_engine.request import GenerationEvent, GenerationRequest
 
 from .errors import APIError, bad_request, internal_error, queue_full, shutting_down
 
@@ -22,11 +23,11 @@ log = logging.getLogger("duet.server")
 
 def to_api_error(e: BaseException) -> APIError:
     if isinstance(e, RequestError):
-        code = "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e) else None
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
         return bad_request(str(e), e.param, code)
     if isinstance(e, QueueFullError):
         return queue_full(str(e))
-    if isinstance(e, RuntimeError) and "shut down" in str(e):
+    if isinstance(e, EngineShutDownError):
         return shutting_down()
     log.error("a generation failed", exc_info=e)
     return internal_error()
