@@ -616,12 +616,12 @@ def test_real_server_refuses_a_20mb_body_while_health_answers(server):
             )
             elapsed = time.perf_counter() - t0
             assert r.status_code == 413, (r.status_code, r.text[:200])
-            assert elapsed < 10, elapsed  # a 50 MB body used to take 45 s
+            assert elapsed < 20, elapsed  # it used to take 100 s (20 MB on the tiny model)
     finally:
         done.set()
         prober.join(60)
     assert statuses and set(statuses) == {200}
-    assert max(latencies) < 2, max(latencies)  # /health used to stall for over 30 s
+    assert max(latencies) < 5, max(latencies)  # /health used to stall as long
     assert httpx.get(server.base + "/health").status_code == 200
 
 
