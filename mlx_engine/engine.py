@@ -44,7 +44,7 @@ from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, Row
 from .prefix_disk import PrefixDiskTier
 from .request import GenerationEvent, GenerationRequest, TokenLogprob, Usage
-from .sampler import SamplerRow, make_rng, sample
+from .sampler import SamplerRow, SeedState, make_rng, sample
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 from .stop_strings import StopMatcher
 
@@ -84,7 +84,7 @@ class _Active:
     queue: asyncio.Queue
     detok: StreamingDetokenizer
     stopper: StopMatcher
-    rng: object
+    rng: SeedState
     outbox: dict
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
@@ -221,12 +221,13 @@ class Engine:
 
     def _load_prefix_from_disk(self, tokens: list[int], num_blocks: int, max_tokens: int) -> list[int]:
         """Continue a memory prefix hit with blocks from the disk tier; returns the blocks loaded."""
-        bs, out = self.allocator.block_size, []
+        bs, out, disk = self.allocator.block_size, [], self.disk
+        assert disk is not None  # only installed with a disk tier
         for k in range(num_blocks + 1, max_tokens // bs + 1):
             key = tokens[: k * bs]
-            if self.allocator.num_free < 2 or not self.disk.has(key):
+            if self.allocator.num_free < 2 or not disk.has(key):
                 break
-            parts = self.disk.load(key)
+            parts = disk.load(key)
             if parts is None:
                 break
             (b,) = self.allocator.allocate(1)
@@ -269,6 +270,7 @@ class Engine:
             # a text prompt is text (as at OpenAI): control tokens only as token ids
             ids = self.tokenizer.encode(request.prompt, add_special_tokens=True, parse_special=False)
         else:
+            assert request.prompt is not None  # exactly one of prompt and messages, checked above
             ids = [int(t) for t in request.prompt]
             if not ids:
                 raise RequestError("prompt must not be empty", "prompt")
@@ -410,8 +412,11 @@ class Engine:
             for a in inbox:
                 self._active[a.req.request_id] = a
                 lead = self._active.get(a.req.fork_of) if a.req.fork_of else None
-                same_prompt = lead is not None and lead.seq.tokens[: lead.seq.num_prompt] == a.seq.tokens
-                if same_prompt and lead.req.cache_salt == a.req.cache_salt:
+                if (
+                    lead is not None
+                    and lead.seq.tokens[: lead.seq.num_prompt] == a.seq.tokens
+                    and lead.req.cache_salt == a.req.cache_salt
+                ):
                     a.seq.leader = lead.seq
                 self.scheduler.waiting.append(a.seq)
             for rid in cancels:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from . import defaults
 from .errors import DuetError, RequestError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _ids = itertools.count()
 
@@ -77,7 +80,7 @@ class Constraint(Protocol):
     reports the token it chose. ``None`` from ``allowed_tokens`` means no limit.
     """
 
-    def allowed_tokens(self) -> object | None:  # numpy bool array of shape (vocab,) or None
+    def allowed_tokens(self) -> np.ndarray | None:  # bool array of shape (vocab,), or None
         ...
 
     def accept(self, token_id: int) -> None: ...

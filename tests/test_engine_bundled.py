@@ -172,3 +172,22 @@ def test_engine_end_to_end_answers(bundled):
     finally:
         engine.shutdown()
     mx.clear_cache()
+
+
+def test_duet_generate_answers_a_plain_request_through_the_chat_template(bundled, monkeypatch, capsys):
+    """`duet generate --prompt "..."` puts the prompt in the model's chat template by default, as
+    `ollama run` does: sent raw, this instruction got an empty reply (EOS at once)."""
+    import json
+
+    import mlx_engine.engine
+    from app import cli
+
+    monkeypatch.setattr(mlx_engine.engine, "load_model", lambda *a, **kw: bundled)  # loaded once
+    monkeypatch.setattr(cli, "_use_fast_blas", lambda: None)
+    prompt = "Write a short story about a robot who learns to paint."
+    argv = ["generate", "--prompt", prompt, "--temperature", "0", "--max-tokens", "24", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chat_template"] and out["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 24 and len(out["text"].split()) >= 10
+    mx.clear_cache()
