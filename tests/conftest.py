@@ -48,3 +48,16 @@ def tiny_dirs(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def short_context_dir(tiny_dirs, tmp_path_factory):
+    """The tiny llama with a 48-token context: replies and conversations that fill it."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("short") / "llama-48"
+    shutil.copytree(tiny_dirs("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
+    return path

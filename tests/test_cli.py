@@ -324,20 +324,8 @@ def test_line_chat_sends_the_conversation_and_prints_each_reply(tiny_dirs, recor
     assert out == "".join(reply + "\n" for reply in replies)
 
 
-@pytest.fixture(scope="module")
-def short_context_model(tiny_dirs, tmp_path_factory):
-    """The tiny llama with a 48-token context."""
-    import shutil
-
-    path = tmp_path_factory.mktemp("short") / "llama-48"
-    shutil.copytree(tiny_dirs("llama"), path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
-    return path
-
-
 def test_line_chat_drops_old_turns_to_fit_and_survives_a_message_too_long(
-    short_context_model, record_line_chat
+    short_context_dir, record_line_chat
 ):
     """When the conversation outgrows the context the oldest exchange goes; a message that
     cannot fit even alone is a one-line error, and the chat goes on (exit code 1 at the end)."""
@@ -345,7 +333,7 @@ def test_line_chat_drops_old_turns_to_fit_and_survives_a_message_too_long(
     second = "Hello world! Hello again, world. The end."
     too_long = " ".join([first] * 6)
     stdin = f"{first}\n{second}\n{too_long}\nlast\n"
-    code, seen, replies, out, err = record_line_chat(short_context_model, stdin)
+    code, seen, replies, out, err = record_line_chat(short_context_dir, stdin)
     user = [{"role": "user", "content": m} for m in (first, second, too_long, "last")]
     assert seen[:3] == [
         [user[0]],

@@ -5,8 +5,6 @@ context is full), and shutdown (joined, idempotent, in-flight requests ended, cl
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -29,13 +27,9 @@ def loaded(tiny_dirs):
 
 
 @pytest.fixture(scope="module")
-def short_context(tiny_dirs, tmp_path_factory):
+def short_context(short_context_dir):
     """The tiny llama with a 48-token context."""
-    path = tmp_path_factory.mktemp("short") / "llama-48"
-    shutil.copytree(tiny_dirs("llama"), path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
-    return load_model(str(path))
+    return load_model(str(short_context_dir))
 
 
 async def collect(engine: Engine, request: GenerationRequest):
