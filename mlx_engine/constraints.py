@@ -19,6 +19,7 @@ import threading
 import llguidance as llg
 import numpy as np
 
+from .json_schema_closing import close_objects
 from .json_schema_embedding import embed_schemas
 from .request import RequestError
 from .tokenizer import Tokenizer
@@ -37,6 +38,7 @@ def json_schema_grammar(schema: dict | bool) -> str:
     """A grammar for one JSON value matching ``schema`` (``{"type": "object"}`` for JSON mode)."""
     if schema is True or schema == {}:
         schema = {}
+    schema = close_objects(schema)  # only declared properties: see json_schema_closing
     try:
         return llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     except Exception as e:  # the library reports unusable schemas as ValueError, TypeError or its own
@@ -49,9 +51,11 @@ def tool_call_schema(tools: list[dict]) -> dict:
     if not tools:
         raise RequestError("tool_choice needs at least one tool", "tool_choice")
     names = [t["function"]["name"] for t in tools]
-    # no parameters means none at all (an open object lets a weak model invent keys forever);
-    # each tool's $defs move to the wrapper's root so that its $refs still resolve
-    params, defs = embed_schemas([t["function"].get("parameters") or NO_PARAMETERS for t in tools], names)
+    # no parameters means none at all, and objects take only their declared properties (an open
+    # object lets a weak model invent keys forever); each tool's $defs move to the wrapper's
+    # root so that its $refs still resolve
+    params = [close_objects(t["function"].get("parameters") or NO_PARAMETERS) for t in tools]
+    params, defs = embed_schemas(params, names)
     variants = [
         {
             "type": "object",

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from app.server.chat import _with_tools_prompt
 from app.server.tool_calls import ToolCallStream, parse_tool_calls
-from mlx_engine.constraints import GrammarFactory, tool_call_grammar, tool_call_schema
+from mlx_engine.constraints import GrammarFactory, json_schema_grammar, tool_call_grammar, tool_call_schema
 from mlx_engine.tokenizer import Tokenizer
 from tests.tiny_models import tokenizer_json
 
@@ -244,6 +244,30 @@ def test_tool_without_parameters_takes_no_arguments():
         assert not _grammar_accepts(grammar, {"name": "now", "arguments": {"x": 1}})
 
 
+class OpenAddress(BaseModel):  # as instructor and LangChain declare models: no additionalProperties
+    city: Short
+
+
+class OpenPerson(BaseModel):
+    name: Short
+    home: OpenAddress
+
+
+def test_grammars_never_write_undeclared_keys():
+    """A small model held to an open object copies the schema's own "title" and "type" into it
+    until max_tokens: forced calls and response formats take only the declared properties."""
+    args = {"name": "Ann", "home": {"city": "Oslo"}}
+    schema = OpenPerson.model_json_schema()
+    tool_grammar = tool_call_grammar([_tool("person", schema)], parallel=False)
+    assert _grammar_accepts(tool_grammar, {"name": "person", "arguments": args})
+    fmt_grammar = json_schema_grammar(schema)
+    assert _accepts(fmt_grammar, json.dumps(args, separators=(", ", ": ")))
+    for extra in ({**args, "title": "OpenPerson"}, {**args, "home": {"city": "Oslo", "type": "object"}}):
+        jsonschema.validate(extra, schema)  # valid for the client's schema, but never generated
+        assert not _grammar_accepts(tool_grammar, {"name": "person", "arguments": extra})
+        assert not _accepts(fmt_grammar, json.dumps(extra, separators=(", ", ": ")))
+
+
 def test_a_missing_definition_is_still_an_error():
     from mlx_engine.request import RequestError
 
@@ -264,8 +288,11 @@ def _factory() -> GrammarFactory:
 
 def _grammar_accepts(grammar: str, call: dict) -> bool:
     """Whether the tool-call grammar lets a model write exactly this call."""
+    return _accepts(grammar, "<tool_call>\n" + json.dumps(call, separators=(", ", ": ")) + "\n</tool_call>")
+
+
+def _accepts(grammar: str, text: str) -> bool:
     factory = _factory()
-    text = "<tool_call>\n" + json.dumps(call, separators=(", ", ": ")) + "\n</tool_call>"
     ids = factory.tokenizer.encode(text, add_special_tokens=False)
     constraint = factory.constraint(grammar, "tool_choice")
     for t in ids:
