@@ -108,10 +108,11 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def max_new_tokens(requested: int | None, prompt_len: int, context: int, param: str) -> int:
-    room = context - prompt_len
+def max_new_tokens(requested: int | None, prompt_len: int, context: int, param: str) -> int | None:
+    """``requested`` checked against the context; None stays None: until EOS, a stop, or the
+    context (or the KV cache) is full, which the engine enforces."""
     if requested is None:
-        return room
+        return None
     if prompt_len + requested > context:
         raise bad_request(
             f"This model's maximum context length is {context} tokens. However, you requested "
