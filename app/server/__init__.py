@@ -11,20 +11,39 @@ Behaviour worth knowing (decisions where OpenAI's API leaves room):
 - Model names: the served id (the GGUF's name, or the model directory's name) and, as aliases,
   what ``--model`` said, its resolved path, its file name and stem ("default" with no --model).
   Anything else is a 404 ``model_not_found``.
-- Unknown top-level request fields are a 400, as at OpenAI; messages, tools and content parts
-  accept extra keys (clients send back whole response objects). ``store``, ``metadata``,
-  ``service_tier`` and ``user`` are accepted and ignored. Extensions: ``top_k``, ``min_p``,
-  ``repetition_penalty``, ``ignore_eos``.
-- ``max_tokens`` absent: chat fills the context; completions default to 16 (OpenAI's defaults).
-  prompt + max_tokens beyond the context is a 400 ``context_length_exceeded``.
+- Every field of OpenAI's chat-completions and completions requests is accepted and type-checked
+  (``protocol``). Honoured: sampling, ``max_completion_tokens``, ``logit_bias``, logprobs, ``n``,
+  ``seed``, ``stop``, ``stream_options.include_usage``, ``response_format``, tools with
+  ``tool_choice`` (``allowed_tools`` included) and ``parallel_tool_calls``, and the legacy
+  ``functions`` / ``function_call`` (answered in the legacy ``function_call`` shape). Ignored
+  (debug log): ``store``, ``metadata``, ``user``, ``safety_identifier``, ``service_tier``,
+  ``reasoning_effort``, ``verbosity``, ``prompt_cache_*``, ``prediction``, ``audio``,
+  ``moderation``, ``web_search_options``. Refused: ``modalities`` other than text, custom
+  (free-form) tools, non-text content parts, ``suffix``, ``echo`` with ``logprobs``. Unknown
+  top-level fields are a 400, as at OpenAI; messages, tools and content parts accept extra keys
+  (clients send back whole response objects). Legacy ``role: "function"`` messages are tool
+  results; ``refusal`` parts and fields are read as text. Extensions: ``top_k``, ``min_p``,
+  ``repetition_penalty``, ``ignore_eos``. Lone surrogates and bodies nested over 100 levels are
+  a 400.
+- Omitted sampling fields take Duet's defaults (``mlx_engine.defaults``, Ollama's set:
+  temperature 0.8, top_p 0.9, top_k 40), not OpenAI's 1.0. ``max_tokens`` absent, on both
+  endpoints: until EOS, a stop, or the context is full. prompt + max_tokens beyond the context
+  is a 400 ``context_length_exceeded``.
+- Every route also answers without the ``/v1`` prefix and with a trailing slash.
 - ``n > 1``: n engine requests; the others fork the first one's prompt KV (copy-on-write), so
   the prompt is computed once. ``seed`` gives choice i the seed ``seed + i``. Usage counts
   the prompt once, and its cached tokens from the first choice.
 - Structured output (``response_format`` json_object / json_schema) and forced tool calls
   (``tool_choice`` required / named) are grammars (llguidance, ``mlx_engine.constraints``).
-  JSON comes out compact with ``", "`` and ``": "`` separators. A forced tool call is a single
-  call unless ``parallel_tool_calls`` is true. ``tool_choice: "none"`` leaves the tools out of
-  the prompt. Templates that do not render ``tools`` get a Hermes-style tools system prompt.
+  JSON comes out compact with ``", "`` and ``": "`` separators. Objects that declare
+  properties get only those (``mlx_engine.json_schema_closing``), and each tool's ``$defs`` are
+  hoisted into the call grammar (``mlx_engine.json_schema_embedding``). A tool without
+  ``parameters`` takes ``{}``. A forced tool call is a single call unless
+  ``parallel_tool_calls`` is true. ``tool_choice: "none"`` leaves the tools out of the prompt.
+  Templates that do not render ``tools`` get a Hermes-style tools system prompt. A reply cut by
+  ``max_tokens`` inside a call still comes back as ``tool_calls`` (the arguments generated so
+  far) with ``finish_reason: "length"``.
+- An unexpected error answers 500 ``internal error``; the traceback goes to the log, once.
 - A client that disconnects cancels its requests (counted as ``finish_reason="cancelled"`` in
   ``duet_requests_total``). On SIGINT/SIGTERM the engine stops first, so open streams end with
   an error chunk and ``data: [DONE]``.
