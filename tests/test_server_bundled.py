@@ -10,6 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.test_server_harness import ServerProcess
 
@@ -80,3 +81,36 @@ def test_bundled_model_json_schema_and_forced_tool_call(client):
     (call,) = t.choices[0].message.tool_calls
     assert t.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+class Address(BaseModel):  # as instructor and most frameworks declare models: nested, open objects
+    city: str
+    country: str
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    address: Address
+
+
+def test_bundled_model_fills_nested_pydantic_models(client):
+    """instructor's TOOLS mode (a named tool whose parameters hold $defs) and the SDK's parse()."""
+    messages = [{"role": "user", "content": "Marie Curie was 66 and lived in Warsaw, Poland."}]
+    tool = {"type": "function", "function": {"name": "Person", "parameters": Person.model_json_schema()}}
+    r = client.chat.completions.create(
+        model="default",
+        temperature=0,
+        max_tokens=100,
+        messages=messages,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "Person"}},
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    person = Person.model_validate_json(call.function.arguments)
+    assert "Curie" in person.name and set(json.loads(call.function.arguments)) == {"name", "age", "address"}
+    parsed = client.chat.completions.parse(
+        model="default", temperature=0, max_tokens=100, messages=messages, response_format=Person
+    )
+    assert "Curie" in parsed.choices[0].message.parsed.name
