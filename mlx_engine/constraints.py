@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import TYPE_CHECKING
 
 import llguidance as llg
 import numpy as np
@@ -24,9 +25,16 @@ from .json_schema_embedding import embed_schemas
 from .request import RequestError
 from .tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Canonical compact JSON ("a": 1, "b": 2): bounded, deterministic whitespace, and the layout
 # instruction-tuned models write anyway. Free whitespace lets a weak model pad forever.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -36,11 +44,13 @@ TOOL_CALL_CLOSE = "</tool_call>"
 
 def json_schema_grammar(schema: dict | bool) -> str:
     """A grammar for one JSON value matching ``schema`` (``{"type": "object"}`` for JSON mode)."""
-    if schema is True or schema == {}:
+    if isinstance(schema, bool):
+        if not schema:
+            raise RequestError("invalid JSON schema: false allows no value at all", "response_format")
         schema = {}
-    schema = close_objects(schema)  # only declared properties: see json_schema_closing
+    closed: dict = close_objects(schema)  # only declared properties: see json_schema_closing
     try:
-        return llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(closed, overrides=JSON_OPTIONS)
     except Exception as e:  # the library reports unusable schemas as ValueError, TypeError or its own
         raise RequestError(f"invalid JSON schema: {e}", "response_format") from e
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from tokenizers import Tokenizer as HFTokenizer
 
 from app.server.chat import _with_tools_prompt
-from app.server.tool_calls import ToolCallStream, parse_tool_calls
+from app.server.tool_calls import ParsedToolCall, ToolCallStream, parse_tool_calls
 from mlx_engine.constraints import GrammarFactory, json_schema_grammar, tool_call_grammar, tool_call_schema
 from mlx_engine.tokenizer import Tokenizer
 from tests.tiny_models import tokenizer_json
@@ -33,7 +33,7 @@ def stream_parse(
         items += s.feed(text[i : i + n])
         i += n
     items += s.finish(truncated)
-    return "".join(x for k, x in items if k == "content"), [x for k, x in items if k == "call"]
+    return "".join(x for x in items if isinstance(x, str)), [x for x in items if not isinstance(x, str)]
 
 
 @pytest.mark.parametrize(
@@ -76,12 +76,12 @@ def test_parse_whole_and_streamed(text, content, calls):
 
 def test_stream_holds_back_only_possible_tags():
     s = ToolCallStream()
-    assert s.feed("Hello <") == [("content", "Hello ")]
-    assert s.feed("b>") == [("content", "<b>")]
+    assert s.feed("Hello <") == ["Hello "]
+    assert s.feed("b>") == ["<b>"]
     assert s.feed("<tool") == []
     assert s.feed('_call>{"name": "f", "arguments": {}}') == []
     items = s.feed("</tool_call>")
-    assert [k for k, _ in items] == ["call"]
+    assert [type(x) for x in items] == [ParsedToolCall]
 
 
 def test_tools_prompt_for_templates_without_tools():

@@ -36,7 +36,7 @@ from .common import (
 from .errors import bad_request
 from .generation import Generation
 from .protocol import ChatCompletionRequest, Message, NamedCustomToolChoice, NamedFunction, NamedToolChoice
-from .tool_calls import ParsedToolCall, ToolCallStream, parse_tool_calls
+from .tool_calls import ParsedToolCall, StreamItem, ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("duet.server")
 
@@ -169,10 +169,10 @@ def _tool_plan(body: ChatCompletionRequest) -> ToolPlan:
     if isinstance(choice, NamedCustomToolChoice):
         raise bad_request("custom (free-form) tools are not supported by this server", param)
     names = []
-    for t in choice.allowed_tools.tools:
-        fn = t.get("function")
+    for entry in choice.allowed_tools.tools:
+        fn = entry.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
-        if t.get("type", "function") != "function" or not isinstance(name, str):
+        if entry.get("type", "function") != "function" or not isinstance(name, str):
             raise bad_request(
                 "allowed_tools.tools must name function tools: {'type': 'function', 'function': {'name': ...}}",
                 "tool_choice.allowed_tools.tools",
@@ -338,7 +338,8 @@ class ChatCall:
         out = []
         for i, c in enumerate(choices):
             text = "".join(c.text)
-            content, calls = (text, [])
+            content: str | None = text
+            calls: list[ParsedToolCall] = []
             if self.parse_tools:
                 content, calls = parse_tool_calls(
                     text, c.finish_reason == "length", self.tool_names, self.forced
@@ -388,23 +389,25 @@ class ChatCall:
             for i in range(self.n):
                 yield self._chunk(i, {"role": "assistant", "content": "", "refusal": None})
             async for i, ev, err in gen.events():
-                if err is None:
+                if ev is not None:
                     choices[i].add(ev, self.state.metrics, t0)
                 problem = failure([choices[i]], err)
                 if problem is not None:
                     yield sse(problem.body())
                     break
+                assert ev is not None  # no error: an event
                 logprobs = None
                 if self.body.logprobs and ev.logprobs:
                     logprobs = {"content": [chat_logprob(lp) for lp in ev.logprobs], "refusal": None}
-                items = [("content", ev.text)] if ev.text else []
-                if parsers[i] is not None:
-                    items = parsers[i].feed(ev.text)
+                parser = parsers[i]
+                items: list[StreamItem] = [ev.text] if ev.text else []
+                if parser is not None:
+                    items = parser.feed(ev.text)
                     if ev.finished:
-                        items += parsers[i].finish(ev.finish_reason == "length")
+                        items += parser.finish(ev.finish_reason == "length")
                 sent_logprobs = False
-                for kind, x in items:
-                    if kind == "content":
+                for x in items:
+                    if isinstance(x, str):
                         yield self._chunk(i, {"content": x}, logprobs=None if sent_logprobs else logprobs)
                         sent_logprobs = True
                     else:

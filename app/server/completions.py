@@ -185,12 +185,13 @@ class CompletionCall:
                 if self.echo[i // self.n]:
                     yield self._chunk(i, self.echo[i // self.n])
             async for i, ev, err in gen.events():
-                if err is None:
+                if ev is not None:
                     choices[i].add(ev, self.state.metrics, t0)
                 problem = failure([choices[i]], err)
                 if problem is not None:
                     yield sse(problem.body())
                     break
+                assert ev is not None  # no error: an event
                 logprobs = lps[i].add(ev.logprobs) if self.body.logprobs is not None and ev.logprobs else None
                 if ev.text or logprobs is not None:
                     yield self._chunk(i, ev.text, logprobs=logprobs)

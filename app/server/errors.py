@@ -117,7 +117,8 @@ def install(app: FastAPI) -> None:
             msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
         param = None if first.get("type") == "json_invalid" else _loc(tuple(first.get("loc", ())))
         if first.get("type") in ("invalid_unicode", "too_deep"):  # found walking the body: it names the field
-            param = first.get("ctx", {}).get("param")
+            ctx = first.get("ctx")
+            param = ctx.get("param") if isinstance(ctx, dict) else None
         return bad_request(msg, param, first.get("type")).response()
 
     @app.exception_handler(StarletteHTTPException)

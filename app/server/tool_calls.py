@@ -95,8 +95,11 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
+StreamItem = str | ParsedToolCall  # content text, or a call
+
+
 class ToolCallStream:
-    """Feed text deltas; get back ``("content", str)`` and ``("call", ParsedToolCall)`` items."""
+    """Feed text deltas; get back content (``str``) and ``ParsedToolCall`` items, in order."""
 
     def __init__(self, names: Sequence[str] = (), forced: bool = False) -> None:
         """``names``: the tools offered (to complete a name cut short by ``max_tokens``);
@@ -108,26 +111,26 @@ class ToolCallStream:
         self._ws = ""  # whitespace held back: dropped if it only separates tool calls
         self.calls: list[ParsedToolCall] = []
 
-    def _content(self, text: str, out: list) -> None:
+    def _content(self, text: str, out: list[StreamItem]) -> None:
         if not text:
             return
         if not text.strip():
             self._ws += text
             return
-        out.append(("content", self._ws + text))
+        out.append(self._ws + text)
         self._ws = ""
 
-    def _close_block(self, body: str, out: list) -> None:
+    def _close_block(self, body: str, out: list[StreamItem]) -> None:
         call = parse_call_body(body.strip())
         if call is None:
             self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE, out)
             return
         self._ws = ""
         self.calls.append(call)
-        out.append(("call", call))
+        out.append(call)
 
-    def feed(self, text: str) -> list[tuple[str, object]]:
-        out: list[tuple[str, object]] = []
+    def feed(self, text: str) -> list[StreamItem]:
+        out: list[StreamItem] = []
         self._buf += text
         while True:
             if not self._inside:
@@ -148,11 +151,11 @@ class ToolCallStream:
                 self._inside = False
                 self._close_block(body, out)
 
-    def finish(self, truncated: bool = False) -> list[tuple[str, object]]:
+    def finish(self, truncated: bool = False) -> list[StreamItem]:
         """End of generation: an unclosed block still counts when its body parses (EOS right
         after the JSON), or, when ``truncated`` (cut by max_tokens), when it began a call;
         anything else left over is content."""
-        out: list[tuple[str, object]] = []
+        out: list[StreamItem] = []
         if self._inside:
             body = self._buf.rstrip()
             body = body[: len(body) - _held_prefix(body, TOOL_CALL_CLOSE)]  # a close tag cut short
@@ -161,7 +164,7 @@ class ToolCallStream:
                 call = cut_call_body(body, self.names)
             if call is not None:
                 self.calls.append(call)
-                out.append(("call", call))
+                out.append(call)
             else:
                 self._content(TOOL_CALL_OPEN + self._buf, out)
         elif (
@@ -172,11 +175,11 @@ class ToolCallStream:
             call = cut_call_body("", self.names)
             if call is not None:
                 self.calls.append(call)
-                out.append(("call", call))
+                out.append(call)
         else:
             self._content(self._buf, out)
         if self._ws and not self.calls:
-            out.append(("content", self._ws))
+            out.append(self._ws)
         self._buf, self._ws, self._inside = "", "", False
         return out
 
@@ -187,7 +190,7 @@ def parse_tool_calls(
     """Whole text -> (content or None, tool calls). ``truncated``: cut by max_tokens."""
     s = ToolCallStream(names, forced)
     items = s.feed(text) + s.finish(truncated)
-    content = "".join(x for kind, x in items if kind == "content")
+    content = "".join(x for x in items if isinstance(x, str))
     if s.calls and not content.strip():
         return None, s.calls
     return content, s.calls
