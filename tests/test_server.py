@@ -703,6 +703,35 @@ def test_legacy_functions_and_function_call(client):
     assert after.usage.prompt_tokens > before.usage.prompt_tokens + 10
 
 
+def test_allowed_tools_restrict_what_the_model_may_call(client):
+    allowed = {
+        "type": "allowed_tools",
+        "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "now"}}]},
+    }
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER, CLOCK], tool_choice=allowed, max_tokens=60, seed=3, n=3
+    )
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls" and [c.function.name for c in ch.message.tool_calls] == [
+            "now"
+        ]
+    # in auto mode the other tools are not offered at all
+    auto = {"type": "allowed_tools", "allowed_tools": {**allowed["allowed_tools"], "mode": "auto"}}
+    only_clock = client.chat.completions.create(model=MODEL, messages=USER, tools=[CLOCK], max_tokens=1)
+    restricted = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER, CLOCK], tool_choice=auto, max_tokens=1
+    )
+    assert restricted.usage.prompt_tokens == only_clock.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        unknown = {
+            "type": "allowed_tools",
+            "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]},
+        }
+        client.chat.completions.create(
+            model=MODEL, messages=USER, tools=[CLOCK], tool_choice=unknown, max_tokens=1
+        )
+
+
 def test_refusal_parts_are_read_like_text(client):
     said = "I cannot help with that request."
 
