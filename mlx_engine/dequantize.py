@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_map_with_path, tree_unflatten
+
+from mlx_engine.mlx_tree import flat_parameters
 
 
 def _dense_weight(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, dtype: mx.Dtype) -> mx.array:
@@ -39,9 +41,9 @@ def _dense_layer(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
             dense.bias = bias.astype(dtype)
         return dense
     if isinstance(layer, nn.QuantizedEmbedding):
-        dense = nn.Embedding(layer.num_embeddings, layer.dims)
-        dense.weight = _dense_weight(layer, dtype)
-        return dense
+        embedding = nn.Embedding(layer.num_embeddings, layer.dims)
+        embedding.weight = _dense_weight(layer, dtype)
+        return embedding
     return layer
 
 
@@ -54,10 +56,6 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype = mx.float32) -> nn.Modul
         lambda _path, m: _dense_layer(m, dtype), model.leaf_modules(), is_leaf=nn.Module.is_module
     )
     model.update_modules(leaves)
-    params = [
-        (k, v.astype(dtype))
-        for k, v in tree_flatten(model.parameters())
-        if mx.issubdtype(v.dtype, mx.floating)
-    ]
+    params = [(k, v.astype(dtype)) for k, v in flat_parameters(model) if mx.issubdtype(v.dtype, mx.floating)]
     model.update(tree_unflatten(params))
     return model

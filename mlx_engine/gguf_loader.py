@@ -21,6 +21,7 @@ import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -214,6 +215,14 @@ def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dty
     return f"quantized {'/'.join(map(str, bits))}-bit affine, group {GROUP_SIZE} (GGUF {source})"
 
 
+def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """``mx.load`` with metadata: (tensors by name, metadata). The stub returns the union of every format's
+    result; with ``return_metadata=True`` it is always this pair."""
+    loaded = mx.load(str(path), return_metadata=True)
+    assert isinstance(loaded, tuple)
+    return loaded
+
+
 def load_gguf(
     path: str | Path, *, dense: bool, dtype: mx.Dtype = mx.float32
 ) -> tuple[nn.Module, Tokenizer, dict]:
@@ -225,7 +234,7 @@ def load_gguf(
     path = Path(path)
     tensors = read_tensor_table(path)
     try:
-        weights, md = mx.load(str(path), return_metadata=True)
+        weights, md = _read_gguf(path)
     except (RuntimeError, ValueError) as e:
         raise GGUFError(f"cannot read {path}: {e}") from e
 

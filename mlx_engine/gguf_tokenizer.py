@@ -82,6 +82,14 @@ def _py(value):
     return value.tolist() if isinstance(value, mx.array) else value
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A ``tokenizer.ggml.merges`` entry, "left right", as the pair BPE merges."""
+    left, space, right = merge.partition(" ")
+    if not space:
+        raise GGUFError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
+    return left, right
+
+
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
     if pre not in _BYTE_LEVEL_PRE:
         raise GGUFError(
@@ -90,7 +98,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokeniz
         )
     make_pre, ignore_merges, nfc = _BYTE_LEVEL_PRE[pre]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [_merge_pair(m) for m in merges]
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
     if nfc:
         backend.normalizer = normalizers.NFC()
@@ -124,12 +132,18 @@ def _sentencepiece_bpe(
     )
     # Like SentencePiece and llama.cpp: spaces become U+2581 and, unless the file says otherwise, every
     # run of text gets one prepended (also one that already starts with a space, or follows a special token).
-    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
-    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    normalizer_steps: list[normalizers.Normalizer] = (
+        [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    )
+    backend.normalizer = normalizers.Sequence([*normalizer_steps, normalizers.Replace(" ", "\u2581")])
+    decoder_steps: list[decoders.Decoder] = [
+        decoders.Replace("\u2581", " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
     if add_space_prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
+        decoder_steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(decoder_steps)
     return backend
 
 

@@ -42,9 +42,9 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        from mlx.utils import tree_flatten
+        from .mlx_tree import flat_parameters
 
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        return sum(v.nbytes for _, v in flat_parameters(self.model))
 
 
 def _want_dense(weights: str) -> bool:

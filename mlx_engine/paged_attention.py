@@ -168,6 +168,7 @@ def _dispatching_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
 
 
 _ORIGINAL_SDPA = None
+_SDPA_NAME = "scaled_dot_product_attention"  # the name each mlx-lm model module imports
 
 
 def install() -> None:
@@ -178,8 +179,5 @@ def install() -> None:
     if _ORIGINAL_SDPA is None:
         _ORIGINAL_SDPA = base.scaled_dot_product_attention
     for name, mod in list(sys.modules.items()):
-        if (
-            name.startswith("mlx_lm.models.")
-            and getattr(mod, "scaled_dot_product_attention", None) is not None
-        ):
-            mod.scaled_dot_product_attention = _dispatching_sdpa
+        if name.startswith("mlx_lm.models.") and getattr(mod, _SDPA_NAME, None) is not None:
+            setattr(mod, _SDPA_NAME, _dispatching_sdpa)  # ModuleType declares no such attribute

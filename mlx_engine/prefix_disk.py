@@ -51,6 +51,7 @@ class PrefixDiskTier:
         path = self._path(tokens)
         try:
             data = mx.load(str(path))
+            assert isinstance(data, dict)  # a .safetensors file always loads as {name: array}
             os.utime(path)
         except (OSError, ValueError, RuntimeError):
             path.unlink(missing_ok=True)  # unreadable or corrupt: drop it, recompute instead

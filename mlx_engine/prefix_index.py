@@ -44,18 +44,26 @@ class PrefixIndex:
         for i in range(0, min(len(tokens), max_tokens) // bs * bs, bs):
             yield tuple(tokens[i : i + bs])
 
-    def _root(self, salt: str | None, create: bool = False) -> _Node | None:
+    def _root(self, salt: str | None) -> _Node | None:
+        """The root of ``salt``'s trie, or None when nothing was indexed under that salt."""
         if salt is None:
             return self.root
-        if create and salt not in self._salted:
-            self._salted[salt] = _Node((), 0, None, salt=salt)
         return self._salted.get(salt)
+
+    def _root_creating(self, salt: str | None) -> _Node:
+        """The root of ``salt``'s trie, created empty when the salt is new."""
+        if salt is None:
+            return self.root
+        if salt not in self._salted:
+            self._salted[salt] = _Node((), 0, None, salt=salt)
+        return self._salted[salt]
 
     def salt_of(self, block: int) -> str | None:
         return self._by_block[block].salt
 
     def match(self, tokens: list[int], max_tokens: int | None = None, salt: str | None = None) -> list[int]:
-        node, out = self._root(salt), []
+        node = self._root(salt)
+        out: list[int] = []
         if node is None:
             return out
         for key in self._chunks(tokens, len(tokens) if max_tokens is None else max_tokens):
@@ -71,7 +79,7 @@ class PrefixIndex:
         Where a prefix is already cached under another block, the existing entry wins and the
         new block simply stays private to its sequence.
         """
-        node = root = self._root(salt, create=True)
+        node = root = self._root_creating(salt)
         for key, block in zip(self._chunks(tokens, len(tokens)), blocks, strict=False):
             child = node.children.get(key)
             if child is None:
@@ -93,16 +101,19 @@ class PrefixIndex:
             return []
         removed = self.subtree(block)
         node = self._by_block[block]
-        del node.parent.children[node.key]
+        parent = node.parent
+        assert parent is not None  # only roots have no parent, and roots are never in _by_block
+        del parent.children[node.key]
         for b in removed:
             del self._by_block[b]
-        if node.salt is not None and not node.parent.children and node.parent.parent is None:
+        if node.salt is not None and not parent.children and parent.parent is None:
             del self._salted[node.salt]  # the salt's trie is empty: forget the salt
         return removed
 
     def subtree(self, block: int) -> list[int]:
         """The block and every block below it in the trie."""
-        out, stack = [], [self._by_block[block]]
+        out: list[int] = []
+        stack = [self._by_block[block]]
         while stack:
             n = stack.pop()
             out.append(n.block)

@@ -100,7 +100,7 @@ def sample(logits: mx.array, rows: list[SamplerRow]) -> list[SampleResult]:
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits shape {logits.shape} does not match {len(rows)} rows")
     xp = _xp()
-    x = logits.astype(mx.float32)  # a new array (the steps below assign into it), float32 math
+    x: Array = logits.astype(mx.float32)  # a new array (the steps below assign into it), float32 math
     if xp is np:
         x = np.array(x)
     if all(_is_plain_greedy(r) for r in rows):

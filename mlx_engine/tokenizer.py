@@ -134,9 +134,10 @@ class Tokenizer:
         self.bos_token = bos_token
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
-        ids = {self.backend.token_to_id(t) for t in eos_tokens if t}
-        ids.update(extra_eos_ids)
-        ids.discard(None)
+        ids = set(extra_eos_ids)
+        for t in eos_tokens:
+            if t and (eos_id := self.backend.token_to_id(t)) is not None:  # None: not in the vocabulary
+                ids.add(eos_id)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self.eos_token = next(iter(eos_tokens), None) if eos_tokens else None
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None

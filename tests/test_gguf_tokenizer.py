@@ -196,6 +196,8 @@ def test_unsupported_vocabularies(metadata):
         tokenizer_from_gguf({**metadata, "tokenizer.ggml.model": "bert"})
     with pytest.raises(GGUFError, match=r"tokenizer.ggml.pre='mystery'; supported: .*llama3.*qwen2.*smollm"):
         tokenizer_from_gguf({**metadata, "tokenizer.ggml.pre": "mystery"})
+    with pytest.raises(GGUFError, match="merges entry 'ab' is not two tokens separated by a space"):
+        tokenizer_from_gguf({**metadata, "tokenizer.ggml.merges": ["a b", "ab"]})
     with pytest.raises(GGUFError, match="holds no tokenizer"):
         tokenizer_from_gguf({"general.architecture": "llama"})
     with pytest.raises(GGUFError, match="scores"):

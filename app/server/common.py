@@ -10,8 +10,9 @@ import logging
 import secrets
 import time
 import weakref
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -26,6 +27,7 @@ from .metrics import Metrics
 from .protocol import _Sampling
 
 log = logging.getLogger("duet.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -208,7 +210,9 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-async def unless_disconnected(request: Request, work: Awaitable, on_disconnect) -> object:
+async def unless_disconnected(
+    request: Request, work: Awaitable[T], on_disconnect: Callable[[], Awaitable[object]]
+) -> T | None:
     """Run ``work``; if the client hangs up first, cancel it, run ``on_disconnect`` and return None."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(wait_disconnect(request))
@@ -293,7 +297,7 @@ async def collect_choices(gen, request: Request, metrics: Metrics, count: int) -
     t0 = time.perf_counter()
     choices = [ChoiceState() for _ in range(count)]
 
-    async def drain():
+    async def drain() -> BaseException | None:
         async for i, ev, err in gen.events():
             if err is not None:
                 return err
