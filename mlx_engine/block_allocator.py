@@ -16,6 +16,7 @@ coldest cached prefixes first (vLLM's block pool works the same way).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from .prefix_index import PrefixIndex
 
@@ -35,7 +36,8 @@ class BlockAllocator:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.index = PrefixIndex(block_size) if enable_prefix_cache else None
         self.evictions = 0
-        self.on_evict = None  # callback(block_id, prefix tokens through it) before a cached block is reused
+        # callback(block_id, prefix tokens through it) before a cached block is reused
+        self.on_evict: Callable[[int, list[int]], None] | None = None
 
     # --- counts ---------------------------------------------------------------
     @property

@@ -204,7 +204,7 @@ class Engine:
             ),
         )
         self.runner = ModelRunner(m.model, self.pool)
-        self.disk = None
+        self.disk: PrefixDiskTier | None = None
         if c.disk_cache_dir and c.prefix_cache:
             fingerprint = {
                 "model": str(m.path),
@@ -215,8 +215,8 @@ class Engine:
                 "block_size": c.block_size,
                 "dtype": str(m.dtype),
             }
-            self.disk = PrefixDiskTier(c.disk_cache_dir, fingerprint, int(c.disk_cache_gb * 2**30))
-            self.allocator.on_evict = lambda b, toks: self.disk.save(toks, self.pool.read_block(b))
+            disk = self.disk = PrefixDiskTier(c.disk_cache_dir, fingerprint, int(c.disk_cache_gb * 2**30))
+            self.allocator.on_evict = lambda b, toks: disk.save(toks, self.pool.read_block(b))
             self.scheduler.disk_lookup = self._load_prefix_from_disk
 
     def _load_prefix_from_disk(self, tokens: list[int], num_blocks: int, max_tokens: int) -> list[int]:

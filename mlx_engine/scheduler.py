@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .block_allocator import BlockAllocator
@@ -85,7 +85,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.preemptions = 0
         # (tokens, blocks already matched, max tokens) -> more blocks loaded from the disk tier
-        self.disk_lookup = None
+        self.disk_lookup: Callable[[list[int], int, int], list[int]] | None = None
         self.copies: list[tuple[int, int]] = []  # copy-on-write block copies the last step needs
 
     # --- queue ------------------------------------------------------------------
