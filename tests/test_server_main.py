@@ -54,6 +54,7 @@ def test_serve_options_are_defined_once_with_help():
         "port",
         "api_key",
         "api_key_file",
+        "cache_isolation",
         "allowed_hosts",
         "allowed_origins",
         "max_body_mb",

@@ -36,6 +36,7 @@ from .common import (
 from .errors import bad_request
 from .generation import Generation
 from .protocol import ChatCompletionRequest, Message, NamedCustomToolChoice, NamedFunction, NamedToolChoice
+from .security import effective_cache_salt
 from .tool_calls import ParsedToolCall, StreamItem, ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("duet.server")
@@ -194,8 +195,9 @@ def _with_tools_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
 class ChatCall:
     """One validated chat request, ready to generate."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest):
-        self.state, self.body = state, body
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, cache_salt: str | None):
+        """``cache_salt``: the request's effective prefix-cache salt (``effective_cache_salt``)."""
+        self.state, self.body, self.cache_salt = state, body, cache_salt
         engine = state.engine
         state.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
@@ -286,7 +288,7 @@ class ChatCall:
                 ignore_eos=bool(self.body.ignore_eos),
                 constraint=constraints[i],
                 request_id=f"{self.id}-{i}",
-                cache_salt=self.body.cache_salt,
+                cache_salt=self.cache_salt,
             )
             for i in range(self.n)
         ]
@@ -439,8 +441,9 @@ class ChatCall:
 
 
 async def chat_completions(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
+    salt = effective_cache_salt(request.scope, body.cache_salt)
     try:
-        call = await asyncio.to_thread(ChatCall, state, body)  # template + tokenizer: off the loop
+        call = await asyncio.to_thread(ChatCall, state, body, salt)  # template + tokenizer: off the loop
     except RequestError as e:
         raise bad_request(str(e), e.param) from None
     if call.stream:

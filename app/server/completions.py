@@ -32,6 +32,7 @@ from .common import (
 from .errors import bad_request
 from .generation import Generation
 from .protocol import CompletionRequest
+from .security import effective_cache_salt
 
 log = logging.getLogger("duet.server")
 
@@ -74,8 +75,9 @@ class _Logprobs:
 
 
 class CompletionCall:
-    def __init__(self, state: ServerState, body: CompletionRequest):
-        self.state, self.body = state, body
+    def __init__(self, state: ServerState, body: CompletionRequest, cache_salt: str | None):
+        """``cache_salt``: the request's effective prefix-cache salt (``effective_cache_salt``)."""
+        self.state, self.body, self.cache_salt = state, body, cache_salt
         engine = state.engine
         state.check_model(body.model)
         self.n = body.n or 1
@@ -117,7 +119,7 @@ class CompletionCall:
                 stop=self.stop,
                 ignore_eos=bool(self.body.ignore_eos),
                 request_id=f"{self.id}-{p * self.n + j}",
-                cache_salt=self.body.cache_salt,
+                cache_salt=self.cache_salt,
             )
             for p, ids in enumerate(self.prompts)
             for j in range(self.n)
@@ -210,7 +212,8 @@ class CompletionCall:
 
 
 async def completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
-    call = await asyncio.to_thread(CompletionCall, state, body)  # tokenizer: off the event loop
+    salt = effective_cache_salt(request.scope, body.cache_salt)
+    call = await asyncio.to_thread(CompletionCall, state, body, salt)  # tokenizer: off the event loop
     if call.stream:
         return await call.stream_response(request)
     return await call.respond(request)

@@ -23,7 +23,7 @@ import uvicorn
 
 from mlx_engine.errors import ConfigError
 
-from .security import DEFAULT_MAX_BODY_MB, SecurityPolicy
+from .security import CACHE_ISOLATION_MODES, DEFAULT_MAX_BODY_MB, SecurityPolicy
 
 if TYPE_CHECKING:
     from mlx_engine.engine import Engine
@@ -55,7 +55,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key-file",
         default=None,
         metavar="PATH",
-        help="read the API key from the first line of this file",
+        help="read the API keys from this file, one per line (blank lines and lines starting "
+        "with # are ignored); any of them is accepted",
+    )
+    p.add_argument(
+        "--cache-isolation",
+        choices=CACHE_ISOLATION_MODES,
+        default="shared",
+        help="'shared' (default): all clients share the prefix cache, so a hit is fast for everyone "
+        "but a client can tell from usage.cached_tokens whether a prompt beginning was sent before; "
+        "'per-key': each API key gets its own prefix cache (needs a key; no hits across keys, and "
+        "nothing cached goes to the disk cache)",
     )
     p.add_argument(
         "--allowed-hosts",
@@ -128,8 +138,16 @@ def _split_list(values: list[str] | None) -> list[str]:
     return [x.strip() for v in values or () for x in v.split(",") if x.strip()]
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """--api-key-file, else --api-key, else $DUET_API_KEY; an empty key means no key."""
+def parse_key_file(text: str) -> tuple[str, ...]:
+    """The keys of an API key file: one per line, surrounding blanks stripped; blank lines and
+    lines starting with ``#`` are skipped, and a repeated key counts once."""
+    keys = (line.strip() for line in text.splitlines())
+    return tuple(dict.fromkeys(k for k in keys if k and not k.startswith("#")))
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key-file (one key or several), else --api-key, else $DUET_API_KEY; an empty key
+    means no key."""
     key_file = getattr(args, "api_key_file", None)
     key = getattr(args, "api_key", None)
     if key_file and key:
@@ -141,21 +159,27 @@ def api_key(args: argparse.Namespace) -> str | None:
             raise ConfigError(
                 f"cannot read --api-key-file {key_file}: {e.strerror}", "api_key_file"
             ) from None
-        key = text.strip().splitlines()[0].strip() if text.strip() else ""
-        if not key:
-            raise ConfigError(f"--api-key-file {key_file} is empty", "api_key_file")
-        return key
+        keys = parse_key_file(text)
+        if not keys:
+            raise ConfigError(f"--api-key-file {key_file} is empty (no key lines)", "api_key_file")
+        return keys
     if key is None:
         key = os.environ.get(API_KEY_ENV, "")
-    return key.strip() or None
+    return (key.strip(),) if key.strip() else ()
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The first of ``api_keys``, or None when there is none."""
+    keys = api_keys(args)
+    return keys[0] if keys else None
 
 
 def security_policy(args: argparse.Namespace) -> SecurityPolicy:
     """The checked security options; raises ConfigError for a bad one, and for a non-loopback
     --host without a key unless --insecure-no-key."""
-    key = api_key(args)
+    keys = api_keys(args)
     host = args.host
-    if not is_loopback(host) and key is None:
+    if not is_loopback(host) and not keys:
         if not getattr(args, "insecure_no_key", False):
             raise ConfigError(
                 f"--host {host} without an API key would let anyone who can reach this address use the "
@@ -171,10 +195,11 @@ def security_policy(args: argparse.Namespace) -> SecurityPolicy:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}", name)
     try:
         return SecurityPolicy.build(
-            api_key=key,
+            api_keys=keys,
             allowed_hosts=_split_list(getattr(args, "allowed_hosts", None)),
             allowed_origins=_split_list(getattr(args, "allowed_origins", None)),
             max_body_mb=getattr(args, "max_body_mb", DEFAULT_MAX_BODY_MB),
+            cache_isolation=getattr(args, "cache_isolation", "shared"),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -12,9 +12,12 @@ Every HTTP request passes these checks in order, before any route runs or any bo
    the server's own origin (the same host and port as the request's ``Host``) and loopback origins
    on the server's port. Anything else, ``null`` included, is a 403. CORS headers go only to
    ``--allowed-origins``: CORS stays closed by default.
-3. **API key**, when one is set: every path but ``/health`` needs ``Authorization: Bearer KEY``
-   (a constant-time comparison); 401 otherwise. CORS preflights from an allowed origin pass
-   (browsers never send credentials on a preflight).
+3. **API key**, when one or more are set: every path but ``/health`` needs ``Authorization: Bearer
+   KEY`` with one of them (a constant-time comparison against each); 401 otherwise. CORS preflights
+   from an allowed origin pass (browsers never send credentials on a preflight). The key that
+   authenticated a request is recorded in the ASGI scope as ``scope["state"]["duet_key_id"]``, a
+   short sha256 of it (never the key itself); with ``--cache-isolation per-key`` it also becomes the
+   request's prefix-cache scope (``scope["state"]["duet_cache_scope"]``, see ``effective_cache_salt``).
 4. **Body size**: a ``Content-Length`` above the limit is a 413 at once; a body without one is
    read incrementally and refused with a 413 as soon as it passes the limit. A body that does not
    arrive in time is a 408.
@@ -28,12 +31,13 @@ The body is read here, whole and within the limit, and handed to the app from me
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 Scope = MutableMapping[str, Any]
@@ -47,6 +51,26 @@ DEFAULT_MAX_BODY_MB = 8.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+KEY_ID_CHARS = 16  # hex digits of a key's sha256 that name it
+CacheIsolation = Literal["shared", "per-key"]
+CACHE_ISOLATION_MODES: tuple[CacheIsolation, ...] = ("shared", "per-key")
+KEY_ID_STATE = "duet_key_id"
+CACHE_SCOPE_STATE = "duet_cache_scope"
+
+
+def key_id(key: str) -> str:
+    """A short, stable name for an API key that does not reveal it: its sha256's first hex digits."""
+    return hashlib.sha256(key.encode()).hexdigest()[:KEY_ID_CHARS]
+
+
+def effective_cache_salt(scope: Scope, body_salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: with ``--cache-isolation per-key``, the id of the key
+    that authenticated it followed by the body's ``cache_salt`` (so two keys never share cached
+    blocks, whatever salts their clients send); otherwise the body's ``cache_salt`` alone."""
+    cache_scope = (scope.get("state") or {}).get(CACHE_SCOPE_STATE)
+    if cache_scope is None:
+        return body_salt
+    return f"key:{cache_scope}/{body_salt or ''}"
 
 
 def split_host(value: str) -> tuple[str, int | None]:
@@ -103,23 +127,48 @@ def normalize_origin(origin: str) -> str:
 class SecurityPolicy:
     """What the middleware lets through. Build it with ``SecurityPolicy.build`` to validate the lists."""
 
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # any of them authenticates
     allowed_hosts: frozenset[str] = frozenset()  # names; "*.example.com" for subdomains; "*" for any
     allowed_origins: frozenset[str] = frozenset()  # normalized origins; "*" for any
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    cache_isolation: CacheIsolation = "shared"  # "per-key": each key has its own prefix cache
+    # sha256 digests of the keys (compared instead of the keys: constant time whatever their length)
+    key_digests: tuple[bytes, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        digests = tuple(hashlib.sha256(k.encode()).digest() for k in self.api_keys)
+        object.__setattr__(self, "key_digests", digests)
+
+    @property
+    def api_key(self) -> str | None:
+        """The first API key, or None when the server has none."""
+        return self.api_keys[0] if self.api_keys else None
 
     @classmethod
     def build(
         cls,
         *,
         api_key: str | None = None,
+        api_keys: list[str] | tuple[str, ...] = (),
         allowed_hosts: list[str] | tuple[str, ...] = (),
         allowed_origins: list[str] | tuple[str, ...] = (),
         max_body_mb: float = DEFAULT_MAX_BODY_MB,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        cache_isolation: str = "shared",
     ) -> SecurityPolicy:
-        """Raises ValueError, naming the bad entry, for a malformed host or origin."""
+        """``api_key`` and ``api_keys`` together: every key that authenticates (empty ones are
+        dropped). Raises ValueError, naming the bad entry, for a malformed host or origin, and for a
+        cache isolation that is unknown or, as ``per-key``, has no key to isolate by."""
+        keys = tuple(dict.fromkeys(k for k in ([api_key] if api_key else []) + list(api_keys) if k))
+        if cache_isolation not in CACHE_ISOLATION_MODES:
+            raise ValueError(
+                f"--cache-isolation must be one of {', '.join(CACHE_ISOLATION_MODES)}, got {cache_isolation!r}"
+            )
+        if cache_isolation == "per-key" and not keys:
+            raise ValueError(
+                "--cache-isolation per-key needs API keys to isolate by (--api-key-file, DUET_API_KEY or --api-key)"
+            )
         hosts = set()
         for h in allowed_hosts:
             h = h.strip().lower().rstrip(".")
@@ -142,11 +191,12 @@ class SecurityPolicy:
         if max_body_mb <= 0:
             raise ValueError(f"--max-body-mb must be positive, got {max_body_mb}")
         return cls(
-            api_key=api_key or None,
+            api_keys=keys,
             allowed_hosts=frozenset(hosts),
             allowed_origins=frozenset(origins),
             max_body_bytes=int(max_body_mb * 2**20),
             body_timeout_s=body_timeout_s,
+            cache_isolation=cache_isolation,
         )
 
     def host_allowed(self, name: str) -> bool:
@@ -183,13 +233,22 @@ class SecurityPolicy:
             return True  # same origin: a page this server served
         return is_loopback_name(o.hostname) and server_port is not None and o_port == server_port
 
-    def authorized(self, authorization: str) -> bool:
-        if self.api_key is None:
-            return True
+    def authenticate(self, authorization: str) -> str | None:
+        """The id (``key_id``) of the key an ``Authorization`` header carries, or None when it
+        carries none of this server's keys. Every key is compared, in constant time, whichever
+        matches: the time taken does not tell how many keys there are nor which one was close."""
         scheme, _, token = authorization.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        )
+        if scheme.lower() != "bearer" or not self.key_digests:
+            return None
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        match = -1
+        for i, d in enumerate(self.key_digests):
+            if hmac.compare_digest(digest, d):
+                match = i
+        return key_id(self.api_keys[match]) if match >= 0 else None
+
+    def authorized(self, authorization: str) -> bool:
+        return not self.api_keys or self.authenticate(authorization) is not None
 
 
 def _error_body(status: int, message: str, type_: str, code: str | None) -> bytes:
@@ -265,7 +324,13 @@ class SecurityMiddleware:
             await self.app(scope, receive, send)  # a CORS preflight: the CORS middleware answers it
             return
         # 3. API key
-        if scope.get("path") not in OPEN_PATHS and not p.authorized(headers.get("authorization", "")):
+        kid = p.authenticate(headers.get("authorization", "")) if p.api_keys else None
+        if kid is not None:
+            state = scope.setdefault("state", {})
+            state[KEY_ID_STATE] = kid
+            if p.cache_isolation == "per-key":
+                state[CACHE_SCOPE_STATE] = kid
+        elif p.api_keys and scope.get("path") not in OPEN_PATHS:
             await refuse(
                 401,
                 "Incorrect API key provided."
