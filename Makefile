@@ -29,6 +29,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy  # mlx_engine/ and app/, as [tool.mypy] in pyproject.toml selects
 	$(TEST_ENV) $(VPY) -m pytest -q -ra
 
 test-fast: $(STAMP)
