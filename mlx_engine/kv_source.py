@@ -1,0 +1,147 @@
+"""KV that arrives from somewhere other than this engine's own forward pass.
+
+A ``KVSource`` offers to fill a token range of a sequence's KV (vLLM's ``KVConnectorBase_V1``:
+``match`` ~ ``get_num_new_matched_tokens``, ``start_load`` ~ ``start_load_kv``; LMCache's
+layer-wise delivery): the disk tier of the prefix cache (``prefix_disk.PrefixDiskTier``) and a
+remote prefill peer (``peer.client.RemotePrefillSource``) are two of them.
+
+The scheduler asks its sources, in order, how many tokens beyond what the sequence already holds
+they offer (``match``; it must not block); a sequence with offers reserves the blocks for them
+and becomes LOADING (it holds its blocks, counts toward ``max_running``, is never preempted and
+costs no step budget), and the engine calls ``start_load`` with a ``KVLoad`` and a ``KVSink``.
+The source delivers each layer's KV for a token range through the sink, from any thread, then
+``done`` or ``failed``. The engine's worker applies the frames at the top of an iteration:
+
+- a frame whose load id is no longer live (cancelled, failed, finished) is dropped when it is
+  *applied*, not only when it is posted, so late frames of a cancelled load never touch blocks
+  that were freed and reused;
+- ``num_computed`` advances only over tokens that have landed in *every* layer, and a block is
+  registered in the prefix index only then, so no half-loaded block is ever matchable;
+- on ``failed`` (or a ``done`` that left a gap) the sequence keeps the landed prefix and computes
+  only the rest itself.
+
+``RangeSet`` and ``LandedKV`` are the per-layer landed-range bookkeeping.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+# parts of one layer's KV for a token range, in the receiving pool's format (KVPool.layer_arrays
+# order: K, then V; or the two affine triplets with kv_bits): numpy arrays (bfloat16 as uint16
+# views) or mx arrays
+KVParts = Sequence[Any]
+
+
+@dataclass
+class KVLoad:
+    """One load of KV for tokens ``[start, end)`` of a sequence."""
+
+    load_id: int  # unique per engine; frames of another load id are dropped on the worker
+    request_id: str
+    tokens: list[int]  # the sequence's token ids through ``end``: ``len(tokens) == end + 1``
+    start: int  # tokens the decoder already holds (memory/disk prefix hit, or an earlier load)
+    end: int  # exclusive; normally the prompt's length - 1 (the decoder computes the last token)
+    block_size: int  # the decoder's block size (the wire addresses tokens, not blocks)
+
+
+class KVSink(Protocol):
+    """Given by the engine to ``KVSource.start_load``. Thread-safe: every call posts to the
+    engine worker's mailbox and returns at once."""
+
+    def layer(
+        self,
+        load_id: int,
+        layer: int,
+        t0: int,
+        t1: int,
+        parts: KVParts,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        """Layer ``layer``'s KV for tokens ``[t0, t1)``. Ownership of ``parts`` passes to the
+        engine; ``release`` (if given) is called once the engine no longer needs their memory
+        (applied or dropped), so a reader can return a pooled receive buffer."""
+        ...
+
+    def done(self, load_id: int, tokens_computed: int | None = None, compute_s: float | None = None) -> None:
+        """Every frame of the load has been delivered (``tokens_computed``/``compute_s``: what the
+        source spent, for usage)."""
+        ...
+
+    def failed(self, load_id: int, reason: str) -> None:
+        """The load ends early; what landed is kept, the rest is computed locally."""
+        ...
+
+
+class KVSource(Protocol):
+    """Something that can fill a sequence's KV for a token range.
+
+    Optional attribute ``is_cache`` (default False): tokens it delivers count as prefix-cache hits
+    (``usage.cached_tokens``); otherwise they are remote prefill (``usage.prefill_location``)."""
+
+    name: str
+
+    def match(self, tokens: list[int], start: int, end: int) -> int:
+        """How many tokens beyond ``start`` (up to ``end``) this source offers to load (0: none).
+        Called on the engine's worker while scheduling: it must not block."""
+        ...
+
+    def start_load(self, load: KVLoad, sink: KVSink) -> None:
+        """Begin loading; must not block the worker (a source that has the data at hand may
+        deliver everything before returning). Deliver with ``sink.layer`` / ``sink.done`` /
+        ``sink.failed``."""
+        ...
+
+    def cancel(self, load_id: int) -> None:
+        """The engine no longer wants this load (its request was cancelled or finished). Frames
+        that still arrive are dropped; a ``done``/``failed`` after it is ignored."""
+        ...
+
+
+class RangeSet:
+    """Disjoint half-open integer ranges, merged as they are added."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, t0: int, t1: int) -> None:
+        if t0 >= t1:
+            return
+        i = bisect.bisect_left(self._ends, t0)  # first range ending at or after t0: may merge
+        j = bisect.bisect_right(self._starts, t1)  # ranges starting after t1 stay apart
+        if i < j:
+            t0 = min(t0, self._starts[i])
+            t1 = max(t1, self._ends[j - 1])
+        self._starts[i:j] = [t0]
+        self._ends[i:j] = [t1]
+
+    def end_from(self, t: int) -> int:
+        """The end of the range covering ``t`` (``t`` itself when none does)."""
+        i = bisect.bisect_right(self._starts, t) - 1
+        if i >= 0 and self._ends[i] > t:
+            return self._ends[i]
+        return t
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends, strict=True))
+
+
+class LandedKV:
+    """Which token ranges of a sequence's KV have landed, per layer."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [RangeSet() for _ in range(num_layers)]
+
+    def add(self, layer: int, t0: int, t1: int) -> None:
+        self.layers[layer].add(t0, t1)
+
+    def complete_from(self, t: int) -> int:
+        """The end of the run of tokens from ``t`` that has landed in every layer."""
+        return min(r.end_from(t) for r in self.layers)
+
+
+__all__ = ["KVLoad", "KVParts", "KVSink", "KVSource", "LandedKV", "RangeSet"]
