@@ -43,4 +43,4 @@ bench: $(STAMP)
 	$(BLAS_ENV) $(VPY) bench/generate.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
