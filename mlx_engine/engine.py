@@ -11,20 +11,33 @@ blocks are released before the next step.
 
 ``shutdown()`` (or leaving ``with Engine.load(...) as engine:``) stops the worker and waits for
 it; engines still running when the interpreter exits are shut down by an ``atexit`` hook.
+
+The worker blocks on a typed mailbox (``Submit``, ``Cancel``, ``KVLayer``, ``KVDone``,
+``KVFailed``, ``Shutdown``, ...) whenever no step can run. KV that arrives from a ``KVSource``
+(the disk tier, a remote prefill peer; ``kv_source.py``) is posted there by the source's own
+thread and applied at the top of a worker iteration, up to ``kv_apply_budget`` bytes per
+iteration (so other sequences' inter-token latency stays bounded while a load arrives), with the
+touched pool arrays evaluated once. ``prefill_for_peer`` is the other direction: this engine
+computes a prompt for a decoder elsewhere and hands each layer's new KV out as it is written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
+import queue
 import threading
 import time
 import traceback
 import weakref
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from .backend import backend_name, total_memory_bytes
 from .blas import active_blas, warn_if_slow
@@ -40,17 +53,20 @@ from .errors import (
     RequestError,
 )
 from .kv_pool import KVPool
+from .kv_source import KVParts, KVSource
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, Row
+from .paged_attention import LayerExport
 from .prefix_disk import PrefixDiskTier
 from .request import GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from .sampler import SamplerRow, SeedState, make_rng, sample
-from .scheduler import Scheduler, SchedulerConfig, Sequence
+from .scheduler import RUNNING, Scheduler, SchedulerConfig, Sequence, StartLoad, Step
 from .stop_strings import StopMatcher
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "QueueFullError", "RequestError"]
 
 GiB = 2**30
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +86,11 @@ class EngineStats:
     prefix_hit_tokens: int
     preemptions: int
     steps: int
+    loading: int = 0  # sequences whose KV is arriving from a KV source
+    kv_loads: int = 0  # loads started (disk and remote)
+    kv_load_failures: int = 0  # loads that ended early (their landed prefix was kept)
+    kv_bytes_loaded: int = 0  # KV bytes applied from loads
+    remote_prefills: int = 0  # requests that got prompt KV from a remote source
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -90,9 +111,131 @@ class _Active:
     t_first: float | None = None
     t_last: float | None = None
     done: bool = False
+    remote: _RemoteUsage = field(default_factory=lambda: _RemoteUsage())
 
     def emit(self, ev: GenerationEvent) -> None:
         self.outbox.setdefault(self.loop, []).append((self.queue, ev))
+
+
+@dataclass
+class _RemoteUsage:
+    """What KV loads from non-cache sources cost a request (usage's remote fields)."""
+
+    bytes: int = 0
+    wait_s: float = 0.0  # load start -> done or failure, summed over its loads
+    compute_s: float = 0.0  # the source's own compute time (DONE)
+
+
+OnLayer = Callable[[int, int, int, list[mx.array]], None]
+
+
+@dataclass(eq=False)
+class _Export:
+    """A prompt computed for a decoder elsewhere (``Engine.prefill_for_peer``)."""
+
+    seq: Sequence
+    start: int  # tokens the decoder holds: export [start, N - 1)
+    on_layer: OnLayer
+    on_accept: Callable[[int], None] | None
+    on_done: Callable[[int, float], None] | None
+    on_error: Callable[[str], None] | None
+    t_start: float = field(default_factory=time.perf_counter)
+    accepted: bool = False
+    error: str | None = None  # an on_layer callback raised: ends the export after the step
+    done: bool = False
+
+
+# --- the worker's mailbox --------------------------------------------------------------------
+
+
+@dataclass
+class Submit:
+    active: _Active
+
+
+@dataclass
+class SubmitExport:
+    export: _Export
+
+
+@dataclass
+class Cancel:
+    request_id: str
+
+
+@dataclass
+class KVLayer:
+    load_id: int
+    layer: int
+    t0: int
+    t1: int
+    parts: KVParts
+    release: Callable[[], None] | None
+    nbytes: int
+
+
+@dataclass
+class KVDone:
+    load_id: int
+    tokens_computed: int | None = None
+    compute_s: float | None = None
+
+
+@dataclass
+class KVFailed:
+    load_id: int
+    reason: str
+
+
+@dataclass
+class AddSource:
+    source: KVSource
+
+
+@dataclass
+class RemoveSource:
+    source: KVSource
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+Message = Submit | SubmitExport | Cancel | KVLayer | KVDone | KVFailed | AddSource | RemoveSource | Shutdown
+
+
+class _Sink:
+    """The ``KVSink`` every source gets: posts to the worker's mailbox from any thread."""
+
+    def __init__(self, mailbox: queue.SimpleQueue[Message]):
+        self._mailbox = mailbox
+
+    def layer(
+        self,
+        load_id: int,
+        layer: int,
+        t0: int,
+        t1: int,
+        parts: KVParts,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        nbytes = sum(int(p.nbytes) for p in parts)
+        self._mailbox.put(KVLayer(load_id, layer, t0, t1, parts, release, nbytes))
+
+    def done(self, load_id: int, tokens_computed: int | None = None, compute_s: float | None = None) -> None:
+        self._mailbox.put(KVDone(load_id, tokens_computed, compute_s))
+
+    def failed(self, load_id: int, reason: str) -> None:
+        self._mailbox.put(KVFailed(load_id, reason))
+
+
+@dataclass
+class _LoadMeta:
+    request_id: str
+    source: KVSource
+    t_start: float = field(default_factory=time.perf_counter)
+    bytes: int = 0
 
 
 # Events produced during one worker iteration are collected per caller event loop (the engine's
@@ -102,8 +245,8 @@ Outbox = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerationEve
 
 
 def _deliver(items: list[tuple[asyncio.Queue, GenerationEvent]]) -> None:
-    for queue, ev in items:
-        queue.put_nowait(ev)
+    for q, ev in items:
+        q.put_nowait(ev)
 
 
 def _flush_outbox(outbox: Outbox) -> None:
@@ -126,6 +269,10 @@ def _shutdown_live_engines() -> None:
 
 
 class Engine:
+    # KV bytes from sources applied per worker iteration (at least one frame always is): bounds the
+    # time a step waits while a remote load arrives
+    kv_apply_budget = 64 * 2**20
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig()
@@ -134,13 +281,20 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.context_length = loaded.context_length
-        self._cv = threading.Condition()
-        self._inbox: list[_Active] = []
-        self._cancels: set[str] = set()
-        self._active: dict[str, _Active] = {}
+        self._mailbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._sink = _Sink(self._mailbox)
+        self._lock = threading.Lock()  # guards _live, _queued and _stopping
+        self._live: set[str] = set()  # request ids submitted and not finished
+        self._queued = 0  # submitted, not yet handed to the scheduler
+        self._active: dict[str, _Active] = {}  # worker thread only, as everything below
+        self._exports: dict[str, _Export] = {}
+        self._backlog: deque[KVLayer | KVDone | KVFailed] = deque()
+        self._load_meta: dict[int, _LoadMeta] = {}
         self._outbox: Outbox = {}
         self._stopping = False
         self._steps = 0
+        self._kv_bytes_loaded = 0
+        self._remote_prefills = 0
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(target=self._worker, name="duet-engine", daemon=True)
@@ -202,6 +356,7 @@ class Engine:
             SchedulerConfig(
                 c.max_batch_tokens, min(c.prefill_chunk, c.max_batch_tokens), c.max_running, c.max_queue
             ),
+            num_layers=m.num_layers,
         )
         self.runner = ModelRunner(m.model, self.pool)
         self.disk: PrefixDiskTier | None = None
@@ -215,25 +370,15 @@ class Engine:
                 "block_size": c.block_size,
                 "dtype": str(m.dtype),
             }
-            disk = self.disk = PrefixDiskTier(c.disk_cache_dir, fingerprint, int(c.disk_cache_gb * 2**30))
+            disk = self.disk = PrefixDiskTier(
+                c.disk_cache_dir,
+                fingerprint,
+                int(c.disk_cache_gb * 2**30),
+                block_size=c.block_size,
+                num_layers=m.num_layers,
+            )
             self.allocator.on_evict = lambda b, toks: disk.save(toks, self.pool.read_block(b))
-            self.scheduler.disk_lookup = self._load_prefix_from_disk
-
-    def _load_prefix_from_disk(self, tokens: list[int], num_blocks: int, max_tokens: int) -> list[int]:
-        """Continue a memory prefix hit with blocks from the disk tier; returns the blocks loaded."""
-        bs, out, disk = self.allocator.block_size, [], self.disk
-        assert disk is not None  # only installed with a disk tier
-        for k in range(num_blocks + 1, max_tokens // bs + 1):
-            key = tokens[: k * bs]
-            if self.allocator.num_free < 2 or not disk.has(key):
-                break
-            parts = disk.load(key)
-            if parts is None:
-                break
-            (b,) = self.allocator.allocate(1)
-            self.pool.write_block(b, parts)
-            out.append(b)
-        return out
+            self.scheduler.sources.append(disk)
 
     def _flush_prefix_cache(self) -> None:
         if self.disk is None or self.allocator.index is None:
@@ -289,6 +434,18 @@ class Engine:
             )
         return ids
 
+    def _submit(self, request_id: str, message: Message) -> None:
+        with self._lock:
+            if self._stopping:
+                raise EngineShutDownError("the engine is shut down")
+            if request_id in self._live:
+                raise RequestError(f"request id {request_id!r} is already running", "request_id")
+            if len(self.scheduler.waiting) + self._queued >= self.config.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.config.max_queue} waiting)")
+            self._live.add(request_id)
+            self._queued += 1
+            self._mailbox.put(message)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         if self._stopping:
             raise EngineShutDownError("the engine is shut down")
@@ -314,17 +471,7 @@ class Engine:
             rng=make_rng(request.sampling.seed),
             outbox=self._outbox,
         )
-        with self._cv:
-            if self._stopping:
-                raise EngineShutDownError("the engine is shut down")
-            if request.request_id in self._active or any(
-                a.req.request_id == request.request_id for a in self._inbox
-            ):
-                raise RequestError(f"request id {request.request_id!r} is already running", "request_id")
-            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_queue:
-                raise QueueFullError(f"the request queue is full ({self.config.max_queue} waiting)")
-            self._inbox.append(active)
-            self._cv.notify()
+        self._submit(request.request_id, Submit(active))
         finished = False
         try:
             while True:
@@ -337,10 +484,57 @@ class Engine:
             if not finished:
                 self.cancel(request.request_id)
 
+    def prefill_for_peer(
+        self,
+        tokens: list[int],
+        start: int,
+        chunk: int,
+        on_layer: OnLayer,
+        on_accept: Callable[[int], None] | None = None,
+        on_done: Callable[[int, float], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
+        *,
+        request_id: str | None = None,
+        group: str | None = None,
+    ) -> str:
+        """Compute the KV of ``tokens[:N-1]`` for a decoder that holds ``tokens[:start]`` and
+        hand out ``[start, N - 1)``, layer by layer, as it is computed. Returns the request id
+        (``cancel`` it to stop). Thread-safe; raises ``RequestError``/``ContextLengthError``/
+        ``QueueFullError``/``EngineShutDownError`` at once.
+
+        Scheduled like any request (fair share of the token budget), on the prefill grid
+        ``[k * chunk, (k + 1) * chunk)`` anchored at token 0 (the decoder's own chunk size: the
+        KV is then bit-exact with the decoder's local prefill), from this engine's own prefix hit
+        ``h``. The callbacks run on the worker thread and must not block: ``on_accept(h)`` once,
+        when first admitted; ``on_layer(layer, t0, t1, parts)`` with evaluated arrays of their own
+        in this engine's pool format, first for the tokens ``[start, h)`` already cached here, then
+        for each computed chunk right after the layer's pool write (a range may come again after
+        a preemption: the decoder's writes are idempotent); finally exactly one of
+        ``on_done(tokens_computed, compute_s)`` or ``on_error(reason)`` (a cancel included)."""
+        ids = [int(t) for t in tokens]
+        n = len(ids)
+        if n < 2 or any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise RequestError("a peer prefill needs at least 2 token ids inside the vocabulary", "prompt")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < n - 1:
+            raise RequestError(f"start must be in [0, {n - 1}), not {start!r}", "start")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise RequestError(f"chunk must be a positive integer, not {chunk!r}", "chunk")
+        if n >= self.context_length or not self.scheduler.can_ever_fit(n):
+            raise ContextLengthError(f"the prompt has {n} tokens, more than this engine holds", "prompt")
+        rid = request_id or f"peer-{time.monotonic_ns()}-{id(on_layer)}"
+        seq = Sequence(rid, ids[:-1], n - 1, n - 1, group=group, chunk=chunk, exact_grid=True, may_load=False)
+        self._submit(rid, SubmitExport(_Export(seq, start, on_layer, on_accept, on_done, on_error)))
+        return rid
+
     def cancel(self, request_id: str) -> None:
-        with self._cv:
-            self._cancels.add(request_id)
-            self._cv.notify()
+        self._mailbox.put(Cancel(request_id))
+
+    def add_kv_source(self, source: KVSource) -> None:
+        """Ask ``source`` (after the ones already there) for the KV of prompts admitted from now on."""
+        self._mailbox.put(AddSource(source))
+
+    def remove_kv_source(self, source: KVSource) -> None:
+        self._mailbox.put(RemoveSource(source))
 
     def stats(self) -> EngineStats:
         a, s = self.allocator, self.scheduler
@@ -350,7 +544,7 @@ class Engine:
             blas=active_blas(),
             weight_format=self.loaded.weight_format,
             running=len(s.running),
-            waiting=len(s.waiting) + len(self._inbox),
+            waiting=len(s.waiting) + self._queued,
             kv_blocks_total=a.num_blocks - 1,
             kv_blocks_used=a.num_used,
             kv_blocks_cached=a.num_cached,
@@ -360,15 +554,21 @@ class Engine:
             prefix_hit_tokens=s.prefix_hit_tokens,
             preemptions=s.preemptions,
             steps=self._steps,
+            loading=len(s.loading),
+            kv_loads=s.loads_started,
+            kv_load_failures=s.loads_failed,
+            kv_bytes_loaded=self._kv_bytes_loaded,
+            remote_prefills=self._remote_prefills,
         )
 
     def shutdown(self) -> None:
         """Stop taking requests, end running ones (finish_reason "error") and wait for the worker.
 
         Safe to call more than once. Requests submitted afterwards raise ``EngineShutDownError``."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                self._mailbox.put(Shutdown())
         if threading.current_thread() is not self._thread:
             self._thread.join()
         _live_engines.discard(self)
@@ -402,69 +602,235 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
+        busy = False
         while True:
-            with self._cv:
-                while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work()):
-                    self._cv.wait()
-                inbox, self._inbox = self._inbox, []
-                cancels, self._cancels = self._cancels, set()
-                stopping = self._stopping
-            for a in inbox:
-                self._active[a.req.request_id] = a
-                lead = self._active.get(a.req.fork_of) if a.req.fork_of else None
-                if (
-                    lead is not None
-                    and lead.seq.tokens[: lead.seq.num_prompt] == a.seq.tokens
-                    and lead.req.cache_salt == a.req.cache_salt
-                ):
-                    a.seq.leader = lead.seq
-                self.scheduler.waiting.append(a.seq)
-            for rid in cancels:
-                if rid in self._active:
-                    self._finish(self._active[rid], "cancelled")
-            if stopping:
-                for a in list(self._active.values()):
-                    self._finish(a, "error", "the engine shut down", error_type=EngineShutDownError)
-                _flush_outbox(self._outbox)
-                self._flush_prefix_cache()
+            # block only when nothing can change without a message: no step ran, no KV is queued
+            if self._receive(block=not busy and not self._backlog):
+                self._stop()
                 return
             try:
-                self._step()
+                self._apply_kv()
+                busy = self._step()
             except Exception as e:  # a failed step fails its requests, never the engine
                 traceback.print_exc()
+                busy = True
                 for a in list(self._active.values()):
-                    if a.seq.status == "running":
+                    if a.seq.status == RUNNING:
                         self._finish(a, "error", f"generation failed: {e}")
+                for x in list(self._exports.values()):
+                    if x.seq.status == RUNNING:
+                        self._finish_export(x, f"generation failed: {e}")
             _flush_outbox(self._outbox)
 
-    def _step(self) -> None:
-        step = self.scheduler.schedule()
-        if not step:
-            if self.scheduler.has_work():
-                time.sleep(0.001)  # waiting on blocks that nothing running will free: wait for cancels
-            return
-        self._steps += 1
-        for src, dst in self.scheduler.copies:  # copy-on-write of blocks shared by n > 1 choices
-            self.pool.copy_block(src, dst)
-        rows, sampled = [], []
-        for rid, n in step.items():
-            seq = self._active[rid].seq
-            rows.append(
-                Row(seq.tokens[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.blocks)
+    def _receive(self, block: bool) -> bool:
+        """Handle what is in the mailbox (waiting for a first message when ``block``); KV
+        messages are queued in order for ``_apply_kv``. True once a shutdown was received."""
+        msgs: list[Message] = [self._mailbox.get()] if block else []
+        while True:
+            try:
+                msgs.append(self._mailbox.get_nowait())
+            except queue.Empty:
+                break
+        stop = False
+        for m in msgs:
+            if isinstance(m, KVLayer | KVDone | KVFailed):
+                self._backlog.append(m)
+            elif isinstance(m, Submit):
+                self._admit(m.active)
+            elif isinstance(m, SubmitExport):
+                self._admit_export(m.export)
+            elif isinstance(m, Cancel):
+                if m.request_id in self._active:
+                    self._finish(self._active[m.request_id], "cancelled")
+                elif m.request_id in self._exports:
+                    self._finish_export(self._exports[m.request_id], "cancelled")
+            elif isinstance(m, AddSource):
+                self.scheduler.sources.append(m.source)
+            elif isinstance(m, RemoveSource):
+                if m.source in self.scheduler.sources:
+                    self.scheduler.sources.remove(m.source)
+            elif isinstance(m, Shutdown):
+                stop = True
+        return stop
+
+    def _admit(self, a: _Active) -> None:
+        with self._lock:
+            self._queued -= 1
+        self._active[a.req.request_id] = a
+        lead = self._active.get(a.req.fork_of) if a.req.fork_of else None
+        if (
+            lead is not None
+            and lead.seq.tokens[: lead.seq.num_prompt] == a.seq.tokens
+            and lead.req.cache_salt == a.req.cache_salt
+        ):
+            a.seq.leader = lead.seq
+        try:
+            self.scheduler.add(a.seq)
+        except QueueFullError as e:  # preempted sequences filled the queue since the submit
+            self._finish(a, "error", str(e), error_type=QueueFullError)
+
+    def _admit_export(self, x: _Export) -> None:
+        with self._lock:
+            self._queued -= 1
+        self._exports[x.seq.request_id] = x
+        try:
+            self.scheduler.add(x.seq)
+        except QueueFullError as e:
+            self._finish_export(x, str(e))
+
+    def _stop(self) -> None:
+        for a in list(self._active.values()):
+            self._finish(a, "error", "the engine shut down", error_type=EngineShutDownError)
+        for x in list(self._exports.values()):
+            self._finish_export(x, "the engine shut down")
+        for m in self._backlog:
+            if isinstance(m, KVLayer) and m.release is not None:
+                m.release()
+        self._backlog.clear()
+        _flush_outbox(self._outbox)
+        self._flush_prefix_cache()
+
+    # --- KV from sources -----------------------------------------------------------
+    def _start_load(self, sl: StartLoad) -> None:
+        load = sl.load
+        self._load_meta[load.load_id] = _LoadMeta(load.request_id, sl.source)
+        try:
+            sl.source.start_load(load, self._sink)
+        except Exception as e:  # a broken source costs the load, never the engine
+            log.warning("KV source %s failed to start load %d: %s", sl.source.name, load.load_id, e)
+            self._load_ended(load.load_id, f"start_load failed: {e}")
+
+    def _apply_kv(self) -> None:
+        """Apply queued KV messages in order, up to ``kv_apply_budget`` bytes of layers (at least
+        one), then evaluate every touched pool array once."""
+        budget, touched = self.kv_apply_budget, set()
+        while self._backlog:
+            m = self._backlog[0]
+            if isinstance(m, KVLayer) and budget <= 0:
+                break
+            self._backlog.popleft()
+            if isinstance(m, KVLayer):
+                budget -= max(m.nbytes, 1)
+                try:
+                    if self._apply_layer(m):
+                        touched.add(m.layer)
+                finally:
+                    if m.release is not None:
+                        m.release()
+            elif isinstance(m, KVDone):
+                meta = self._load_meta.get(m.load_id)
+                if meta is not None and m.compute_s is not None and meta.request_id in self._active:
+                    self._active[meta.request_id].remote.compute_s += m.compute_s
+                self._load_ended(m.load_id, None)
+            else:
+                self._load_ended(m.load_id, m.reason)
+        if touched:
+            mx.eval([a for layer in sorted(touched) for a in self.pool.layer_arrays(layer)])
+
+    def _apply_layer(self, m: KVLayer) -> bool:
+        """Write one arriving layer range into the pool; False when it was dropped."""
+        try:
+            target = self.scheduler.kv_target(m.load_id, m.layer, m.t0, m.t1)
+            if target is None:  # a dead load (cancelled, failed, finished), or complete already
+                return False
+            pool = self.pool.layer_arrays(m.layer)
+            if len(m.parts) != len(pool):
+                raise ValueError(f"{len(m.parts)} KV parts for a pool layer of {len(pool)} arrays")
+            if any(p.shape[0] != m.t1 - m.t0 for p in m.parts):
+                raise ValueError(f"KV parts of {[p.shape[0] for p in m.parts]} tokens for [{m.t0}, {m.t1})")
+            lo, hi = target.t0 - m.t0, target.t1 - m.t0
+            parts = [self._to_pool(p[lo:hi], ref) for p, ref in zip(m.parts, pool, strict=True)]
+            self.pool.write_tokens(m.layer, target.blocks, target.t0, parts)
+        except (ValueError, TypeError) as e:  # a frame that does not fit: the load fails
+            src = self.scheduler.source_of(m.load_id)
+            self._load_ended(m.load_id, f"bad KV frame: {e}")
+            if src is not None:
+                self._cancel_at_source(src, m.load_id)
+            return False
+        self.scheduler.kv_landed(m.load_id, m.layer, m.t0, m.t1)
+        self._kv_bytes_loaded += m.nbytes
+        meta = self._load_meta.get(m.load_id)
+        if meta is not None:
+            meta.bytes += m.nbytes
+        return True
+
+    @staticmethod
+    def _to_pool(part: Any, ref: mx.array) -> mx.array:
+        """An arriving part as an mx array of the pool array ``ref``'s dtype (bf16 from uint16 bits)."""
+        if isinstance(part, mx.array):
+            a = part
+        else:
+            a = mx.array(np.ascontiguousarray(part))
+            if ref.dtype == mx.bfloat16 and a.dtype == mx.uint16:
+                a = a.view(mx.bfloat16)
+        if a.dtype != ref.dtype:
+            raise ValueError(f"a KV part of dtype {a.dtype} for a pool of {ref.dtype}")
+        return a
+
+    def _load_ended(self, load_id: int, reason: str | None) -> None:
+        meta = self._load_meta.pop(load_id, None)
+        seq = self.scheduler.load_finished(load_id, reason)
+        if seq is None or meta is None:
+            return  # a load that was cancelled (its late DONE or failure is dropped)
+        if reason is not None:
+            log.warning(
+                "KV load %d from %s for %s ended early: %s",
+                load_id,
+                meta.source.name,
+                meta.request_id,
+                reason,
             )
+        a = self._active.get(meta.request_id)
+        if a is not None and not getattr(meta.source, "is_cache", False):
+            a.remote.bytes += meta.bytes
+            a.remote.wait_s += time.perf_counter() - meta.t_start
+
+    def _cancel_at_source(self, source: KVSource, load_id: int) -> None:
+        self._load_meta.pop(load_id, None)
+        try:
+            source.cancel(load_id)
+        except Exception as e:
+            log.warning("KV source %s failed to cancel load %d: %s", source.name, load_id, e)
+
+    # --- one step -------------------------------------------------------------------
+    def _step(self) -> bool:
+        """Schedule and run one step; False when there was nothing to do."""
+        step = self.scheduler.schedule()
+        for sl in step.loads:
+            self._start_load(sl)
+        for rid in step.admitted:
+            if rid in self._exports:
+                self._accept_export(self._exports[rid])
+        if not step.tokens:
+            return bool(step.loads)
+        self._steps += 1
+        for src, dst in step.copies:  # copy-on-write of blocks shared by n > 1 choices
+            self.pool.copy_block(src, dst)
+        rows = [self._row(step, rid, n) for rid, n in step.tokens.items()]
         logits = self.runner.forward(rows)
-        for i, (rid, n) in enumerate(step.items()):
-            seq = self._active[rid].seq
-            seq.num_computed += n
-            full = seq.num_computed // self.allocator.block_size
-            if full > seq.num_registered:  # a block filled up: make it matchable by later requests
-                self.allocator.register(seq.tokens, seq.blocks, full, seq.cache_salt)
-                seq.num_registered = full
-            if seq.num_computed == len(seq.tokens):
-                sampled.append(i)
-        if not sampled:
-            return
-        rids = list(step)
+        rids = list(step.tokens)
+        done = set(self.scheduler.advance(step))
+        for x in [self._exports[r] for r in rids if r in self._exports]:
+            if x.error is not None:
+                self._finish_export(x, x.error)
+            elif x.seq.request_id in done:
+                self._finish_export(x)
+        sampled = [i for i, rid in enumerate(rids) if rid in done and rid in self._active]
+        if sampled:
+            self._sample(step, rids, sampled, logits)
+        return True
+
+    def _row(self, step: Step, rid: str, n: int) -> Row:
+        seq = step.seqs[rid]
+        row = Row(seq.tokens[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.blocks)
+        x = self._exports.get(rid)
+        if x is not None:
+            t0, t1 = max(x.start, seq.num_computed), seq.num_computed + n
+            if t1 > t0:
+                row.export = LayerExport(seq.blocks, t0, t1, self._export_hook(x))
+        return row
+
+    def _sample(self, step: Step, rids: list[str], sampled: list[int], logits: mx.array) -> None:
         actives, srows, keep = [], [], []
         for i in sampled:
             a = self._active[rids[i]]
@@ -488,13 +854,64 @@ class Engine:
             )
         if not keep:
             return
-        sampled = keep
-        idx = mx.array(sampled) if len(sampled) != len(rows) else None
+        idx = mx.array(keep) if len(keep) != len(rids) else None
         results = sample(logits if idx is None else logits[idx], srows)
         now = time.perf_counter()
         for a, r in zip(actives, results, strict=True):
             self._on_token(a, r, now)
 
+    # --- exports (this engine as a prefill peer) --------------------------------------
+    def _export_hook(self, x: _Export) -> OnLayer:
+        def on_layer(layer: int, t0: int, t1: int, parts: list[mx.array]) -> None:
+            if x.error is None:
+                try:
+                    x.on_layer(layer, t0, t1, parts)
+                except Exception as e:  # the receiver's side broke: end this export after the step
+                    x.error = f"on_layer failed: {e}"
+
+        return on_layer
+
+    def _accept_export(self, x: _Export) -> None:
+        """On (re)admission: report the prefix hit once, then hand out ``[start, h)`` from the
+        pool, chunk by chunk on the grid, layer by layer within a chunk."""
+        seq, h = x.seq, x.seq.num_computed
+        if not x.accepted:
+            x.accepted = True
+            if x.on_accept is not None:
+                try:
+                    x.on_accept(h)
+                except Exception as e:
+                    x.error = f"on_accept failed: {e}"
+        chunk = seq.chunk or 1
+        t = x.start
+        hook = self._export_hook(x)
+        while t < h and x.error is None:
+            t1 = min(h, (t // chunk + 1) * chunk)
+            for layer in range(self.pool.num_layers):
+                hook(layer, t, t1, self.pool.read_tokens(layer, seq.blocks, t, t1))
+            t = t1
+        if x.error is not None:
+            self._finish_export(x, x.error)
+
+    def _finish_export(self, x: _Export, error: str | None = None) -> None:
+        if x.done:
+            return
+        x.done = True
+        for src, load_id in self.scheduler.finish(x.seq):
+            self._cancel_at_source(src, load_id)
+        del self._exports[x.seq.request_id]
+        with self._lock:
+            self._live.discard(x.seq.request_id)
+        try:
+            if error is None:
+                if x.on_done is not None:
+                    x.on_done(x.seq.prompt_computed, time.perf_counter() - x.t_start)
+            elif x.on_error is not None:
+                x.on_error(error)
+        except Exception as e:
+            log.warning("peer prefill %s: a callback failed: %s", x.seq.request_id, e)
+
+    # --- tokens and the end of a request ------------------------------------------------
     def _on_token(self, a: _Active, r, now: float) -> None:
         seq, req, tok = a.seq, a.req, int(r.token_id)
         if a.t_first is None:
@@ -536,8 +953,11 @@ class Engine:
         if a.done:
             return
         a.done = True
-        self.scheduler.finish(a.seq)
+        for src, load_id in self.scheduler.finish(a.seq):
+            self._cancel_at_source(src, load_id)
         del self._active[a.req.request_id]
+        with self._lock:
+            self._live.discard(a.req.request_id)
         text = ""
         if flush and reason in ("stop", "length"):
             tail, hit = a.stopper.feed(a.detok.flush())
@@ -545,6 +965,18 @@ class Engine:
         seq = a.seq
         n_out = seq.num_generated
         usage = Usage(prompt_tokens=seq.num_prompt, completion_tokens=n_out, cached_tokens=seq.num_cached)
+        usage.prompt_tokens_computed = seq.prompt_computed
+        caches = {name for name, cache, _, _ in seq.load_ranges if cache}
+        remote = {name: n for name, n in seq.loaded.items() if n and name not in caches}
+        if remote:
+            usage.prefill_location = "remote:" + ",".join(remote)
+            usage.remote_tokens = sum(remote.values())
+            self._remote_prefills += 1
+        usage.remote_bytes = a.remote.bytes
+        usage.remote_wait_s = a.remote.wait_s
+        usage.remote_compute_s = a.remote.compute_s
+        if seq.load_failures:
+            usage.fallback_reason = "; ".join(seq.load_failures)
         if a.t_first is not None:
             usage.ttft_s = a.t_first - a.t_submit
             usage.prefill_tps = (seq.num_prompt - seq.num_cached) / max(usage.ttft_s, 1e-9)

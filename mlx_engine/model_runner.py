@@ -17,7 +17,7 @@ import mlx.nn as nn
 from . import paged_attention
 from .backend import backend_name
 from .kv_pool import KVPool
-from .paged_attention import BatchLayout, PagedLayerCache
+from .paged_attention import BatchLayout, LayerExport, PagedLayerCache
 
 
 @dataclass
@@ -25,6 +25,7 @@ class Row:
     tokens: list[int]  # tokens to process this step
     start: int  # tokens of this sequence already in the pool
     blocks: list[int]  # the sequence's block table
+    export: LayerExport | None = None  # KV of these tokens to hand out per layer (a prefill peer)
 
 
 def lm_head(model: nn.Module, h: mx.array) -> mx.array:
@@ -49,6 +50,7 @@ class ModelRunner:
             num_new=len(rows[0].tokens),
             block_tables=[r.blocks for r in rows],
             block_size=self.pool.block_size,
+            exports=[r.export for r in rows if r.export is not None],
         )
         caches = [PagedLayerCache(self.pool, i, layout) for i in range(self.pool.num_layers)]
         h = self.model.model(mx.array([r.tokens for r in rows], dtype=mx.int32), caches)

@@ -9,6 +9,12 @@ function each model file imports by name. We hand every layer a ``PagedLayerCach
   K/V gathered through their block tables, (B, n_kv_heads, S, head_dim);
 - ``make_mask`` returns the (B, 1, L, S) boolean mask: causal, per-sequence length, window.
 
+mlx-lm calls ``update_and_fetch`` once per layer, in layer order, which is where a prefill peer
+exports KV as it is computed: the layout's ``exports`` name token ranges of rows; after each
+layer's pool write the layer is evaluated and those ranges are read out as arrays of their own
+(``KVPool.read_tokens``) and handed to the export's ``on_layer``, so layer 0 is on its way to
+the decoder while the next layers compute.
+
 and replace ``scaled_dot_product_attention`` in the loaded model modules by
 ``_dispatching_sdpa``, which sends paged caches to ``paged_attention``. That is the one
 place attention over paged KV happens; on Metal, single-token decode goes to the custom
@@ -18,11 +24,24 @@ kernel (``metal_kernels``) that reads the pool directly, so the gather is never 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from .kv_pool import KVPool
+
+
+@dataclass
+class LayerExport:
+    """Tokens ``[t0, t1)`` of a row (block table ``blocks``) to hand to ``on_layer(layer, t0, t1,
+    parts)`` after each layer's pool write; ``parts`` are evaluated arrays of their own in the pool's
+    format (``KVPool.layer_arrays`` order)."""
+
+    blocks: list[int]
+    t0: int
+    t1: int
+    on_layer: Callable[[int, int, int, list[mx.array]], None]
 
 
 @dataclass
@@ -33,6 +52,7 @@ class BatchLayout:
     num_new: int  # tokens processed per row this pass (same for all rows of a pass)
     block_tables: list[list[int]]
     block_size: int
+    exports: list[LayerExport] = field(default_factory=list)  # ranges to export per layer
 
     def __post_init__(self):
         bs, L = self.block_size, self.num_new
@@ -85,6 +105,12 @@ class PagedLayerCache:
         k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
         self.pool.write(self.layer, self.layout.write_slots, k, v)
+        if self.layout.exports:
+            # this layer's KV is final now: evaluate the write (in place), then copy the exported
+            # rows out, never holding a slice or a pending gather of the pool array
+            mx.eval(self.pool.layer_arrays(self.layer))
+            for e in self.layout.exports:
+                e.on_layer(self.layer, e.t0, e.t1, self.pool.read_tokens(self.layer, e.blocks, e.t0, e.t1))
         return self.pool.gather(self.layer, self.layout.read_slots)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):

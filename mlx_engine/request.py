@@ -134,7 +134,13 @@ class Usage:
     ttft_s: float = 0.0  # submit -> first token
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
-    prefill_location: str = "local"  # "local" or a peer name
+    prefill_location: str = "local"  # "local", or "remote:<peer>" when a peer sent prompt KV
+    prompt_tokens_computed: int = 0  # prompt tokens this engine computed itself (recomputes included)
+    remote_tokens: int = 0  # prompt tokens whose KV a remote peer sent (landed in every layer)
+    remote_bytes: int = 0  # KV bytes applied from remote loads
+    remote_wait_s: float = 0.0  # from starting the remote load(s) to their end
+    remote_compute_s: float = 0.0  # the peer's own compute time, as it reported it
+    fallback_reason: str | None = None  # why a KV load ended early (the rest was computed locally)
 
     @property
     def total_tokens(self) -> int:

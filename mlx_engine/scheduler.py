@@ -1,11 +1,19 @@
-"""Continuous batching with chunked prefill.
+"""Continuous batching with chunked prefill, preemption by recompute, and KV loads.
 
-Each ``schedule()`` returns one step: ``{request_id: tokens_to_process}`` under a token
-budget. Running sequences go first (decodes take one token, unfinished prefills a chunk), then
-waiting sequences are admitted, so a long prompt stalls the running streams for at most one
-chunk. When KV blocks run out, the last running sequence in fair order (below) is preempted:
-its blocks are released (full ones stay in the prefix cache) and it is re-queued at the front,
-to be recomputed later (vLLM's recompute policy).
+Each ``schedule()`` returns one ``Step``: ``tokens`` (``{request_id: tokens_to_process}``) under a
+token budget, the copy-on-write block copies to make first, and the KV loads to start. Running
+sequences go first (decodes take one token, unfinished prefills a chunk), then waiting sequences
+are admitted, so a long prompt stalls the running streams for at most one chunk. After the forward
+pass, ``advance(step)`` marks the step's tokens computed, registers the blocks that filled up in
+the prefix index, and returns the sequences whose tokens are all computed (to sample). When KV
+blocks run out, the last running sequence in fair order (below) is preempted: its blocks are
+released (full ones stay in the prefix cache) and it is re-queued at the front, to be recomputed
+later (vLLM's recompute policy).
+
+Prefill chunks lie on a grid anchored at token 0 (``[k * chunk, (k + 1) * chunk)``), whatever a
+sequence's prefix hit: a prompt's KV then does not depend on where its computation started, which
+is what makes a remote prefill (computed on a peer with the decoder's chunk size) bit-exact.
+A sequence with ``exact_grid`` (a peer's export) never has a piece split by the budget.
 
 Fairness between client requests: the sequences of one request (its prompts x ``n`` choices)
 share a ``group``. Running and waiting sequences are served round-robin across groups (every
@@ -19,20 +27,30 @@ A sequence with a ``leader`` (another choice of the same prompt) waits until the
 computed the prompt, then shares all of the leader's prompt blocks, the partly filled last one
 included, and computes only the prompt's last token itself. Before any step writes into a
 block that another sequence also holds, the writer gets its own copy: the step's
-``(source, destination)`` block copies are left in ``copies`` for the engine to make first.
+``(source, destination)`` block copies are in ``Step.copies`` for the engine to make first.
+
+KV sources (``kv_source.KVSource``: the disk tier, a remote prefill peer) are asked at admission,
+in order, for the tokens after the prefix hit; a sequence they offer tokens to reserves the
+blocks and becomes LOADING: it holds its blocks, counts toward ``max_running``, is never
+preempted and takes no step budget. ``kv_target``/``kv_landed`` place and record each arriving
+layer range; ``num_computed`` advances (and full blocks are registered) only over tokens that
+landed in every layer, and ``load_finished`` returns the sequence to RUNNING with the landed
+prefix, to compute the rest itself. Loads may hold at most ``max_load_share`` of the pool.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .block_allocator import BlockAllocator
 from .errors import QueueFullError
+from .kv_source import KVLoad, KVSource, LandedKV
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+WAITING, RUNNING, LOADING, FINISHED = "waiting", "running", "loading", "finished"
 
 
 @dataclass(eq=False)
@@ -44,7 +62,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     num_computed: int = 0  # tokens whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
-    num_cached: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_cached: int = 0  # prompt tokens served by the prefix cache (memory or disk) at first admission
     num_registered: int = 0  # full blocks already offered to the prefix index
     status: str = WAITING
     preemptions: int = 0
@@ -52,6 +70,16 @@ class Sequence:
     leader: Sequence | None = None  # shares this running sequence's prompt blocks (n > 1)
     group: str | None = None  # the client request it belongs to (None: a group of its own)
     cache_salt: str | None = None  # shares prefix-cache blocks only with sequences of this salt
+    chunk: int | None = None  # prefill grid of this sequence (None: the scheduler's prefill_chunk)
+    exact_grid: bool = False  # never split a grid piece to fit the budget (a peer's export)
+    may_load: bool = True  # KV sources may be asked for its tokens
+    prompt_computed: int = 0  # prompt tokens this engine computed itself (recomputes included)
+    loaded: dict[str, int] = field(default_factory=dict)  # source name -> tokens it landed
+    load_failures: list[str] = field(default_factory=list)  # why loads ended early
+    loads: set[int] = field(default_factory=set)  # live load ids (LOADING)
+    load_ranges: list[tuple[str, bool, int, int]] = field(default_factory=list)  # (source, is_cache, [a, b))
+    landed: LandedKV | None = None  # per-layer landed ranges while LOADING
+    starved: bool = False  # an exact_grid piece did not fit the last step's budget
 
     @property
     def group_key(self) -> str:
@@ -69,24 +97,70 @@ class Sequence:
 @dataclass
 class SchedulerConfig:
     max_batch_tokens: int = 512  # token budget per step (decodes + prefill chunks)
-    prefill_chunk: int = 256  # largest prefill piece of one sequence in a step
-    max_running: int = 64
+    prefill_chunk: int = 256  # largest prefill piece of one sequence in a step (the grid)
+    max_running: int = 64  # running + loading sequences
     max_queue: int = 256
+    max_load_share: float = 0.5  # of the pool's blocks that LOADING sequences may hold
+
+
+@dataclass
+class StartLoad:
+    """A load the engine starts after ``schedule()``: ``source.start_load(load, sink)``."""
+
+    source: KVSource
+    load: KVLoad
+
+
+@dataclass
+class Step:
+    """One scheduler step: what the engine runs before calling ``advance(step)``."""
+
+    tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens to compute
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), first
+    loads: list[StartLoad] = field(default_factory=list)  # KV loads to start
+    admitted: list[str] = field(default_factory=list)  # request ids admitted (or re-admitted)
+    seqs: dict[str, Sequence] = field(default_factory=dict)  # the sequences in ``tokens``
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.loads)
+
+
+@dataclass
+class KVTarget:
+    """Where an arriving layer range goes: tokens ``[t0, t1)`` of the frame (already clipped to
+    what is not yet complete) into the sequence with block table ``blocks``."""
+
+    seq: Sequence
+    blocks: list[int]
+    t0: int
+    t1: int
+
+
+@dataclass(eq=False)
+class _Load:
+    load: KVLoad
+    source: KVSource
+    seq: Sequence
+    done: bool = False
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, config: SchedulerConfig):
+    def __init__(self, allocator: BlockAllocator, config: SchedulerConfig, num_layers: int = 1):
         self.alloc = allocator
         self.cfg = config
         self.bs = allocator.block_size
+        self.num_layers = num_layers
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []
+        self.sources: list[KVSource] = []
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.preemptions = 0
-        # (tokens, blocks already matched, max tokens) -> more blocks loaded from the disk tier
-        self.disk_lookup: Callable[[list[int], int, int], list[int]] | None = None
-        self.copies: list[tuple[int, int]] = []  # copy-on-write block copies the last step needs
+        self.loads_started = 0
+        self.loads_failed = 0
+        self._loads: dict[int, _Load] = {}
+        self._load_ids = itertools.count(1)
 
     # --- queue ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -94,14 +168,25 @@ class Scheduler:
             raise QueueFullError(f"the request queue is full ({self.cfg.max_queue} waiting)")
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Release a sequence (finished, cancelled or failed), wherever it is."""
+    def finish(self, seq: Sequence) -> list[tuple[KVSource, int]]:
+        """Release a sequence (finished, cancelled or failed), wherever it is. Returns the loads
+        it still had in flight, as ``(source, load_id)``, for the engine to cancel at their source
+        (their ids are dead already: frames that still arrive are dropped)."""
+        cancelled = []
         if seq.status == RUNNING:
             self.running.remove(seq)
+        elif seq.status == LOADING:
+            self.loading.remove(seq)
+            for load_id in sorted(seq.loads):
+                st = self._loads.pop(load_id)
+                cancelled.append((st.source, load_id))
+            seq.loads.clear()
+            seq.landed = None
         elif seq.status == WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = FINISHED
+        return cancelled
 
     def _release(self, seq: Sequence) -> None:
         # full blocks become matchable by later requests, then every block loses this reference
@@ -110,10 +195,20 @@ class Scheduler:
         seq.blocks = []
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def num_active(self) -> int:
+        """Sequences holding a running slot: running and loading."""
+        return len(self.running) + len(self.loading)
 
     # --- one step ---------------------------------------------------------------
-    def _grow(self, seq: Sequence, n: int) -> bool:
+    def _piece(self, seq: Sequence) -> int:
+        """Tokens up to the sequence's next prefill grid boundary (the grid is anchored at 0)."""
+        chunk = seq.chunk or self.cfg.prefill_chunk
+        return min(seq.num_pending, chunk - seq.num_computed % chunk)
+
+    def _grow(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Give ``seq`` writable blocks for its next ``n`` tokens; False when blocks ran out."""
         end = -(-(seq.num_computed + n) // self.bs)  # blocks the sequence spans after this step
         need = max(end - len(seq.blocks), 0)
@@ -129,7 +224,7 @@ class Scheduler:
             dst, copy = self.alloc.make_writable(src)
             seq.blocks[i] = dst
             if copy:
-                self.copies.append((src, dst))
+                copies.append((src, dst))
         if need:
             seq.blocks.extend(self.alloc.allocate(need))
         return True
@@ -177,16 +272,19 @@ class Scheduler:
             seen[seq.group_key] += 1
         return [(rank, seq) for rank, _, seq in sorted(ranked, key=lambda r: r[:2])]
 
+    def _groups(self) -> Counter:
+        """Running slots per group (loading sequences hold one too)."""
+        return Counter(s.group_key for s in (*self.running, *self.loading))
+
     def _make_room(self) -> int:
         """Fairness for the first waiting sequence in fair order when another group runs more
         sequences than its group will (the other group's newest rank above it): if the running
         slots or the free blocks do not let it in, preempt those newest sequences, while they
         still rank above it. Returns the tokens of this step's budget to keep for it, so that the
         running prefills of the other group cannot take them all."""
-        groups = Counter(s.group_key for s in self.running)
         ready = [
             (rank, seq)
-            for rank, seq in self._fair(self.waiting, groups)
+            for rank, seq in self._fair(self.waiting, self._groups())
             if seq.leader is None or seq.leader.status == FINISHED
         ]
         order = self._fair(sorted(self.running, key=lambda s: s.arrival))
@@ -196,7 +294,7 @@ class Scheduler:
         need = -(-min(seq.num_pending, self.cfg.prefill_chunk) // self.bs)
 
         def blocked() -> bool:
-            return len(self.running) >= self.cfg.max_running or need > self.alloc.num_free
+            return self.num_active >= self.cfg.max_running or need > self.alloc.num_free
 
         while order and blocked():
             victim_rank, victim = order.pop()
@@ -208,50 +306,69 @@ class Scheduler:
         decodes = sum(s.num_pending == 1 for s in self.running)
         return max(min(seq.num_pending, self.cfg.prefill_chunk, self.cfg.max_batch_tokens - decodes), 0)
 
-    def schedule(self) -> dict[str, int]:
-        step: dict[str, int] = {}
-        self.copies = []
+    def schedule(self) -> Step:
+        step = Step()
         budget = self.cfg.max_batch_tokens
         reserve = self._make_room()  # kept from the running sequences for a waiting group
         budget -= reserve
         # 1. running sequences, round-robin across groups, oldest first within a group: decodes
-        # (1 token) and unfinished prefills
+        # (1 token) and unfinished prefills; an export whose grid piece did not fit last time first
         order = [seq for _, seq in self._fair(sorted(self.running, key=lambda s: s.arrival))]
         place = {seq: i for i, seq in enumerate(order)}
+        order.sort(key=lambda s: not s.starved)
+        bumped: set[Sequence] = set()  # preempted for blocks now: not re-admitted in this step
         for seq in order:
-            if seq.status != RUNNING or budget <= 0:
+            if seq.status != RUNNING:
                 continue
-            n = min(seq.num_pending, self.cfg.prefill_chunk, budget)
-            while not self._grow(seq, n):
-                victim = max((s for s in self.running if s.request_id not in step), key=place.__getitem__)
+            n = self._piece(seq)
+            if seq.exact_grid:
+                if n > budget and step.tokens:  # a whole grid piece or nothing (alone it may exceed)
+                    seq.starved = True
+                    continue
+            elif budget <= 0:
+                continue
+            else:
+                n = min(n, budget)
+            while not self._grow(seq, n, step.copies):
+                victim = max(
+                    (s for s in self.running if s.request_id not in step.tokens), key=place.__getitem__
+                )
                 self._preempt(victim)
+                bumped.add(victim)
                 if victim is seq:
                     break
             if seq.status == RUNNING:
-                step[seq.request_id] = n
+                self._take(step, seq, n)
                 budget -= n
         # 2. admit waiting sequences round-robin across groups (the groups running fewest first),
         # in arrival order within a group, while budget and blocks last; a choice whose leader is
         # still computing the shared prompt lets the ones behind it go first
         budget += reserve
-        groups = Counter(s.group_key for s in self.running)
-        self.waiting = deque(seq for _, seq in self._fair(self.waiting, groups))
+        self.waiting = deque(seq for _, seq in self._fair(self.waiting, self._groups()))
         held: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+        while self.waiting and budget > 0 and self.num_active < self.cfg.max_running:
             seq = self.waiting[0]
-            if not seq.blocks and not self._follow(seq):
+            if seq in bumped or (not seq.blocks and not self._follow(seq)):
                 held.append(self.waiting.popleft())
                 continue
             matched = not seq.blocks and self.alloc.index is not None
             if matched:
                 # reuse the longest cached prefix; always recompute at least the last token
                 hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens) - 1, seq.cache_salt)
-                if self.disk_lookup is not None and seq.cache_salt is None:  # the disk is unsalted
-                    hit += self.disk_lookup(seq.tokens, len(hit), len(seq.tokens) - 1)
                 seq.blocks = hit
                 seq.num_computed = len(hit) * self.bs
-            n = min(seq.num_pending, self.cfg.prefill_chunk, budget)
-            if not self._grow(seq, n):
+            if matched and self._start_loads(seq, step):
+                self._count_reuse(seq)
+                self.waiting.popleft()
+                self._admit(step, seq)
+                continue
+            n = self._piece(seq)
+            if not seq.exact_grid:
+                n = min(n, budget)
+            elif n > budget and step.tokens:
+                n = 0  # admitted now, its whole grid piece goes first next step
+                seq.starved = True
+            if not self._grow(seq, max(n, 1), step.copies):
                 if matched:  # give the hit back (it stays cached): waiting sequences must not hold
                     self.alloc.free(seq.blocks)  # blocks that running ones need
                     seq.blocks, seq.num_computed = [], 0
@@ -259,13 +376,162 @@ class Scheduler:
             if matched:
                 self._count_reuse(seq)
             self.waiting.popleft()
-            seq.status = RUNNING
-            seq.admitted_once = True
+            self._admit(step, seq)
             self.running.append(seq)
-            step[seq.request_id] = n
-            budget -= n
+            if n:
+                self._take(step, seq, n)
+                budget -= n
         self.waiting.extendleft(reversed(held))
         return step
 
+    def _admit(self, step: Step, seq: Sequence) -> None:
+        if seq.status != LOADING:
+            seq.status = RUNNING
+        seq.admitted_once = True
+        step.admitted.append(seq.request_id)
+
+    def _take(self, step: Step, seq: Sequence, n: int) -> None:
+        step.tokens[seq.request_id] = n
+        step.seqs[seq.request_id] = seq
+        seq.starved = False
+
+    def advance(self, step: Step) -> list[str]:
+        """After the step's forward pass: its tokens are computed. Registers the blocks that
+        filled up; returns the request ids whose tokens are now all computed (to sample)."""
+        out = []
+        for rid, n in step.tokens.items():
+            seq = step.seqs[rid]
+            if seq.status != RUNNING:
+                continue
+            before = seq.num_computed
+            seq.num_computed += n
+            seq.prompt_computed += max(min(seq.num_computed, seq.num_prompt) - before, 0)
+            self._register_full(seq)
+            if seq.num_computed == len(seq.tokens):
+                out.append(rid)
+        return out
+
+    def _register_full(self, seq: Sequence) -> None:
+        full = seq.num_computed // self.bs
+        if full > seq.num_registered:  # a block filled up: make it matchable by later requests
+            self.alloc.register(seq.tokens, seq.blocks, full, seq.cache_salt)
+            seq.num_registered = full
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return -(-num_tokens // self.bs) <= self.alloc.num_blocks - 1
+
+    # --- KV loads ---------------------------------------------------------------
+    def _start_loads(self, seq: Sequence, step: Step) -> bool:
+        """Ask the sources, in order, for the tokens after the prefix hit (each one continuing
+        where the one before stopped); reserve the blocks and make ``seq`` LOADING if any offer.
+        Salted sequences never load: a source keys its KV by tokens alone."""
+        if not self.sources or seq.cache_salt is not None or not seq.may_load:
+            return False
+        end = len(seq.tokens) - 1
+        pos, offers = seq.num_computed, []
+        for src in self.sources:
+            if pos >= end:
+                break
+            n = max(min(int(src.match(seq.tokens, pos, end)), end - pos), 0)
+            if n:
+                offers.append((src, pos, pos + n))
+                pos += n
+        if not offers:
+            return False
+        # blocks: what is free, and the share of the pool loads may hold
+        held = sum(len(s.blocks) for s in self.loading)
+        cap = int(self.cfg.max_load_share * (self.alloc.num_blocks - 1))
+        room = max(min(self.alloc.num_free, cap - held), 0)
+        pos = min(pos, (len(seq.blocks) + room) * self.bs)
+        offers = [(src, a, min(b, pos)) for src, a, b in offers if a < pos]
+        if not offers:
+            return False
+        seq.blocks.extend(self.alloc.allocate(-(-pos // self.bs) - len(seq.blocks)))
+        seq.status = LOADING
+        seq.landed = LandedKV(self.num_layers)
+        self.loading.append(seq)
+        for src, a, b in offers:
+            load = KVLoad(next(self._load_ids), seq.request_id, seq.tokens[: b + 1], a, b, self.bs)
+            self._loads[load.load_id] = _Load(load, src, seq)
+            seq.loads.add(load.load_id)
+            seq.load_ranges.append((src.name, bool(getattr(src, "is_cache", False)), a, b))
+            step.loads.append(StartLoad(src, load))
+            self.loads_started += 1
+        return True
+
+    def load_of(self, load_id: int) -> KVLoad | None:
+        """The live load with this id (None: cancelled, finished or unknown)."""
+        st = self._loads.get(load_id)
+        return st.load if st is not None else None
+
+    def source_of(self, load_id: int) -> KVSource | None:
+        st = self._loads.get(load_id)
+        return st.source if st is not None else None
+
+    def kv_target(self, load_id: int, layer: int, t0: int, t1: int) -> KVTarget | None:
+        """Where tokens ``[t0, t1)`` of layer ``layer`` of load ``load_id`` go, or None to drop
+        the frame: the load is no longer live, or every token of it is complete already. Raises
+        ValueError for a frame outside its load's range (the load must then fail)."""
+        st = self._loads.get(load_id)
+        if st is None:
+            return None
+        load, seq = st.load, st.seq
+        if not (0 <= layer < self.num_layers and load.start <= t0 < t1 <= load.end):
+            raise ValueError(
+                f"KV frame for layer {layer}, tokens [{t0}, {t1}) is outside load {load_id}'s "
+                f"{self.num_layers} layers and tokens [{load.start}, {load.end})"
+            )
+        # tokens below num_computed have landed in every layer already (and may be registered,
+        # shared blocks): never written again
+        lo = max(t0, seq.num_computed)
+        if lo >= t1:
+            return None
+        return KVTarget(seq, seq.blocks, lo, t1)
+
+    def kv_landed(self, load_id: int, layer: int, t0: int, t1: int) -> None:
+        """Layer ``layer`` of tokens ``[t0, t1)`` is in the pool: advance ``num_computed`` over
+        what every layer holds now and register the blocks that completed."""
+        st = self._loads.get(load_id)
+        if st is None:
+            return
+        seq = st.seq
+        assert seq.landed is not None
+        seq.landed.add(layer, t0, t1)
+        a, b = seq.num_computed, seq.landed.complete_from(seq.num_computed)
+        if b > a:
+            for name, cache, lo, hi in seq.load_ranges:  # credit each source with its own tokens
+                n = max(min(b, hi) - max(a, lo), 0)
+                if n:
+                    seq.loaded[name] = seq.loaded.get(name, 0) + n
+                    if cache:
+                        self._count_cached(seq, n)
+            seq.num_computed = b
+            self._register_full(seq)
+
+    def _count_cached(self, seq: Sequence, n: int) -> None:
+        if seq.preemptions == 0:  # first admission: hits count once per request, as memory hits
+            seq.num_cached += n
+            self.prefix_hit_tokens += n
+
+    def load_finished(self, load_id: int, reason: str | None = None) -> Sequence | None:
+        """Load ``load_id`` ended: ``reason`` None for done, else why it failed. Its sequence
+        keeps what landed; when none of its loads is left it goes back to RUNNING to compute the
+        rest. Returns the sequence, or None for a load that was no longer live."""
+        st = self._loads.pop(load_id, None)
+        if st is None:
+            return None
+        seq, load = st.seq, st.load
+        seq.loads.discard(load_id)
+        assert seq.landed is not None
+        if reason is None and seq.landed.complete_from(load.start) < load.end:
+            got = seq.landed.complete_from(load.start)
+            reason = f"done with tokens [{load.start}, {got}) of [{load.start}, {load.end}) in every layer"
+        if reason is not None:
+            self.loads_failed += 1
+            seq.load_failures.append(f"{st.source.name}: {reason}")
+        if not seq.loads:
+            self.loading.remove(seq)
+            seq.landed = None
+            seq.status = RUNNING
+            self.running.append(seq)
+        return seq

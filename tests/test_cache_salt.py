@@ -71,14 +71,13 @@ def run_prompt(sched: Scheduler, rid: str, salt: str | None) -> Sequence:
     seq = Sequence(rid, list(range(1, 11)), 10, 12, cache_salt=salt)
     sched.add(seq)
     while seq.status != "finished":
-        for r, n in sched.schedule().items():
+        step = sched.schedule()
+        assert set(step.tokens) <= {rid}
+        for r in sched.advance(step):
             assert r == rid
-            seq.num_computed += n
-            sched.alloc.register(seq.tokens, seq.blocks, seq.num_computed // BS, seq.cache_salt)
-            if seq.num_computed == len(seq.tokens):
-                seq.tokens.append(99)
-                if len(seq.tokens) >= seq.max_total:
-                    sched.finish(seq)
+            seq.tokens.append(99)
+            if len(seq.tokens) >= seq.max_total:
+                sched.finish(seq)
     return seq
 
 

@@ -2,9 +2,10 @@
 it goes, how many run at once, the token budget of a step, n > 1 choices waiting for their leader,
 what a prefix hit leaves to compute, and which blocks a released sequence makes matchable.
 
-``Driver.run`` does what the engine does after a forward pass: mark the step's tokens computed,
-register the blocks that filled up, and append a sampled token to every sequence whose tokens
-are all computed (finishing it at ``max_total``).
+``Driver.step`` does what the engine does around a forward pass: ``schedule()``, then
+``advance(step)`` (mark the step's tokens computed, register the blocks that filled up), and
+append a sampled token to every sequence whose tokens are all computed (finishing it at
+``max_total``).
 """
 
 from __future__ import annotations
@@ -28,19 +29,17 @@ class Driver:
         return seq
 
     def step(self) -> dict[str, int]:
-        """One scheduled step, run to its end; returns the step."""
+        """One scheduled step, run to its end; returns its tokens per request."""
         step = self.sched.schedule()
-        for rid, n in step.items():
+        for rid in step.tokens:
+            assert self.seqs[rid].status == RUNNING
+        for rid in self.sched.advance(step):
             seq = self.seqs[rid]
-            assert seq.status == RUNNING
-            seq.num_computed += n
-            self.alloc.register(seq.tokens, seq.blocks, seq.num_computed // BS)
-            if seq.num_computed == len(seq.tokens):
-                seq.tokens.append(100 + len(seq.tokens))
-                if len(seq.tokens) >= seq.max_total:
-                    self.sched.finish(seq)
+            seq.tokens.append(100 + len(seq.tokens))
+            if len(seq.tokens) >= seq.max_total:
+                self.sched.finish(seq)
         self.alloc.check_invariants()
-        return step
+        return step.tokens
 
 
 def test_preemption_takes_the_newest_running_sequence_and_requeues_it_first():

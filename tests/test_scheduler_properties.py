@@ -55,24 +55,23 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         step = self.sched.schedule()
-        assert sum(step.values()) <= self.sched.cfg.max_batch_tokens
+        assert sum(step.tokens.values()) <= self.sched.cfg.max_batch_tokens
         assert len(self.sched.running) <= self.sched.cfg.max_running
-        for src, dst in self.sched.copies:  # what the engine does before the forward pass
+        for src, dst in step.copies:  # what the engine does before the forward pass
             self.kv[dst] = list(self.kv[src])
-        for rid, n in step.items():
+        for rid, n in step.tokens.items():
             seq = self.seqs[rid]
             assert seq.status == RUNNING
             for t in range(seq.num_computed, seq.num_computed + n):
                 b = seq.blocks[t // BS]
                 assert self.alloc.ref[b] == 1, f"{rid} writes into block {b} that others hold"
                 self.kv[b][t % BS] = seq.tokens[t]
-            seq.num_computed += n
-            self.alloc.register(seq.tokens, seq.blocks, seq.num_computed // BS)
-            if seq.num_computed == len(seq.tokens):  # "sample": a token unique to this request
-                seq.tokens.append(1000 + int(rid[1:]))
-                if len(seq.tokens) >= seq.max_total:
-                    self.sched.finish(seq)
-                    del self.seqs[rid]
+        for rid in self.sched.advance(step):  # "sample": a token unique to this request
+            seq = self.seqs[rid]
+            seq.tokens.append(1000 + int(rid[1:]))
+            if len(seq.tokens) >= seq.max_total:
+                self.sched.finish(seq)
+                del self.seqs[rid]
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
