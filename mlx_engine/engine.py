@@ -91,6 +91,7 @@ class EngineStats:
     kv_load_failures: int = 0  # loads that ended early (their landed prefix was kept)
     kv_bytes_loaded: int = 0  # KV bytes applied from loads
     remote_prefills: int = 0  # requests that got prompt KV from a remote source
+    kv_frames_dropped: int = 0  # arriving layer ranges of dead loads (cancelled, failed, finished)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -198,11 +199,21 @@ class RemoveSource:
 
 
 @dataclass
+class Call:
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
 class Shutdown:
     pass
 
 
-Message = Submit | SubmitExport | Cancel | KVLayer | KVDone | KVFailed | AddSource | RemoveSource | Shutdown
+Message = (
+    Submit | SubmitExport | Cancel | KVLayer | KVDone | KVFailed | AddSource | RemoveSource | Call | Shutdown
+)
 
 
 class _Sink:
@@ -295,6 +306,7 @@ class Engine:
         self._steps = 0
         self._kv_bytes_loaded = 0
         self._remote_prefills = 0
+        self._frames_dropped = 0
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(target=self._worker, name="duet-engine", daemon=True)
@@ -536,6 +548,22 @@ class Engine:
     def remove_kv_source(self, source: KVSource) -> None:
         self._mailbox.put(RemoveSource(source))
 
+    def run_on_worker(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn()`` on the worker thread between two steps (MLX state such as the KV pool is
+        the worker's: inspect it from there) and return its result or raise its exception."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        call = Call(fn)
+        with self._lock:
+            if self._stopping:
+                raise EngineShutDownError("the engine is shut down")
+            self._mailbox.put(call)
+        if not call.done.wait(timeout):
+            raise TimeoutError("the engine's worker did not run the call in time")
+        if call.error is not None:
+            raise call.error
+        return call.result
+
     def stats(self) -> EngineStats:
         a, s = self.allocator, self.scheduler
         return EngineStats(
@@ -559,6 +587,7 @@ class Engine:
             kv_load_failures=s.loads_failed,
             kv_bytes_loaded=self._kv_bytes_loaded,
             remote_prefills=self._remote_prefills,
+            kv_frames_dropped=self._frames_dropped,
         )
 
     def shutdown(self) -> None:
@@ -646,9 +675,18 @@ class Engine:
                     self._finish_export(self._exports[m.request_id], "cancelled")
             elif isinstance(m, AddSource):
                 self.scheduler.sources.append(m.source)
+                if not getattr(m.source, "is_cache", False):
+                    # local prefill then ends as a remote one does: exact first-token logits
+                    self.scheduler.cfg.last_token_alone = True
             elif isinstance(m, RemoveSource):
                 if m.source in self.scheduler.sources:
                     self.scheduler.sources.remove(m.source)
+            elif isinstance(m, Call):
+                try:
+                    m.result = m.fn()
+                except BaseException as e:  # handed to the caller
+                    m.error = e
+                m.done.set()
             elif isinstance(m, Shutdown):
                 stop = True
         return stop
@@ -732,6 +770,7 @@ class Engine:
         try:
             target = self.scheduler.kv_target(m.load_id, m.layer, m.t0, m.t1)
             if target is None:  # a dead load (cancelled, failed, finished), or complete already
+                self._frames_dropped += self.scheduler.source_of(m.load_id) is None
                 return False
             pool = self.pool.layer_arrays(m.layer)
             if len(m.parts) != len(pool):

@@ -13,7 +13,10 @@ later (vLLM's recompute policy).
 Prefill chunks lie on a grid anchored at token 0 (``[k * chunk, (k + 1) * chunk)``), whatever a
 sequence's prefix hit: a prompt's KV then does not depend on where its computation started, which
 is what makes a remote prefill (computed on a peer with the decoder's chunk size) bit-exact.
-A sequence with ``exact_grid`` (a peer's export) never has a piece split by the budget.
+A sequence with ``exact_grid`` (a peer's export) never has a piece split by the budget. With
+``last_token_alone`` (set on an engine that has a remote KV source) the prompt's last token is a
+piece of its own, as it is after a remote prefill, so local and remote first-token logits agree
+bit for bit too.
 
 Fairness between client requests: the sequences of one request (its prompts x ``n`` choices)
 share a ``group``. Running and waiting sequences are served round-robin across groups (every
@@ -101,6 +104,9 @@ class SchedulerConfig:
     max_running: int = 64  # running + loading sequences
     max_queue: int = 256
     max_load_share: float = 0.5  # of the pool's blocks that LOADING sequences may hold
+    # compute a prompt's last token as a piece of its own, as after a remote prefill: the first
+    # token's logits are then bit-identical whether the prompt's KV came from a peer or not
+    last_token_alone: bool = False
 
 
 @dataclass
@@ -206,7 +212,10 @@ class Scheduler:
     def _piece(self, seq: Sequence) -> int:
         """Tokens up to the sequence's next prefill grid boundary (the grid is anchored at 0)."""
         chunk = seq.chunk or self.cfg.prefill_chunk
-        return min(seq.num_pending, chunk - seq.num_computed % chunk)
+        n = min(seq.num_pending, chunk - seq.num_computed % chunk)
+        if self.cfg.last_token_alone and seq.num_computed < seq.num_prompt - 1:
+            n = min(n, seq.num_prompt - 1 - seq.num_computed)
+        return n
 
     def _grow(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Give ``seq`` writable blocks for its next ``n`` tokens; False when blocks ran out."""
