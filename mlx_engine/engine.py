@@ -140,6 +140,7 @@ class _Export:
     on_accept: Callable[[int], None] | None
     on_done: Callable[[int, float], None] | None
     on_error: Callable[[str], None] | None
+    can_send: Callable[[], bool] | None = None  # False: the receiver's queue is full, wait
     t_start: float = field(default_factory=time.perf_counter)
     accepted: bool = False
     error: str | None = None  # an on_layer callback raised: ends the export after the step
@@ -199,6 +200,11 @@ class RemoveSource:
 
 
 @dataclass
+class Wake:
+    pass
+
+
+@dataclass
 class Call:
     fn: Callable[[], Any]
     done: threading.Event = field(default_factory=threading.Event)
@@ -212,7 +218,17 @@ class Shutdown:
 
 
 Message = (
-    Submit | SubmitExport | Cancel | KVLayer | KVDone | KVFailed | AddSource | RemoveSource | Call | Shutdown
+    Submit
+    | SubmitExport
+    | Cancel
+    | KVLayer
+    | KVDone
+    | KVFailed
+    | AddSource
+    | RemoveSource
+    | Wake
+    | Call
+    | Shutdown
 )
 
 
@@ -506,6 +522,7 @@ class Engine:
         on_done: Callable[[int, float], None] | None = None,
         on_error: Callable[[str], None] | None = None,
         *,
+        can_send: Callable[[], bool] | None = None,
         request_id: str | None = None,
         group: str | None = None,
     ) -> str:
@@ -522,7 +539,11 @@ class Engine:
         in this engine's pool format, first for the tokens ``[start, h)`` already cached here, then
         for each computed chunk right after the layer's pool write (a range may come again after
         a preemption: the decoder's writes are idempotent); finally exactly one of
-        ``on_done(tokens_computed, compute_s)`` or ``on_error(reason)`` (a cancel included)."""
+        ``on_done(tokens_computed, compute_s)`` or ``on_error(reason)`` (a cancel included).
+
+        ``can_send`` (worker thread, must not block) is asked before each step: while it returns
+        False (the sender's byte cap is reached) this export is not scheduled, and only it waits;
+        call ``poke()`` when the sender has room again."""
         ids = [int(t) for t in tokens]
         n = len(ids)
         if n < 2 or any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
@@ -535,8 +556,12 @@ class Engine:
             raise ContextLengthError(f"the prompt has {n} tokens, more than this engine holds", "prompt")
         rid = request_id or f"peer-{time.monotonic_ns()}-{id(on_layer)}"
         seq = Sequence(rid, ids[:-1], n - 1, n - 1, group=group, chunk=chunk, exact_grid=True, may_load=False)
-        self._submit(rid, SubmitExport(_Export(seq, start, on_layer, on_accept, on_done, on_error)))
+        self._submit(rid, SubmitExport(_Export(seq, start, on_layer, on_accept, on_done, on_error, can_send)))
         return rid
+
+    def poke(self) -> None:
+        """Wake the worker to schedule again (an export's ``can_send`` may have changed)."""
+        self._mailbox.put(Wake())
 
     def cancel(self, request_id: str) -> None:
         self._mailbox.put(Cancel(request_id))
@@ -834,6 +859,12 @@ class Engine:
     # --- one step -------------------------------------------------------------------
     def _step(self) -> bool:
         """Schedule and run one step; False when there was nothing to do."""
+        for x in list(self._exports.values()):
+            if x.can_send is not None:
+                try:
+                    x.seq.paused = not x.can_send()
+                except Exception as e:
+                    self._finish_export(x, f"can_send failed: {e}")
         step = self.scheduler.schedule()
         for sl in step.loads:
             self._start_load(sl)

@@ -83,6 +83,7 @@ class Sequence:
     load_ranges: list[tuple[str, bool, int, int]] = field(default_factory=list)  # (source, is_cache, [a, b))
     landed: LandedKV | None = None  # per-layer landed ranges while LOADING
     starved: bool = False  # an exact_grid piece did not fit the last step's budget
+    paused: bool = False  # not scheduled for now (a peer export whose send queue is full)
 
     @property
     def group_key(self) -> str:
@@ -327,7 +328,7 @@ class Scheduler:
         order.sort(key=lambda s: not s.starved)
         bumped: set[Sequence] = set()  # preempted for blocks now: not re-admitted in this step
         for seq in order:
-            if seq.status != RUNNING:
+            if seq.status != RUNNING or seq.paused:
                 continue
             n = self._piece(seq)
             if seq.exact_grid:
@@ -357,7 +358,7 @@ class Scheduler:
         held: list[Sequence] = []
         while self.waiting and budget > 0 and self.num_active < self.cfg.max_running:
             seq = self.waiting[0]
-            if seq in bumped or (not seq.blocks and not self._follow(seq)):
+            if seq in bumped or seq.paused or (not seq.blocks and not self._follow(seq)):
                 held.append(self.waiting.popleft())
                 continue
             matched = not seq.blocks and self.alloc.index is not None

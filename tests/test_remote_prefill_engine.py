@@ -58,8 +58,15 @@ class RelaySource:
 
     name = "peer"
 
-    def __init__(self, peer: Engine, chunk: int, fail_after: int | None = None, stop_on_cancel: bool = True):
-        self.peer, self.chunk = peer, chunk
+    def __init__(
+        self,
+        peer: Engine,
+        chunk: int,
+        fail_after: int | None = None,
+        stop_on_cancel: bool = True,
+        cap_frames: int | None = None,
+    ):
+        self.peer, self.chunk, self.cap_frames = peer, chunk, cap_frames
         self.fail_after, self.stop_on_cancel = fail_after, stop_on_cancel
         self.enabled = True
         self.pause_after: int | None = None
@@ -111,6 +118,7 @@ class RelaySource:
             on_accept=lambda h: self.accepts.__setitem__(lid, h),
             on_done=lambda n, s: self._q.put(("done", lid, sink, n, s)),
             on_error=lambda reason: self._q.put(("error", lid, sink, reason)),
+            can_send=None if self.cap_frames is None else lambda: self._q.qsize() < self.cap_frames,
         )
 
     def cancel(self, load_id: int) -> None:
@@ -125,6 +133,8 @@ class RelaySource:
             item = self._q.get()
             if item is None:
                 return
+            if self.cap_frames is not None:
+                self.peer.poke()  # room in the send queue again
             kind, lid, sink = item[:3]
             if lid in self._failed:
                 continue  # the connection is gone: nothing more of this load arrives
@@ -462,6 +472,45 @@ def test_kv_streams_layer_by_layer(llama):
         assert first_write < next_layer <= last_layer < done
         assert last.usage.prompt_tokens_computed == 1
         assert_no_leaks(trio.dec)
+    finally:
+        trio.close()
+
+
+def test_a_full_send_queue_pauses_only_that_export(llama):
+    """The relay stops reading after 2 frames; with a 3-frame send queue the peer's export pauses
+    (its worker is not blocked: a local request on the peer completes meanwhile), and it resumes
+    when the queue drains, with the exact result."""
+    (p,) = prompts(llama.tokenizer.vocab_size, [300], seed=13)
+    trio = Trio(llama, tiny_cfg(), cap_frames=3)
+    try:
+        ref_tokens, _ = run(trio.ref, p)
+        trio.src.pause_after = 2
+
+        async def scenario():
+            task = asyncio.ensure_future(
+                collect(
+                    trio.dec,
+                    GenerationRequest(prompt=list(p), max_tokens=6, sampling=GREEDY, ignore_eos=True),
+                )
+            )
+            assert await asyncio.to_thread(trio.src.paused.wait, WAIT)
+            (other,) = prompts(llama.tokenizer.vocab_size, [50], seed=14)
+            local = await collect(
+                trio.peer, GenerationRequest(prompt=other, max_tokens=3, sampling=GREEDY, ignore_eos=True)
+            )
+            assert local[-1].finish_reason == "length"
+            exported = sum(e[0] == "export" for e in trio.src.events)
+            # 2 relayed, 3 queued, and at most one step's layers past the cap
+            assert exported <= 2 + 3 + llama.num_layers
+            trio.src.resume.set()
+            return exported, await task
+
+        exported, evs = asyncio.run(scenario())
+        assert exported < 2 * 5  # far from the 10 frames of the whole prompt: it did pause
+        assert [t for ev in evs for t in ev.token_ids] == ref_tokens
+        assert evs[-1].usage.prompt_tokens_computed == 1
+        assert_no_leaks(trio.dec)
+        assert_no_leaks(trio.peer)
     finally:
         trio.close()
 
