@@ -1,0 +1,666 @@
+"""The decoder's side of remote prefill: ``RemotePrefillSource``, a KV source backed by one peer.
+
+One persistent connection per peer (the HELLO exchange happens at connect, never inside a
+request's time to first token). ``start_load`` queues a PREFILL for the connection's sender thread
+and returns; the connection's reader thread ``recv_into``s frames into a byte-capped buffer pool,
+checks them (checksum, shapes and token ranges against this side's pool format) and hands each
+layer to the engine's ``KVSink``, which posts it to the worker. The pooled buffer goes back when the
+worker has copied the frame (``release``), so ingest memory stays within the cap: when it is full,
+the reader stops reading and TCP pushes back on the peer.
+
+Every wait has a deadline on the monotonic clock: connect, HELLO, the first byte after a PREFILL,
+and an inter-frame stall per load (never a total for the transfer, which would kill slow but
+healthy links). Any failure ends the load with ``sink.failed(load_id, code)`` (the engine keeps what
+landed and computes the rest locally), marks the peer unhealthy for an exponentially growing
+backoff, logs one line and counts the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .framing import BufferPool, Frame, FrameReader, encode_message, encode_prefill, send_frame
+from .handshake import check_peer, inexact_reasons
+from .kv_wire import KVFormat, decode_layer
+from .protocol import (
+    Accept,
+    Busy,
+    Cancel,
+    Done,
+    Error,
+    ErrorCode,
+    Hello,
+    LayerKV,
+    Prefill,
+    ProtocolError,
+)
+
+log = logging.getLogger("duet.peer.client")
+
+MiB = 1 << 20
+POLICIES = ("auto", "always")
+
+
+@dataclass
+class PeerTimeouts:
+    connect_s: float = 5.0  # TCP connect
+    hello_s: float = 10.0  # the peer's HELLO after ours
+    first_byte_s: float = 30.0  # PREFILL sent -> ACCEPT, and ACCEPT -> first LAYER_KV (plus the peer's ETA)
+    stall_s: float = 10.0  # between two frames of one load, and inside a frame
+
+
+@dataclass
+class Backoff:
+    initial_s: float = 1.0
+    max_s: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        return min(self.initial_s * 2 ** max(failures - 1, 0), self.max_s)
+
+
+@dataclass
+class LoadInfo:
+    """What one remote load did (``RemotePrefillSource.load_info``), for usage and logs."""
+
+    peer: str
+    request_id: str
+    load_id: int
+    start: int
+    end: int
+    exact: bool
+    hit: int | None = None  # the peer's own prefix-cache hit
+    eta_s: float | None = None
+    frames: int = 0
+    bytes: int = 0  # payload bytes received
+    tokens_computed: int = 0  # by the peer
+    compute_s: float = 0.0  # the peer's time from PREFILL to DONE
+    wait_s: float = 0.0  # PREFILL sent -> first LAYER_KV
+    transfer_s: float = 0.0  # first LAYER_KV -> DONE
+    total_s: float = 0.0  # PREFILL sent -> DONE (or the failure)
+    outcome: str = "running"  # running, done, cancelled, or the failure's ErrorCode value
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(eq=False)
+class _Load:
+    load: Any  # mlx_engine.kv_source.KVLoad
+    sink: Any
+    info: LoadInfo
+    conn: _Conn
+    deadline: float
+    landed: list[int]  # per layer: the end of the contiguous token range received
+    t_sent: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+
+
+class _Conn:
+    """One live connection: its socket, reader (recv_into a byte-capped pool) and sender thread."""
+
+    def __init__(self, sock: socket.socket, reader: FrameReader, remote: Hello):
+        self.sock, self.reader, self.remote = sock, reader, remote
+        self.out: queue.Queue[list | None] = queue.Queue()
+        self.closed = threading.Event()
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sock, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.threads: list[threading.Thread] = []
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self.wake_w.send(b"\0")
+
+    def drain_wake(self) -> None:
+        with contextlib.suppress(OSError):
+            while self.wake_r.recv(4096):
+                pass
+
+    def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        self.out.put(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.wake()
+        self.reader.buffers.close()
+
+
+class RemotePrefillSource:
+    """A ``KVSource`` (mlx_engine.kv_source) that prefills on a peer (``duet peer serve``).
+
+    ``policy`` "always" offers every prompt's uncached part to a healthy peer; "auto" offers it when
+    the estimate from measured rates says the peer finishes first (see ``worth_offloading``).
+    ``attach(engine)`` (the engine calls it once its pool exists) builds this side's HELLO and starts
+    connecting; tests without an engine call ``configure(hello, chunk_size)`` instead."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        policy: str = "always",
+        timeouts: PeerTimeouts | None = None,
+        backoff: Backoff | None = None,
+        buffer_cap_bytes: int = 64 * MiB,
+        name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        self.host, self.port, self.policy = host, port, policy
+        self.name = name or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        self.timeouts = timeouts or PeerTimeouts()
+        self.backoff = backoff or Backoff()
+        self.buffer_cap = buffer_cap_bytes
+        self.clock = clock
+        self.local: Hello | None = None
+        self.remote: Hello | None = None
+        self.fmt: KVFormat | None = None
+        self.chunk_size = 0
+        self.inexact: list[str] = []
+        self._lock = threading.RLock()
+        self._conn: _Conn | None = None
+        self._connecting: threading.Thread | None = None
+        self._connected = threading.Condition(self._lock)
+        self._loads: dict[int, _Load] = {}
+        self._infos: OrderedDict[int, LoadInfo] = OrderedDict()
+        self._failures = 0  # consecutive failures, for the backoff
+        self._retry_at = 0.0
+        self._busy_until = 0.0
+        self._last_logged: str | None = None
+        self.last_error: tuple[str, str] | None = None  # (code, message) of the latest failure
+        self.fallbacks: Counter[str] = Counter()  # by ErrorCode value
+        self.remote_prefills = 0  # loads completed
+        self.bytes_received = 0
+        self.frames_received = 0
+        self.late_frames = 0  # frames of loads already ended (dropped)
+        self._remote_rate: float | None = None  # tokens/s, PREFILL sent -> DONE (EWMA)
+        self._remote_latency: float | None = None  # s, PREFILL sent -> first LAYER_KV (EWMA)
+        self._local_rate: float | None = None  # tokens/s of local prefill (EWMA, observe_local_prefill)
+        self._local_rate_fn: Callable[[], float | None] | None = None
+        self._closed = False
+
+    # --- set-up ------------------------------------------------------------------------------
+    def attach(self, engine: Any) -> None:
+        """Called by the engine once its pool exists: this side's HELLO, the chunk grid, connect."""
+        from .identity import local_hello
+
+        c = engine.config
+        self.configure(local_hello(engine), min(c.prefill_chunk, c.max_batch_tokens))
+        rate = getattr(engine, "local_prefill_rate", None)
+        if callable(rate):
+            self._local_rate_fn = rate
+        self.connect(wait_s=None)
+
+    def configure(self, hello: Hello, chunk_size: int) -> None:
+        self.local, self.chunk_size = hello, chunk_size
+        self.fmt = KVFormat.from_hello(hello)
+
+    def connect(self, wait_s: float | None = 0.0) -> bool:
+        """Start connecting (unless connected, connecting or backing off); with ``wait_s`` wait that
+        long for the HELLO exchange to end (None: do not wait). Returns whether the peer is usable."""
+        with self._lock:
+            self._start_connect(force=True)
+            if wait_s:
+                deadline = self.clock() + wait_s
+                while self._connecting is not None and (left := deadline - self.clock()) > 0:
+                    self._connected.wait(left)
+            return self.healthy
+
+    def _start_connect(self, force: bool = False) -> None:
+        if self._closed or self.local is None or self._connecting is not None:
+            return
+        if self._conn is not None and not self._conn.closed.is_set():
+            return
+        if not force and self.clock() < self._retry_at:
+            return
+        t = threading.Thread(target=self._connect, name=f"duet-peer-connect {self.name}", daemon=True)
+        self._connecting = t
+        t.start()
+
+    def _connect(self) -> None:
+        assert self.local is not None and self.fmt is not None
+        sock = None
+        try:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=self.timeouts.connect_s)
+            except OSError as e:
+                raise ProtocolError(ErrorCode.DISCONNECTED, f"cannot connect: {e.strerror or e}") from None
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                send_frame(sock, encode_message(self.local))
+            except OSError as e:
+                raise ProtocolError(ErrorCode.DISCONNECTED, f"connection lost: {e}") from None
+            reader = FrameReader(
+                sock,
+                BufferPool(self.buffer_cap),
+                kv_format=self.fmt,
+                max_prompt_tokens=1,
+                stall_timeout=self.timeouts.stall_s,
+            )
+            frame = reader.read(idle_timeout=self.timeouts.hello_s)
+            if frame is None:
+                raise ProtocolError(ErrorCode.DISCONNECTED, "the peer closed the connection during HELLO")
+            frame.release()
+            remote = frame.msg
+            if isinstance(remote, Error):
+                raise ProtocolError(remote.code, f"the peer refused: {remote.message}")
+            if not isinstance(remote, Hello):
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"expected HELLO, got {remote.TYPE.value}")
+            check_peer(self.local, remote)
+            conn = _Conn(sock, reader, remote)
+        except ProtocolError as e:
+            if sock is not None:
+                sock.close()
+            with self._lock:
+                self._connecting = None
+                self._mark_unhealthy(e.code, f"cannot use the peer: {e}")
+                self._connected.notify_all()
+            return
+        inexact = inexact_reasons(self.local, remote)
+        with self._lock:
+            self._connecting = None
+            if self._closed:
+                conn.close()
+                sock.close()
+                self._connected.notify_all()
+                return
+            self._conn, self.remote, self.inexact = conn, remote, inexact
+            self._retry_at = 0.0
+            for target, what in ((self._read_loop, "read"), (self._send_loop, "send")):
+                t = threading.Thread(
+                    target=target, args=(conn,), name=f"duet-peer-{what} {self.name}", daemon=True
+                )
+                conn.threads.append(t)
+                t.start()
+            self._connected.notify_all()
+        note = f" (approximate: {'; '.join(inexact)})" if inexact else " (bit-exact)"
+        log.info("peer %s connected: model %s%s", self.name, remote.model_fingerprint[:24], note)
+
+    def close(self) -> None:
+        """Drop the connection; loads still running fail with ``disconnected``."""
+        with self._lock:
+            self._closed = True
+            conn = self._conn
+        if conn is not None:
+            self._drop(
+                conn, ErrorCode.DISCONNECTED, "the decoder closed the peer connection", unhealthy=False
+            )
+            for t in conn.threads:
+                if t is not threading.current_thread():
+                    t.join(timeout=10)
+
+    # --- health and policy -------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        conn = self._conn
+        return conn is not None and not conn.closed.is_set()
+
+    @property
+    def healthy(self) -> bool:
+        now = self.clock()
+        return self.connected and now >= self._retry_at and now >= self._busy_until
+
+    @property
+    def exact(self) -> bool:
+        return not self.inexact
+
+    def status(self) -> str:
+        """One line for logs and UIs."""
+        if self.healthy:
+            return f"peer {self.name}: connected" + ("" if self.exact else " (approximate)")
+        why = f" ({self.last_error[0]}: {self.last_error[1]})" if self.last_error else ""
+        return f"peer {self.name}: unavailable{why}"
+
+    def observe_local_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine's local prefill rate, for the auto policy."""
+        if tokens > 0 and seconds > 0:
+            self._local_rate = _ewma(self._local_rate, tokens / seconds)
+
+    def local_rate(self) -> float | None:
+        if self._local_rate_fn is not None:
+            rate = self._local_rate_fn()
+            if rate:
+                return rate
+        return self._local_rate
+
+    def worth_offloading(self, n: int) -> bool:
+        """Auto policy: offload when the estimated remote time (first-frame latency + ``n`` / the
+        measured remote rate) is below the local one (``n`` / the measured local prefill rate).
+        Until a side has been measured, it is tried once: the peer first, then local prefill."""
+        remote, latency, local = self._remote_rate, self._remote_latency or 0.0, self.local_rate()
+        if remote is None:
+            return True
+        if local is None:
+            return False
+        return latency + n / remote < n / local
+
+    # --- KVSource ----------------------------------------------------------------------------
+    def match(self, seq_tokens: list[int], start: int, end: int) -> int:
+        """Tokens beyond ``start`` (up to ``end``) this peer offers to prefill: all of them when it
+        is connected, healthy and (auto) worth it, else 0."""
+        n = end - start
+        with self._lock:
+            if n <= 0 or self._closed:
+                return 0
+            if not self.healthy:
+                self._start_connect()  # reconnect in the background once the backoff ran out
+                return 0
+            assert self.remote is not None
+            if end + 1 > self.remote.max_tokens:
+                return 0
+        if self.policy == "auto" and not self.worth_offloading(n):
+            return 0
+        return n
+
+    def start_load(self, load: Any, sink: Any) -> None:
+        """Send the PREFILL (on the sender thread) and return; the layers arrive on the sink."""
+        assert self.local is not None
+        with self._lock:
+            conn = self._conn
+            usable = conn is not None and not conn.closed.is_set() and not self._closed
+            info = LoadInfo(self.name, load.request_id, load.load_id, load.start, load.end, self.exact)
+            self._remember(info)
+            if not usable or load.end <= load.start:
+                code = ErrorCode.DISCONNECTED if not usable else ErrorCode.BAD_FRAME
+                msg = "the peer is not connected" if not usable else "nothing to load"
+                info.outcome = code.value
+            else:
+                assert conn is not None
+                now = self.clock()
+                state = _Load(
+                    load,
+                    sink,
+                    info,
+                    conn,
+                    now + self.timeouts.first_byte_s,
+                    [load.start] * self.local.num_layers,
+                    t_sent=now,
+                )
+                self._loads[load.load_id] = state
+        if not usable or load.end <= load.start:
+            self.fallbacks[code.value] += 1
+            self.last_error = (code.value, msg)
+            sink.failed(load.load_id, code.value)
+            return
+        msg_ = Prefill(load.request_id, load.load_id, load.end + 1, load.start, self.chunk_size)
+        conn.out.put(encode_prefill(msg_, load.tokens[: load.end + 1]))
+        conn.wake()  # the reader's deadline changed
+
+    def cancel(self, load_id: int) -> None:
+        """The engine no longer wants this load: CANCEL it; no sink call follows."""
+        with self._lock:
+            state = self._loads.pop(load_id, None)
+        if state is None:
+            return
+        state.info.outcome = "cancelled"
+        state.info.total_s = self.clock() - state.t_sent
+        self._send_cancel(state)
+
+    def load_info(self, load_id: int) -> dict[str, Any] | None:
+        with self._lock:
+            info = self._infos.get(load_id)
+            return None if info is None else info.as_dict()
+
+    # --- internals ----------------------------------------------------------------------------
+    def _remember(self, info: LoadInfo) -> None:
+        self._infos[info.load_id] = info
+        while len(self._infos) > 1024:
+            self._infos.popitem(last=False)
+
+    def _send_cancel(self, state: _Load) -> None:
+        if not state.conn.closed.is_set():
+            state.conn.out.put(encode_message(Cancel(state.load.request_id, state.load.load_id)))
+
+    def _mark_unhealthy(self, code: ErrorCode, message: str) -> None:
+        """Back off (exponentially) and log the reason once per streak of the same reason."""
+        with self._lock:
+            self._failures += 1
+            delay = self.backoff.delay(self._failures)
+            self._retry_at = self.clock() + delay
+            self.last_error = (code.value, message)
+            first = self._last_logged != code.value
+            self._last_logged = code.value
+        line = f"peer {self.name}: {message} ({code.value}); remote prefill off for {delay:g} s"
+        if first:
+            log.warning(line)
+        else:
+            log.debug(line)
+
+    def _fail(self, state: _Load, code: ErrorCode, message: str, *, cancel: bool, unhealthy: bool) -> None:
+        """End one load with a failure (if it is still running): the sink keeps what landed."""
+        with self._lock:
+            if self._loads.get(state.load.load_id) is not state:
+                return
+            del self._loads[state.load.load_id]
+        info = state.info
+        info.outcome = code.value
+        info.total_s = self.clock() - state.t_sent
+        self.fallbacks[code.value] += 1
+        landed = min(state.landed) - state.load.start
+        log.warning(
+            "peer %s: remote prefill of %s failed after %d frames, %d of %d tokens landed in every layer: "
+            "%s (%s); prefilling the rest locally",
+            self.name,
+            info.request_id,
+            info.frames,
+            landed,
+            info.end - info.start,
+            message,
+            code.value,
+        )
+        if cancel:
+            self._send_cancel(state)
+        if unhealthy:
+            self._mark_unhealthy(code, message)
+        else:
+            self.last_error = (code.value, message)
+        state.sink.failed(state.load.load_id, code.value)
+
+    def _drop(self, conn: _Conn, code: ErrorCode, message: str, *, unhealthy: bool = True) -> None:
+        """The connection is unusable: close it and fail every load on it."""
+        with self._lock:
+            if conn.closed.is_set() and self._conn is not conn:
+                return
+            conn.close()
+            if self._conn is conn:
+                self._conn = None
+            states = [s for s in self._loads.values() if s.conn is conn]
+        for s in states:
+            self._fail(s, code, message, cancel=False, unhealthy=False)
+        if unhealthy:
+            self._mark_unhealthy(code, message)
+
+    def _send_loop(self, conn: _Conn) -> None:
+        while (buffers := conn.out.get()) is not None:
+            try:
+                send_frame(conn.sock, buffers)
+            except OSError as e:
+                self._drop(conn, ErrorCode.DISCONNECTED, f"connection lost while sending: {e}")
+                return
+
+    def _read_loop(self, conn: _Conn) -> None:
+        try:
+            while not conn.closed.is_set():
+                timeout = self._expire(conn)
+                events = conn.selector.select(timeout)
+                if any(key.fileobj is conn.wake_r for key, _ in events):
+                    conn.drain_wake()
+                if not any(key.fileobj is conn.sock for key, _ in events) or conn.closed.is_set():
+                    continue
+                frame = conn.reader.read()
+                if frame is None:
+                    self._drop(conn, ErrorCode.DISCONNECTED, "the peer closed the connection")
+                    return
+                self.frames_received += 1
+                self._handle(conn, frame)
+        except ProtocolError as e:
+            self._drop(conn, e.code, str(e))
+        except Exception as e:  # a bug must not leave loads hanging
+            log.exception("peer %s: reader failed", self.name)
+            self._drop(conn, ErrorCode.INTERNAL, f"reader failed: {e}")
+        finally:
+            conn.selector.close()
+            conn.wake_r.close()
+            conn.wake_w.close()
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+
+    def _expire(self, conn: _Conn) -> float | None:
+        """Fail the loads whose deadline passed; returns the wait until the next deadline."""
+        now = self.clock()
+        with self._lock:
+            states = [s for s in self._loads.values() if s.conn is conn]
+        nxt = None
+        for s in states:
+            if s.deadline <= now:
+                what = "no frame" if s.t_first is not None else "no reply"
+                limit = self.timeouts.stall_s if s.t_first is not None else self.timeouts.first_byte_s
+                self._fail(
+                    s,
+                    ErrorCode.TIMEOUT,
+                    f"{what} from the peer for {limit:g} s",
+                    cancel=True,
+                    unhealthy=True,
+                )
+            else:
+                nxt = s.deadline if nxt is None else min(nxt, s.deadline)
+        return None if nxt is None else max(nxt - now, 0.0)
+
+    def _state(self, load_id: int, request_id: str) -> _Load | None:
+        with self._lock:
+            s = self._loads.get(load_id)
+        if s is not None and s.load.request_id != request_id:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"load {load_id} is not request {request_id!r}")
+        return s
+
+    def _handle(self, conn: _Conn, frame: Frame) -> None:
+        msg = frame.msg
+        if isinstance(msg, LayerKV):
+            self._layer(frame, msg)
+            return
+        frame.release()
+        now = self.clock()
+        if isinstance(msg, Accept):
+            s = self._state(msg.load_id, msg.request_id)
+            if s is not None:
+                s.info.hit, s.info.eta_s = msg.hit, msg.eta_s
+                if s.t_first is None:
+                    s.deadline = now + self.timeouts.first_byte_s + min(msg.eta_s, 3600.0)
+        elif isinstance(msg, Busy):
+            s = self._state(msg.load_id, msg.request_id)
+            if s is not None:
+                with self._lock:
+                    self._busy_until = now + min(max(msg.retry_after_s, 0.5), 60.0)
+                self._fail(s, ErrorCode.BUSY, "the peer is busy", cancel=False, unhealthy=False)
+        elif isinstance(msg, Done):
+            s = self._state(msg.load_id, msg.request_id)
+            if s is not None:
+                self._done(s, msg, now)
+        elif isinstance(msg, Error):
+            if msg.request_id is None:
+                raise ProtocolError(msg.code, f"the peer reported: {msg.message}")
+            s = self._state(msg.load_id or 0, msg.request_id)
+            if s is not None:
+                self._fail(s, msg.code, f"the peer reported: {msg.message}", cancel=False, unhealthy=True)
+        else:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"a decoder does not take {msg.TYPE.value} frames")
+
+    def _layer(self, frame: Frame, msg: LayerKV) -> None:
+        assert self.fmt is not None and frame.payload is not None
+        try:
+            s = self._state(msg.load_id, msg.request_id)
+        except ProtocolError:
+            frame.release()
+            raise
+        if s is None:  # a load that ended (cancelled, failed): its late frames are dropped
+            frame.release()
+            self.late_frames += 1
+            return
+        if msg.t0 != s.landed[msg.layer] or msg.t1 > s.load.end:
+            frame.release()
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME,
+                f"layer {msg.layer} tokens [{msg.t0}, {msg.t1}) do not continue [{s.load.start}, "
+                f"{s.landed[msg.layer]}) within the load's end {s.load.end}",
+            )
+        now = self.clock()
+        s.landed[msg.layer] = msg.t1
+        s.deadline = now + self.timeouts.stall_s
+        if s.t_first is None:
+            s.t_first = now
+        s.info.frames += 1
+        s.info.bytes += frame.payload.nbytes
+        self.bytes_received += frame.payload.nbytes
+        parts = decode_layer(frame, self.fmt)
+        if _takes_release(s.sink):
+            s.sink.layer(msg.load_id, msg.layer, msg.t0, msg.t1, parts, release=frame.release)
+        else:  # a sink without release: hand over copies and free the buffer now
+            parts = [p.copy() for p in parts]
+            frame.release()
+            s.sink.layer(msg.load_id, msg.layer, msg.t0, msg.t1, parts)
+
+    def _done(self, s: _Load, msg: Done, now: float) -> None:
+        if min(s.landed) < s.load.end:
+            self._fail(
+                s,
+                ErrorCode.BAD_FRAME,
+                f"DONE with layers landed only up to token {min(s.landed)} of {s.load.end}",
+                cancel=False,
+                unhealthy=True,
+            )
+            return
+        with self._lock:
+            if self._loads.get(s.load.load_id) is not s:
+                return
+            del self._loads[s.load.load_id]
+            self._failures = 0
+            self._last_logged = None
+            self.remote_prefills += 1
+        info = s.info
+        info.outcome = "done"
+        info.tokens_computed, info.compute_s = msg.tokens_computed, msg.compute_s
+        info.total_s = now - s.t_sent
+        t_first = s.t_first if s.t_first is not None else now
+        info.wait_s, info.transfer_s = t_first - s.t_sent, now - t_first
+        n = s.load.end - s.load.start
+        if info.total_s > 0:
+            self._remote_rate = _ewma(self._remote_rate, n / max(info.total_s - info.wait_s, 1e-6))
+            self._remote_latency = _ewma(self._remote_latency, info.wait_s)
+        s.sink.done(s.load.load_id)
+
+
+def _ewma(old: float | None, new: float, weight: float = 0.3) -> float:
+    if old is None or not math.isfinite(old):
+        return new
+    return (1 - weight) * old + weight * new
+
+
+_RELEASE: dict[type, bool] = {}
+
+
+def _takes_release(sink: Any) -> bool:
+    kind = type(sink)
+    if kind not in _RELEASE:
+        try:
+            _RELEASE[kind] = "release" in inspect.signature(sink.layer).parameters
+        except (TypeError, ValueError):
+            _RELEASE[kind] = False
+    return _RELEASE[kind]
