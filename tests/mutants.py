@@ -68,6 +68,7 @@ ENGINE = ("tests/test_prefix_cache.py", "tests/test_engine_tiny.py", "tests/test
 SAMPLER = ("tests/test_sampler.py", "tests/test_engine_tiny.py", "tests/test_server.py")
 ATTENTION = ("tests/test_engine_tiny.py", "tests/test_kv_pool_in_place.py", "tests/test_prefix_cache.py")
 STOPS = ("tests/test_stop_strings.py", "tests/test_engine_tiny.py", "tests/test_server.py")
+KV_SOURCES = ("tests/test_kv_source.py", "tests/test_remote_prefill_engine.py", "tests/test_engine_tiny.py")
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,38 @@ MUTANTS = [
         "full = -(-seq.num_computed // self.bs)",
         SCHEDULER,
         "a block is registered in the prefix index before it is fully computed",
+    ),
+    Mutant(
+        "landed-in-one-layer",
+        "mlx_engine/kv_source.py",
+        "return min(r.end_from(t) for r in self.layers)",
+        "return max(r.end_from(t) for r in self.layers)",
+        KV_SOURCES,
+        "a loading sequence counts tokens as computed (and indexes their blocks) once one layer landed",
+    ),
+    Mutant(
+        "cancelled-load-stays-live",
+        "mlx_engine/scheduler.py",
+        "st = self._loads.pop(load_id)\n",
+        "st = self._loads[load_id]\n",
+        KV_SOURCES,
+        "late frames of a cancelled load are still written, into blocks that were freed and reused",
+    ),
+    Mutant(
+        "last-token-in-its-chunk",
+        "mlx_engine/scheduler.py",
+        "if self.cfg.last_token_alone and seq.num_computed < seq.num_prompt - 1:",
+        "if False:",
+        KV_SOURCES,
+        "a decoder with a peer computes the prompt's last token inside its last chunk (logits differ from remote)",
+    ),
+    Mutant(
+        "kv-apply-unbounded",
+        "mlx_engine/engine.py",
+        "if isinstance(m, KVLayer) and budget <= 0:",
+        "if False:",
+        KV_SOURCES,
+        "every queued KV frame is applied before the next step, stalling decode streams while a load arrives",
     ),
     Mutant(
         "cached-tokens-engine-wide",

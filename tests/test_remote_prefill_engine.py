@@ -81,6 +81,8 @@ class RelaySource:
         self.cancelled: list[int] = []
         self.events: list[tuple] = []  # ordered record of what happened, across threads
         self.ended = threading.Event()  # the relay delivered a load's done or failure
+        self.peer_finished = threading.Event()  # the peer's engine reported done
+        self.min_tokens = 0  # offer only prompts at least this long
         self._lock = threading.Lock()
         self._peer_rids: dict[int, str] = {}
         self._failed: set[int] = set()
@@ -98,7 +100,7 @@ class RelaySource:
 
     # KVSource
     def match(self, tokens: list[int], start: int, end: int) -> int:
-        return end - start if self.enabled else 0
+        return end - start if self.enabled and len(tokens) >= self.min_tokens else 0
 
     def start_load(self, load: KVLoad, sink: KVSink) -> None:
         self.loads.append(load)
@@ -116,7 +118,7 @@ class RelaySource:
             self.chunk,
             on_layer,
             on_accept=lambda h: self.accepts.__setitem__(lid, h),
-            on_done=lambda n, s: self._q.put(("done", lid, sink, n, s)),
+            on_done=lambda n, s: (self._q.put(("done", lid, sink, n, s)), self.peer_finished.set()),
             on_error=lambda reason: self._q.put(("error", lid, sink, reason)),
             can_send=None if self.cap_frames is None else lambda: self._q.qsize() < self.cap_frames,
         )
@@ -511,6 +513,69 @@ def test_a_full_send_queue_pauses_only_that_export(llama):
         assert evs[-1].usage.prompt_tokens_computed == 1
         assert_no_leaks(trio.dec)
         assert_no_leaks(trio.peer)
+    finally:
+        trio.close()
+
+
+def test_a_local_stream_decodes_every_iteration_while_a_load_arrives(llama):
+    """All of a load's frames reach the decoder's mailbox at once (its worker is held meanwhile);
+    with a budget of one frame per iteration, the local stream's decode step runs between any
+    two frames applied."""
+    vocab = llama.tokenizer.vocab_size
+    local, remote = prompts(vocab, [8, 300], seed=15)
+    trio = Trio(llama, tiny_cfg())
+    try:
+        trio.src.min_tokens = 100  # the short local prompt is never offered
+        trio.dec.kv_apply_budget = 1  # bytes: one frame per iteration
+        log: list[str] = []
+        write, fwd = trio.dec.pool.write_tokens, trio.dec.runner.forward
+
+        def logged_write(layer, table, t0, parts):
+            write(layer, table, t0, parts)
+            log.append("apply")
+
+        def logged_forward(rows):
+            log.append("step")
+            return fwd(rows)
+
+        trio.dec.pool.write_tokens, trio.dec.runner.forward = logged_write, logged_forward
+        trio.src.pause_after = 0
+        held, release = threading.Event(), threading.Event()
+
+        def hold_worker():
+            held.set()
+            assert release.wait(WAIT)
+
+        async def scenario():
+            stream = trio.dec.generate(
+                GenerationRequest(prompt=local, max_tokens=None, sampling=GREEDY, ignore_eos=True)
+            )
+            await stream.__anext__()  # decoding
+            task = asyncio.ensure_future(
+                collect(trio.dec, GenerationRequest(prompt=remote, max_tokens=3, sampling=GREEDY))
+            )
+            assert await asyncio.to_thread(
+                trio.src.peer_finished.wait, WAIT
+            )  # every frame is queued in the relay
+            blocker = asyncio.ensure_future(asyncio.to_thread(trio.dec.run_on_worker, hold_worker, WAIT))
+            assert await asyncio.to_thread(held.wait, WAIT)
+            trio.src.resume.set()
+            assert await asyncio.to_thread(trio.src.ended.wait, WAIT)  # all in the decoder's mailbox
+            release.set()
+            await blocker
+            evs = await task
+            await stream.aclose()
+            return evs
+
+        evs = asyncio.run(scenario())
+        assert evs[-1].usage.remote_tokens == 299
+        applies = [i for i, e in enumerate(log) if e == "apply"]
+        assert len(applies) == 10  # 5 chunks x 2 layers
+        between = log[applies[0] : applies[-1] + 1]
+        # the stream decoded between every two frames
+        assert not any(a == b == "apply" for a, b in zip(between, between[1:], strict=False))
+        trio.dec.run_on_worker(lambda: None, WAIT)  # the stream's cancel has been handled
+        assert_no_leaks(trio.dec)
     finally:
         trio.close()
 
