@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from mlx_engine import __version__, defaults
 from mlx_engine.errors import ConfigError, ContextLengthError, DuetError, RequestError
+from peer.cli import add_peer_args, add_peer_parser, attach_peers, check_peer_args, peer_usage
 
 if TYPE_CHECKING:
     from mlx_engine.config import EngineConfig
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Ollama's.",
     )
     _add_model_args(g)
+    add_peer_args(g)
     g.add_argument(
         "--prompt", "-p", required=True, help="the prompt (a user message, or text to complete with --raw)"
     )
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "it reads one message per line from stdin and prints each reply on stdout.",
     )
     _add_model_args(c)
+    add_peer_args(c)
     c.add_argument(
         "--server",
         default=None,
@@ -162,10 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...).",
     )
     _add_model_args(s)
+    add_peer_args(s)
     from app.server.main import add_serve_args
 
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
+
+    add_peer_parser(sub, _add_model_args)
 
     m = sub.add_parser(
         "models",
@@ -182,6 +188,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     checked: a bad option raises ``ConfigError`` naming its flag."""
     from mlx_engine.config import EngineConfig
 
+    check_peer_args(args)
     extra = {
         name: getattr(args, name)
         for name in ("max_queue", "max_running")
@@ -244,7 +251,13 @@ def _use_fast_blas() -> None:
 def _load_engine(args: argparse.Namespace, config: EngineConfig):
     from mlx_engine.engine import Engine
 
-    return Engine.load(args.model, config=config)
+    engine = Engine.load(args.model, config=config)
+    try:
+        attach_peers(engine, args)  # --peers: connected before the first request
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
 
 
 def _describe(engine) -> str:
@@ -302,6 +315,7 @@ def cmd_generate(args) -> int:
                         "ttft_s": round(u.ttft_s, 4),
                         "prefill_tps": round(u.prefill_tps, 1),
                         "decode_tps": round(u.decode_tps, 1),
+                        **peer_usage(u, engine, req.request_id),
                     },
                 }
             )

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mlx_engine.kv_source import LandedKV
+
 from .framing import BufferPool, Frame, FrameReader, encode_message, encode_prefill, send_frame
 from .handshake import check_peer, inexact_reasons
 from .kv_wire import KVFormat, decode_layer
@@ -102,7 +104,7 @@ class _Load:
     info: LoadInfo
     conn: _Conn
     deadline: float
-    landed: list[int]  # per layer: the end of the contiguous token range received
+    landed: LandedKV  # per layer: the token ranges received (a peer may re-send a range)
     t_sent: float = field(default_factory=time.monotonic)
     t_first: float | None = None
 
@@ -202,7 +204,8 @@ class RemotePrefillSource:
         from .identity import local_hello
 
         c = engine.config
-        self.configure(local_hello(engine), min(c.prefill_chunk, c.max_batch_tokens))
+        hello = engine.run_on_worker(lambda: local_hello(engine), 120)  # the pool is the worker's
+        self.configure(hello, min(c.prefill_chunk, c.max_batch_tokens))
         rate = getattr(engine, "local_prefill_rate", None)
         if callable(rate):
             self._local_rate_fn = rate
@@ -391,7 +394,7 @@ class RemotePrefillSource:
                     info,
                     conn,
                     now + self.timeouts.first_byte_s,
-                    [load.start] * self.local.num_layers,
+                    LandedKV(self.local.num_layers),
                     t_sent=now,
                 )
                 self._loads[load.load_id] = state
@@ -400,6 +403,7 @@ class RemotePrefillSource:
             self.last_error = (code.value, msg)
             sink.failed(load.load_id, code.value)
             return
+        assert conn is not None
         msg_ = Prefill(load.request_id, load.load_id, load.end + 1, load.start, self.chunk_size)
         conn.out.put(encode_prefill(msg_, load.tokens[: load.end + 1]))
         conn.wake()  # the reader's deadline changed
@@ -413,6 +417,11 @@ class RemotePrefillSource:
         state.info.outcome = "cancelled"
         state.info.total_s = self.clock() - state.t_sent
         self._send_cancel(state)
+
+    def loads_of(self, request_id: str) -> list[dict[str, Any]]:
+        """What this peer's loads for ``request_id`` did (the latest 1024 loads are kept)."""
+        with self._lock:
+            return [i.as_dict() for i in self._infos.values() if i.request_id == request_id]
 
     def load_info(self, load_id: int) -> dict[str, Any] | None:
         with self._lock:
@@ -438,7 +447,7 @@ class RemotePrefillSource:
             self.last_error = (code.value, message)
             first = self._last_logged != code.value
             self._last_logged = code.value
-        line = f"peer {self.name}: {message} ({code.value}); remote prefill off for {delay:g} s"
+        line = f"peer {self.name}: {message} ({code.value}); prefilling locally, retrying the peer in {delay:g} s"
         if first:
             log.warning(line)
         else:
@@ -454,7 +463,7 @@ class RemotePrefillSource:
         info.outcome = code.value
         info.total_s = self.clock() - state.t_sent
         self.fallbacks[code.value] += 1
-        landed = min(state.landed) - state.load.start
+        landed = state.landed.complete_from(state.load.start) - state.load.start
         log.warning(
             "peer %s: remote prefill of %s failed after %d frames, %d of %d tokens landed in every layer: "
             "%s (%s); prefilling the rest locally",
@@ -594,15 +603,15 @@ class RemotePrefillSource:
             frame.release()
             self.late_frames += 1
             return
-        if msg.t0 != s.landed[msg.layer] or msg.t1 > s.load.end:
+        if msg.t0 < s.load.start or msg.t1 > s.load.end:
             frame.release()
             raise ProtocolError(
                 ErrorCode.BAD_FRAME,
-                f"layer {msg.layer} tokens [{msg.t0}, {msg.t1}) do not continue [{s.load.start}, "
-                f"{s.landed[msg.layer]}) within the load's end {s.load.end}",
+                f"layer {msg.layer} tokens [{msg.t0}, {msg.t1}) are outside the load's "
+                f"[{s.load.start}, {s.load.end})",
             )
         now = self.clock()
-        s.landed[msg.layer] = msg.t1
+        s.landed.add(msg.layer, msg.t0, msg.t1)
         s.deadline = now + self.timeouts.stall_s
         if s.t_first is None:
             s.t_first = now
@@ -618,11 +627,12 @@ class RemotePrefillSource:
             s.sink.layer(msg.load_id, msg.layer, msg.t0, msg.t1, parts)
 
     def _done(self, s: _Load, msg: Done, now: float) -> None:
-        if min(s.landed) < s.load.end:
+        landed = s.landed.complete_from(s.load.start)
+        if landed < s.load.end:
             self._fail(
                 s,
                 ErrorCode.BAD_FRAME,
-                f"DONE with layers landed only up to token {min(s.landed)} of {s.load.end}",
+                f"DONE with every layer landed only up to token {landed} of {s.load.end}",
                 cancel=False,
                 unhealthy=True,
             )
@@ -644,7 +654,7 @@ class RemotePrefillSource:
         if info.total_s > 0:
             self._remote_rate = _ewma(self._remote_rate, n / max(info.total_s - info.wait_s, 1e-6))
             self._remote_latency = _ewma(self._remote_latency, info.wait_s)
-        s.sink.done(s.load.load_id)
+        s.sink.done(s.load.load_id, msg.tokens_computed, msg.compute_s)
 
 
 def _ewma(old: float | None, new: float, weight: float = 0.3) -> float:

@@ -109,8 +109,6 @@ def package_version(name: str) -> str:
 
 def local_hello(engine: Any) -> Hello:
     """This side's HELLO, from a running ``mlx_engine.Engine`` (its model, pool and options)."""
-    import mlx.core as mx
-
     from mlx_engine.backend import backend_name
 
     from .kv_wire import DTYPE_NAMES
@@ -123,7 +121,7 @@ def local_hello(engine: Any) -> Hello:
         protocol_max=PROTOCOL_MAX,
         model_fingerprint=model_fingerprint(loaded.path),
         backend=backend_name(),
-        mlx_version=mx.__version__,
+        mlx_version=package_version("mlx"),
         mlx_lm_version=package_version("mlx-lm"),
         weight_format=loaded.weight_format,
         dtype=DTYPE_NAMES[pool.dtype],

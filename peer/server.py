@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mlx_engine.errors import ConfigError, QueueFullError
+from mlx_engine.errors import ConfigError, QueueFullError, RequestError
 
 from .framing import BufferPool, Frame, FrameReader, encode_message, send_frame
 from .handshake import check_peer
@@ -79,6 +79,39 @@ class PrefillBackend(Protocol):
         """The job had no room (``has_room()`` was False) and has some again."""
 
 
+class EngineBackend:
+    """``PrefillBackend`` over an ``mlx_engine.Engine``: each export is the engine's
+    ``prefill_for_peer`` request (scheduled beside local users, grouped per decoder connection so
+    the scheduler shares the chunk budget fairly between decoders)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.kv_format: KVFormat = engine.run_on_worker(
+            lambda: KVFormat.from_pool(engine.pool, max(1, engine.context_length)), 60
+        )
+
+    def start_export(self, job: ExportJob) -> None:
+        job.engine_handle = self.engine.prefill_for_peer(
+            job.tokens,
+            job.start,
+            job.chunk_size,
+            job.layer,
+            on_accept=job.accept,
+            on_done=job.done,
+            on_error=job.failed,
+            can_send=job.has_room,
+            request_id=f"peer/{job.conn.name}/{job.request_id}/{job.load_id}",
+            group=f"peer/{job.conn.name}",
+        )
+
+    def cancel_export(self, job: ExportJob) -> None:
+        if job.engine_handle is not None:
+            self.engine.cancel(job.engine_handle)
+
+    def resume(self, job: ExportJob) -> None:
+        self.engine.poke()
+
+
 # --- wire format conversion -------------------------------------------------------------------
 
 
@@ -103,7 +136,8 @@ def convert_parts(parts: list, src: KVFormat, dst: KVFormat) -> list:
         if src.kv_bits is None:
             x = mine[0]
         else:
-            x = mx.dequantize(*mine, group_size=src.group_size, bits=src.kv_bits)
+            q, scales, biases = mine
+            x = mx.dequantize(q, scales, biases, group_size=src.group_size, bits=src.kv_bits)
         if dst.kv_bits is None:
             out.append(x.astype(act))
         else:
@@ -182,11 +216,12 @@ class ExportJob:
             self.queued_bytes += nbytes
         self.conn.queue_layer(self, layer, t0, t1, arrays, nbytes)
 
-    def done(self, tokens_computed: int) -> None:
+    def done(self, tokens_computed: int, compute_s: float | None = None) -> None:
         if not self.live:
             return
         self.finished = True
-        compute_s = time.monotonic() - self.t_start
+        if compute_s is None:
+            compute_s = time.monotonic() - self.t_start
         self.conn.server.observe_rate(tokens_computed, compute_s)
         # the job stays on the connection until DONE is sent: a CANCEL before that drops the
         # frames still queued, DONE included
@@ -412,8 +447,9 @@ class Connection:
             self._busy(msg)
         except Exception as e:  # a prompt the engine refuses (token ids, length): this load only
             self.forget(job)
+            code = ErrorCode.BAD_FRAME if isinstance(e, RequestError) else ErrorCode.INTERNAL
             log.warning("peer: refusing prefill %s from %s: %s", msg.request_id, self.name, e)
-            self.queue_message(Error(ErrorCode.BAD_FRAME, str(e), *_key(msg)))
+            self.queue_message(Error(code, str(e), *_key(msg)))
         else:
             server.count("exports")
 
@@ -435,7 +471,7 @@ def check_loopback(host: str) -> None:
     bare = host.strip("[]")
     try:
         infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
-        addrs = {ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos}
+        addrs = {ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos}
     except (socket.gaierror, ValueError):
         raise ConfigError(f"cannot listen on --host {host}: not a known address", "host") from None
     if not addrs or not all(a.is_loopback for a in addrs):

@@ -167,7 +167,7 @@ class RecordingSink:
         for f in self.after_layer:
             f(load_id, layer, t0, t1)
 
-    def done(self, load_id) -> None:
+    def done(self, load_id, tokens_computed=None, compute_s=None) -> None:
         with self.cv:
             s = self._load(load_id)
             assert s.failed is None and not s.done

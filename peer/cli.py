@@ -1,0 +1,256 @@
+"""The peer commands and options: ``duet peer serve``, and ``--peers`` / ``--remote-prefill`` for
+``duet generate``, ``duet serve`` and ``duet chat``.
+
+``app/cli.py`` calls ``add_peer_parser`` (the ``peer`` command), ``add_peer_args`` (the options of
+the other commands), ``check_peer_args`` (before anything loads) and ``attach_peers`` (once the
+engine is up: one ``RemotePrefillSource`` per peer, connected before the first request, so the
+HELLO exchange is not part of a request's time to first token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from mlx_engine.errors import ConfigError
+
+if TYPE_CHECKING:  # the client imports MLX: only once peers are attached
+    from .client import RemotePrefillSource
+
+MODES = ("auto", "always", "never")
+DEFAULT_PORT = 7611
+
+_sources: weakref.WeakKeyDictionary[Any, list[RemotePrefillSource]] = weakref.WeakKeyDictionary()
+
+
+# --- options of generate / serve / chat --------------------------------------------------------
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--peers",
+        action="append",
+        default=[],
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="prefill peers (`duet peer serve`) to compute prompts on, then stream their KV here "
+        "(preview: this machine only, until pairing exists; repeatable)",
+    )
+    p.add_argument(
+        "--remote-prefill",
+        choices=MODES,
+        default=None,
+        help="auto (the default with --peers): offload a prompt when the rates measured so far say "
+        "the peer finishes first; always: whenever a peer is connected and healthy; never: prefill here",
+    )
+
+
+def parse_peers(values: list[str] | None) -> list[tuple[str, int]]:
+    """``--peers`` values -> (host, port) pairs; ConfigError (one line) for a bad one."""
+    out = []
+    for value in values or ():
+        for item in (x.strip() for x in value.split(",")):
+            if not item:
+                continue
+            host, sep, port = item.rpartition(":")
+            host = host.strip("[]")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(
+                    f"--peers {item!r} is not HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT})", "peers"
+                )
+            out.append((host, int(port)))
+    return out
+
+
+def remote_prefill_mode(args: argparse.Namespace) -> str:
+    mode = getattr(args, "remote_prefill", None)
+    peers = parse_peers(getattr(args, "peers", None))
+    if mode is None:
+        return "auto" if peers else "never"
+    if mode != "never" and not peers:
+        raise ConfigError(f"--remote-prefill {mode} needs --peers HOST:PORT", "remote_prefill")
+    return mode
+
+
+def check_peer_args(args: argparse.Namespace) -> None:
+    """The peer options, checked before anything loads."""
+    remote_prefill_mode(args)
+
+
+def attach_peers(
+    engine: Any, args: argparse.Namespace, *, wait_s: float | None = None
+) -> list[RemotePrefillSource]:
+    """Connect ``engine`` to its ``--peers`` as KV sources; waits for each HELLO exchange (up to the
+    connect and HELLO deadlines). A peer that cannot be used logs one line (the reason); requests
+    prefill locally meanwhile and it is retried in the background after a backoff."""
+    mode = remote_prefill_mode(args)
+    if mode == "never":
+        return []
+    from .client import PeerTimeouts, RemotePrefillSource
+
+    timeouts = PeerTimeouts()
+    sources = []
+    for host, port in parse_peers(args.peers):
+        src = RemotePrefillSource(host, port, policy=mode, timeouts=timeouts)
+        src.attach(engine)
+        sources.append(src)
+        engine.add_kv_source(src)
+    _sources[engine] = sources
+    wait = timeouts.connect_s + timeouts.hello_s if wait_s is None else wait_s
+    for src in sources:
+        src.connect(wait_s=wait)
+    return sources
+
+
+def sources_of(engine: Any) -> list[RemotePrefillSource]:
+    """The peer sources ``attach_peers`` gave ``engine`` (for /metrics and --json)."""
+    return list(_sources.get(engine, ()))
+
+
+def close_peers(engine: Any) -> None:
+    for src in _sources.pop(engine, ()):
+        src.close()
+
+
+def peer_usage(usage: Any, engine: Any, request_id: str) -> dict[str, Any]:
+    """The remote-prefill part of ``duet generate --json``'s usage."""
+    out: dict[str, Any] = {
+        "prefill_location": usage.prefill_location,
+        "prompt_tokens_computed": usage.prompt_tokens_computed,
+        "remote_tokens": usage.remote_tokens,
+        "remote_bytes": usage.remote_bytes,
+        "remote_wait_s": round(usage.remote_wait_s, 4),
+        "remote_compute_s": round(usage.remote_compute_s, 4),
+        "fallback_reason": usage.fallback_reason,
+    }
+    sources = sources_of(engine)
+    loads = [info for src in sources for info in src.loads_of(request_id)]
+    if loads:
+        out["remote_loads"] = [
+            {
+                k: (round(v, 4) if isinstance(v, float) else v)
+                for k, v in info.items()
+                if k
+                in (
+                    "peer",
+                    "start",
+                    "end",
+                    "hit",
+                    "frames",
+                    "bytes",
+                    "tokens_computed",
+                    "compute_s",
+                    "wait_s",
+                    "transfer_s",
+                    "total_s",
+                    "outcome",
+                    "exact",
+                )
+            }
+            for info in loads
+        ]
+    if usage.prefill_location.startswith("remote:"):
+        used = [s for s in sources if s.name in usage.prefill_location]
+        out["exact"] = all(s.exact for s in used)
+        inexact = [r for s in used for r in s.inexact]
+        if inexact:
+            out["inexact_reasons"] = inexact
+    elif sources and usage.fallback_reason is None:
+        down = [f"{s.name}: {s.last_error[0]}" for s in sources if not s.healthy and s.last_error is not None]
+        if down:  # never offered: the peer was unavailable
+            out["fallback_reason"] = "; ".join(down)
+    return out
+
+
+# --- duet peer serve ----------------------------------------------------------------------------
+def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The ``peer`` command (``add_model_args``: the CLI's shared model and cache options)."""
+    p = sub.add_parser(
+        "peer",
+        help="run a prefill peer for other Duet instances (preview, this machine only)",
+        description="Prefill peers compute prompts for another Duet (the decoder) and stream the KV "
+        "cache to it, layer by layer. Preview: loopback only until peer pairing and TLS exist.",
+    )
+    psub = p.add_subparsers(dest="peer_command", metavar="{serve}")
+    psub.required = True
+    s = psub.add_parser(
+        "serve",
+        help="serve remote prefill to decoders on this machine",
+        description="Load a model and answer decoders' PREFILL requests (`duet generate --peers ...`) "
+        "with its KV cache, streamed layer by layer (docs/peer-protocol.md).",
+    )
+    add_model_args(s)
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: loopback only (127.0.0.1, ::1, localhost) until pairing exists",
+    )
+    s.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    s.add_argument(
+        "--max-exports",
+        type=int,
+        default=None,
+        help="most remote prefills computed at once; more get BUSY and prefill locally (default 8)",
+    )
+    s.set_defaults(func=cmd_peer_serve)
+
+
+def cmd_peer_serve(args: argparse.Namespace) -> int:
+    from app.cli import _check_model, _use_fast_blas, engine_config
+    from mlx_engine.engine import Engine
+
+    from .handshake import check_supported
+    from .identity import local_hello
+    from .protocol import ProtocolError
+    from .server import EngineBackend, PeerServer, ServerLimits, _listen, check_loopback
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    check_loopback(args.host)
+    limits = ServerLimits()
+    if args.max_exports is not None:
+        if args.max_exports < 1:
+            raise ConfigError(f"--max-exports must be at least 1, got {args.max_exports}", "max_exports")
+        limits.max_exports = args.max_exports
+    config = engine_config(args)
+    _check_model(args)
+    _use_fast_blas()
+    sock = _listen(args.host, args.port)  # a taken port fails before the model loads
+    try:
+        engine = Engine.load(args.model, config=config)
+    except BaseException:
+        sock.close()
+        raise
+    stop = threading.Event()
+    try:
+        hello = engine.run_on_worker(lambda: local_hello(engine), 300)
+        try:
+            check_supported(hello)
+        except ProtocolError as e:
+            raise ConfigError(f"{engine.model_name} cannot serve remote prefill: {e}", "model") from None
+        server = PeerServer(EngineBackend(engine), hello, args.host, limits=limits, sock=sock).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        s = engine.stats()
+        host = f"[{args.host.strip('[]')}]" if ":" in args.host else args.host
+        print(
+            f"duet: prefill peer serving {engine.model_name} ({s.backend}, {s.weight_format} weights, "
+            f"model {hello.model_fingerprint[:24]}) at {host}:{server.port}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            stop.wait()
+        finally:
+            server.close()
+    finally:
+        sock.close()
+        engine.shutdown()
+    return 0
