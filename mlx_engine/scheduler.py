@@ -214,7 +214,7 @@ class Scheduler:
         """Tokens up to the sequence's next prefill grid boundary (the grid is anchored at 0)."""
         chunk = seq.chunk or self.cfg.prefill_chunk
         n = min(seq.num_pending, chunk - seq.num_computed % chunk)
-        if self.cfg.last_token_alone and seq.num_computed < seq.num_prompt - 1:
+        if self.cfg.last_token_alone and not seq.exact_grid and seq.num_computed < seq.num_prompt - 1:
             n = min(n, seq.num_prompt - 1 - seq.num_computed)
         return n
 

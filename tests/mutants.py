@@ -173,7 +173,7 @@ MUTANTS = [
     Mutant(
         "last-token-in-its-chunk",
         "mlx_engine/scheduler.py",
-        "if self.cfg.last_token_alone and seq.num_computed < seq.num_prompt - 1:",
+        "if self.cfg.last_token_alone and not seq.exact_grid and seq.num_computed < seq.num_prompt - 1:",
         "if False:",
         KV_SOURCES,
         "a decoder with a peer computes the prompt's last token inside its last chunk (logits differ from remote)",

@@ -274,6 +274,7 @@ class Trio:
         self.ref.add_kv_source(NoPeer())
         self.dec = Engine(loaded, dec_cfg)
         self.peer = Engine(loaded, peer_cfg or dec_cfg)
+        self.peer.add_kv_source(NoPeer())  # a peer that has peers of its own exports on the grid all the same
         self.chunk = min(dec_cfg.prefill_chunk, dec_cfg.max_batch_tokens)
         self.src = RelaySource(self.peer, self.chunk, **source)
         self.dec.add_kv_source(self.src)
