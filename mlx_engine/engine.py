@@ -871,6 +871,8 @@ class Engine:
         for rid in step.admitted:
             if rid in self._exports:
                 self._accept_export(self._exports[rid])
+        for rid in [r for r, seq in step.seqs.items() if seq.status != RUNNING]:
+            del step.tokens[rid], step.seqs[rid]  # an export that ended as it was accepted
         if not step.tokens:
             return bool(step.loads)
         self._steps += 1

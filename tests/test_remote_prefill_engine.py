@@ -82,6 +82,7 @@ class RelaySource:
         self.events: list[tuple] = []  # ordered record of what happened, across threads
         self.ended = threading.Event()  # the relay delivered a load's done or failure
         self.peer_finished = threading.Event()  # the peer's engine reported done
+        self.send_blocked = threading.Event()  # can_send said no at least once
         self.min_tokens = 0  # offer only prompts at least this long
         self._lock = threading.Lock()
         self._peer_rids: dict[int, str] = {}
@@ -120,8 +121,14 @@ class RelaySource:
             on_accept=lambda h: self.accepts.__setitem__(lid, h),
             on_done=lambda n, s: (self._q.put(("done", lid, sink, n, s)), self.peer_finished.set()),
             on_error=lambda reason: self._q.put(("error", lid, sink, reason)),
-            can_send=None if self.cap_frames is None else lambda: self._q.qsize() < self.cap_frames,
+            can_send=None if self.cap_frames is None else self._can_send,
         )
+
+    def _can_send(self) -> bool:  # the peer's worker asks before each step
+        if self._q.qsize() < (self.cap_frames or 0):
+            return True
+        self.send_blocked.set()
+        return False
 
     def cancel(self, load_id: int) -> None:
         self.record("cancel", load_id)
@@ -265,7 +272,7 @@ class NoPeer:
 class Trio:
     """A decoder with a relay source to a peer engine, and a reference engine configured the
     same (with a peer that is never used) that prefills locally. The engines share one loaded
-    model (they never run a forward pass at the same time)."""
+    model (read-only weights; each engine's worker builds and evaluates its own graphs)."""
 
     def __init__(
         self, loaded: LoadedModel, dec_cfg: EngineConfig, peer_cfg: EngineConfig | None = None, **source
@@ -497,14 +504,16 @@ def test_a_full_send_queue_pauses_only_that_export(llama):
                 )
             )
             assert await asyncio.to_thread(trio.src.paused.wait, WAIT)
+            # the peer's worker was told its send queue is full (a peer that never asks hangs here)
+            assert await asyncio.to_thread(trio.src.send_blocked.wait, WAIT)
             (other,) = prompts(llama.tokenizer.vocab_size, [50], seed=14)
             local = await collect(
                 trio.peer, GenerationRequest(prompt=other, max_tokens=3, sampling=GREEDY, ignore_eos=True)
             )
             assert local[-1].finish_reason == "length"
             exported = sum(e[0] == "export" for e in trio.src.events)
-            # 2 relayed, 3 queued, and at most one step's layers past the cap
-            assert exported <= 2 + 3 + llama.num_layers
+            # 2 relayed, 3 queued, and at most one step's layers past the cap; not finished
+            assert exported <= 2 + 3 + llama.num_layers and not trio.src.peer_finished.is_set()
             trio.src.resume.set()
             return exported, await task
 
@@ -797,3 +806,47 @@ def test_late_frames_of_a_cancelled_load_never_touch_reused_blocks(llama):
         assert_no_leaks(trio.dec)
     finally:
         trio.close()
+
+
+def test_bad_peer_prefills_are_clear_errors_and_a_broken_receiver_ends_only_its_export(llama):
+    from mlx_engine.errors import EngineShutDownError, RequestError
+
+    (p,) = prompts(llama.tokenizer.vocab_size, [150], seed=16)
+    peer = Engine(llama, tiny_cfg())
+    try:
+
+        def nothing(*args) -> None:
+            pass
+
+        for tokens, start, chunk in (
+            (p, 149, 64),
+            (p, -1, 64),
+            ([5], 0, 64),
+            (p, 0, 0),
+            ([10**6] + p, 0, 64),
+        ):
+            with pytest.raises(RequestError):
+                peer.prefill_for_peer(tokens, start, chunk, nothing)
+        errors: list[str] = []
+        ended = threading.Event()
+
+        def broken(layer, t0, t1, parts):
+            raise ConnectionResetError("the receiver went away")
+
+        peer.prefill_for_peer(
+            p,
+            0,
+            64,
+            broken,
+            on_done=lambda n, s: ended.set(),
+            on_error=lambda r: (errors.append(r), ended.set()),
+        )
+        assert ended.wait(WAIT)
+        assert len(errors) == 1 and "the receiver went away" in errors[0]
+        peer.run_on_worker(lambda: None, WAIT)
+        assert_no_leaks(peer)
+        assert len(run(peer, p)[0]) == 6  # the engine serves on
+    finally:
+        peer.shutdown()
+    with pytest.raises(EngineShutDownError):
+        peer.prefill_for_peer(p, 0, 64, nothing)
