@@ -107,7 +107,10 @@ def attach_peers(
 
 def sources_of(engine: Any) -> list[RemotePrefillSource]:
     """The peer sources ``attach_peers`` gave ``engine`` (for /metrics and --json)."""
-    return list(_sources.get(engine, ()))
+    try:
+        return list(_sources.get(engine, ()))
+    except TypeError:  # an object that cannot be weakly referenced never got peers
+        return []
 
 
 def close_peers(engine: Any) -> None:

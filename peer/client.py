@@ -187,7 +187,8 @@ class RemotePrefillSource:
         self._busy_until = 0.0
         self._last_logged: str | None = None
         self.last_error: tuple[str, str] | None = None  # (code, message) of the latest failure
-        self.fallbacks: Counter[str] = Counter()  # by ErrorCode value
+        self.fallbacks: Counter[str] = Counter()  # loads that ended early, by ErrorCode value
+        self.failures: Counter[str] = Counter()  # times the peer was marked unhealthy, by ErrorCode value
         self.remote_prefills = 0  # loads completed
         self.bytes_received = 0
         self.frames_received = 0
@@ -274,7 +275,7 @@ class RemotePrefillSource:
                 sock.close()
             with self._lock:
                 self._connecting = None
-                self._mark_unhealthy(e.code, f"cannot use the peer: {e}")
+                self._mark_unhealthy(e.code, str(e))
                 self._connected.notify_all()
             return
         inexact = inexact_reasons(self.local, remote)
@@ -442,6 +443,7 @@ class RemotePrefillSource:
         """Back off (exponentially) and log the reason once per streak of the same reason."""
         with self._lock:
             self._failures += 1
+            self.failures[code.value] += 1
             delay = self.backoff.delay(self._failures)
             self._retry_at = self.clock() + delay
             self.last_error = (code.value, message)

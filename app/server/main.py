@@ -256,13 +256,12 @@ class _Server(uvicorn.Server):
 
 
 def _load(args) -> Engine:
-    from app.cli import _engine_config
-    from mlx_engine.engine import Engine
+    from app.cli import _engine_config, _load_engine
 
     config = _engine_config(args)
     if getattr(args, "max_running", None):
         config = dataclasses.replace(config, max_running=args.max_running)
-    return Engine.load(args.model, config=config)
+    return _load_engine(args, config)  # with its --peers connected
 
 
 def serve(args) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from mlx_engine.engine import Engine
+from mlx_engine.engine import Engine, EngineStats
 from mlx_engine.request import Usage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60)
@@ -47,6 +47,47 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _peer_metrics(self.engine, s)
+
+
+def _peer_metrics(engine: Engine, s: EngineStats):
+    """Remote prefill (docs/peer-protocol.md): requests prefilled by a peer, loads that fell back to
+    local prefill by peer and reason, KV bytes received, and whether each peer is usable now."""
+    from peer.cli import sources_of
+
+    yield CounterMetricFamily(
+        "duet_remote_prefills", "requests whose prompt KV came from a prefill peer", value=s.remote_prefills
+    )
+    yield CounterMetricFamily(
+        "duet_kv_load_failures",
+        "KV loads that ended early (the rest was prefilled locally)",
+        value=s.kv_load_failures,
+    )
+    sources = sources_of(engine)
+    received = CounterMetricFamily(
+        "duet_remote_prefill_bytes_received", "KV payload bytes received from a peer", labels=["peer"]
+    )
+    fallbacks = CounterMetricFamily(
+        "duet_remote_prefill_fallbacks",
+        "remote prefills that fell back to local prefill",
+        labels=["peer", "reason"],
+    )
+    failures = CounterMetricFamily(
+        "duet_peer_failures",
+        "times a peer was marked unhealthy (and backed off), by reason",
+        labels=["peer", "reason"],
+    )
+    healthy = GaugeMetricFamily(
+        "duet_peer_healthy", "1 when the peer is connected and usable", labels=["peer"]
+    )
+    for src in sources:
+        received.add_metric([src.name], src.bytes_received)
+        healthy.add_metric([src.name], 1 if src.healthy else 0)
+        for reason, n in sorted(src.fallbacks.items()):
+            fallbacks.add_metric([src.name, reason], n)
+        for reason, n in sorted(src.failures.items()):
+            failures.add_metric([src.name, reason], n)
+    yield from (received, fallbacks, failures, healthy)
 
 
 class Metrics:

@@ -48,11 +48,16 @@ class LocalBackend:
         self._live: set[str] = set()  # request ids of the replies streaming now
 
     @classmethod
-    def load(cls, spec: str | None, config: EngineConfig | None = None) -> LocalBackend:
+    def load(cls, spec: str | None, config: EngineConfig | None = None, peers=None) -> LocalBackend:
+        """``peers``: the command's arguments, whose --peers become the engine's prefill peers."""
         from mlx_engine.engine import Engine
+        from peer.cli import attach_peers
 
         try:
-            return cls(Engine.load(spec, config=config))
+            backend = cls(Engine.load(spec, config=config))
+            if peers is not None:
+                attach_peers(backend.engine, peers)
+            return backend
         except (DuetError, OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
             # ModelNotFoundError, ModelLoadError, GGUF errors, bad configs, out of memory
             raise BackendError(f"could not load model {spec or 'bundled'!r}: {e}") from e

@@ -14,7 +14,7 @@ def build_app(args) -> ChatApp:
     from app.cli import engine_config  # the one builder: every engine option, checked
 
     config = engine_config(args)
-    return ChatApp(args.model, load_backend=partial(LocalBackend.load, config=config))
+    return ChatApp(args.model, load_backend=partial(LocalBackend.load, config=config, peers=args))
 
 
 def run_chat(args) -> int:
