@@ -213,16 +213,18 @@ class KVLoad:
 class FaultConnection(Connection):
     """The real server connection with a fault after ``after`` LAYER_KV frames: "kill" closes the
     socket, "truncate" sends half of the next frame and closes, "corrupt" flips a payload byte of
-    the next frame (its checksum no longer matches), "stall" blocks the sender until ``release``."""
+    the next frame (its checksum no longer matches), "stall" blocks the sender until ``release``.
+    ``kind`` "done" stalls the DONE frame instead."""
 
     fault: str | None = None
     after: int = 0
+    kind: str = "layer_kv"
     release = threading.Event()
     tripped = threading.Event()
 
     def send(self, buffers, kind, job) -> None:
         cls = type(self)
-        if kind != "layer_kv" or cls.fault is None or job is None or job.frames < cls.after:
+        if kind != cls.kind or cls.fault is None or job is None or job.frames < cls.after:
             return super().send(buffers, kind, job)
         cls.tripped.set()
         if cls.fault == "kill":
@@ -247,10 +249,16 @@ class FaultConnection(Connection):
             self.sock.shutdown(socket.SHUT_RDWR)
 
 
-def fault_connection(fault: str, after: int) -> type[FaultConnection]:
+def fault_connection(fault: str, after: int, kind: str = "layer_kv") -> type[FaultConnection]:
     """A FaultConnection class of its own (fresh events) for one test."""
     return type(
         "Fault_" + fault,
         (FaultConnection,),
-        {"fault": fault, "after": after, "release": threading.Event(), "tripped": threading.Event()},
+        {
+            "fault": fault,
+            "after": after,
+            "kind": kind,
+            "release": threading.Event(),
+            "tripped": threading.Event(),
+        },
     )

@@ -319,3 +319,46 @@ def test_unreachable_peer_is_a_clear_fallback(closing):
     assert not src.connect(wait_s=WAIT)
     assert src.last_error[0] == "disconnected" and "cannot connect" in src.status()
     assert src.match(TOKENS, 0, N - 1) == 0
+
+
+def test_a_done_racing_a_cancel_is_dropped(closing):
+    """The peer's DONE is on its way (stuck in send) when the decoder cancels: the CANCEL is a
+    no-op at the peer, and the DONE that still arrives is dropped, never reaching the sink."""
+    conn_cls = fault_connection("stall", 0, kind="done")
+    backend = FakeBackend()
+    server = serve(backend, connection_class=conn_cls)
+    closing(server)
+    src = source(server)
+    closing(src)
+    assert src.connect(wait_s=WAIT)
+    sink = RecordingSink(N)
+    src.start_load(load(), sink)
+    assert conn_cls.tripped.wait(WAIT)  # every layer was sent, the DONE is in send()
+    sink.wait(lambda: 1 in sink.loads and sink.loads[1].frames == LAYERS * 4)
+    src.cancel(1)
+    with server.idle:
+        assert server.idle.wait_for(lambda: server.stats.counts.get("cancelled") == 1, WAIT)
+    assert not backend.cancelled  # the export had finished: nothing to stop
+    conn_cls.release.set()
+    sink2 = RecordingSink(N)  # the connection goes on: the next load is served after the DONE
+    src.start_load(load(2), sink2)
+    assert sink2.wait_end(2).done
+    s = sink.loads[1]
+    assert not s.done and s.failed is None and src.load_info(1)["outcome"] == "cancelled"
+
+
+def test_auto_offloads_when_the_measured_rates_say_the_peer_is_faster(closing):
+    server = serve()
+    closing(server)
+    src = source(server, policy="auto")
+    closing(src)
+    assert src.connect(wait_s=WAIT)
+    assert src.match(TOKENS, 0, N - 1) == N - 1  # the peer was never measured: try it
+    sink = RecordingSink(N)
+    src.start_load(load(), sink)
+    assert sink.wait_end(1).done
+    assert src.match(TOKENS, 0, N - 1) == 0  # local prefill was never measured: try that
+    src.observe_local_prefill(1, 1000.0)  # a very slow decoder
+    assert src.match(TOKENS, 0, N - 1) == N - 1
+    src.observe_local_prefill(10**15, 1.0)  # and now a very fast one
+    assert src.match(TOKENS, 0, N - 1) == 0
