@@ -130,5 +130,5 @@ def local_hello(engine: Any) -> Hello:
         kv_group_size=pool.group_size,
         num_layers=pool.num_layers,
         layers=specs,
-        max_tokens=max(1, min(engine.context_length, capacity)),
+        max_tokens=max(1, min(engine.context_length - 1, capacity)),  # a prompt shorter than the context
     )
