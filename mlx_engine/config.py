@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 
@@ -41,6 +42,9 @@ class EngineConfig:
     weights: str = "auto"  # "dense", "quantized" or "auto" (dense on CPU, quantized on GPU)
     disk_cache_dir: str | None = None  # prefix-cache disk tier (off when None)
     disk_cache_gb: float = 4.0  # size cap of the disk tier
+    # KV sources asked after the disk tier (``kv_source.KVSource``, e.g. remote prefill peers); the
+    # engine calls a source's ``attach(engine)`` once its pool exists and ``close()`` at shutdown
+    kv_sources: list[Any] = field(default_factory=list)
 
     def validate(self, memory_bytes: int | None = None, spell: Callable[[str], str] = _plain) -> None:
         """Raise ``ConfigError`` for the first option that cannot work; allocate nothing.
@@ -94,6 +98,8 @@ class EngineConfig:
                     f"{spell('cache_gb')} {gb:g} is {what} this machine's {memory / GiB:.1f} GiB of memory "
                     f"(at most {limit / GiB:.1f} GiB, leaving room for the model)",
                 )
+        if not isinstance(self.kv_sources, list):
+            raise fail("kv_sources", f"{spell('kv_sources')} must be a list of KV sources")
         if self.disk_cache_dir is not None:
             d = number("disk_cache_gb")
             if d <= 0:

@@ -122,6 +122,7 @@ class _Active:
 class _RemoteUsage:
     """What KV loads from non-cache sources cost a request (usage's remote fields)."""
 
+    exact: bool | None = None  # from the source's load_info(load_id)["exact"], when it has one
     bytes: int = 0
     wait_s: float = 0.0  # load start -> done or failure, summed over its loads
     compute_s: float = 0.0  # the source's own compute time (DONE)
@@ -323,6 +324,7 @@ class Engine:
         self._kv_bytes_loaded = 0
         self._remote_prefills = 0
         self._frames_dropped = 0
+        self._prefill_rate: float | None = None  # EWMA of local prefill tokens per second
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(target=self._worker, name="duet-engine", daemon=True)
@@ -407,6 +409,18 @@ class Engine:
             )
             self.allocator.on_evict = lambda b, toks: disk.save(toks, self.pool.read_block(b))
             self.scheduler.sources.append(disk)
+        for src in c.kv_sources:
+            self._add_source(src)
+
+    def _add_source(self, source: KVSource) -> None:
+        """On the worker: ask ``source`` too from now on (after the ones already there)."""
+        self.scheduler.sources.append(source)
+        if not getattr(source, "is_cache", False):
+            # local prefill then ends as a remote one does: exact first-token logits
+            self.scheduler.cfg.last_token_alone = True
+        attach = getattr(source, "attach", None)
+        if attach is not None:
+            attach(self)  # e.g. a peer client builds its HELLO from the pool and starts connecting
 
     def _flush_prefix_cache(self) -> None:
         if self.disk is None or self.allocator.index is None:
@@ -573,6 +587,12 @@ class Engine:
     def remove_kv_source(self, source: KVSource) -> None:
         self._mailbox.put(RemoveSource(source))
 
+    def local_prefill_rate(self) -> float | None:
+        """This engine's own prefill throughput, prompt tokens per second of step time (an
+        exponential moving average over steps that prefilled at least 16 tokens; None before
+        any): what a planner weighs a remote prefill against."""
+        return self._prefill_rate
+
     def run_on_worker(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run ``fn()`` on the worker thread between two steps (MLX state such as the KV pool is
         the worker's: inspect it from there) and return its result or raise its exception."""
@@ -626,6 +646,13 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join()
         _live_engines.discard(self)
+        for src in list(getattr(getattr(self, "scheduler", None), "sources", ())):
+            close = getattr(src, "close", None)
+            if close is not None:
+                try:
+                    close()  # e.g. a peer client's connection and threads
+                except Exception as e:
+                    log.warning("KV source %s failed to close: %s", getattr(src, "name", "?"), e)
 
     def __enter__(self) -> Engine:
         return self
@@ -699,10 +726,10 @@ class Engine:
                 elif m.request_id in self._exports:
                     self._finish_export(self._exports[m.request_id], "cancelled")
             elif isinstance(m, AddSource):
-                self.scheduler.sources.append(m.source)
-                if not getattr(m.source, "is_cache", False):
-                    # local prefill then ends as a remote one does: exact first-token logits
-                    self.scheduler.cfg.last_token_alone = True
+                try:
+                    self._add_source(m.source)
+                except Exception as e:
+                    log.warning("KV source %s failed to attach: %s", getattr(m.source, "name", "?"), e)
             elif isinstance(m, RemoveSource):
                 if m.source in self.scheduler.sources:
                     self.scheduler.sources.remove(m.source)
@@ -836,8 +863,9 @@ class Engine:
         seq = self.scheduler.load_finished(load_id, reason)
         if seq is None or meta is None:
             return  # a load that was cancelled (its late DONE or failure is dropped)
-        if reason is not None:
-            log.warning(
+        if reason is not None:  # logged once: by the source itself when it logs its own failures
+            log.log(
+                logging.DEBUG if getattr(meta.source, "logs_failures", False) else logging.WARNING,
                 "KV load %d from %s for %s ended early: %s",
                 load_id,
                 meta.source.name,
@@ -848,6 +876,10 @@ class Engine:
         if a is not None and not getattr(meta.source, "is_cache", False):
             a.remote.bytes += meta.bytes
             a.remote.wait_s += time.perf_counter() - meta.t_start
+            load_info = getattr(meta.source, "load_info", None)
+            info = load_info(load_id) if load_info is not None else None
+            if isinstance(info, dict) and info.get("exact") is not None:
+                a.remote.exact = bool(info["exact"]) and a.remote.exact is not False
 
     def _cancel_at_source(self, source: KVSource, load_id: int) -> None:
         self._load_meta.pop(load_id, None)
@@ -879,7 +911,17 @@ class Engine:
         for src, dst in step.copies:  # copy-on-write of blocks shared by n > 1 choices
             self.pool.copy_block(src, dst)
         rows = [self._row(step, rid, n) for rid, n in step.tokens.items()]
+        prefill = sum(
+            max(min(seq.num_computed + n, seq.num_prompt) - seq.num_computed, 0)
+            for seq, n in ((step.seqs[rid], n) for rid, n in step.tokens.items())
+        )
+        t0 = time.perf_counter()
         logits = self.runner.forward(rows)
+        if prefill >= 16:
+            rate = prefill / max(time.perf_counter() - t0, 1e-9)
+            self._prefill_rate = (
+                rate if self._prefill_rate is None else 0.75 * self._prefill_rate + 0.25 * rate
+            )
         rids = list(step.tokens)
         done = set(self.scheduler.advance(step))
         for x in [self._exports[r] for r in rids if r in self._exports]:
@@ -1047,6 +1089,8 @@ class Engine:
         usage.remote_bytes = a.remote.bytes
         usage.remote_wait_s = a.remote.wait_s
         usage.remote_compute_s = a.remote.compute_s
+        if remote:
+            usage.prefill_exact = a.remote.exact
         if seq.load_failures:
             usage.fallback_reason = "; ".join(seq.load_failures)
         if a.t_first is not None:

@@ -141,6 +141,7 @@ class Usage:
     remote_wait_s: float = 0.0  # from starting the remote load(s) to their end
     remote_compute_s: float = 0.0  # the peer's own compute time, as it reported it
     fallback_reason: str | None = None  # why a KV load ended early (the rest was computed locally)
+    prefill_exact: bool | None = None  # remote KV bit-exact with local prefill (None: nothing remote)
 
     @property
     def total_tokens(self) -> int:

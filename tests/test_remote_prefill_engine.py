@@ -606,7 +606,7 @@ def indexed_blocks_hold_the_reference(engine: Engine, prompt: list[int], ref_kv:
 
 
 @pytest.mark.parametrize("fail_after", [1, 3, 6])
-def test_a_load_that_fails_keeps_the_landed_prefix(llama, fail_after):
+def test_a_load_that_fails_keeps_the_landed_prefix(llama, fail_after, caplog):
     (p,) = prompts(llama.tokenizer.vocab_size, [300], seed=9)
     trio = Trio(llama, tiny_cfg(), fail_after=fail_after)
     try:
@@ -624,6 +624,8 @@ def test_a_load_that_fails_keeps_the_landed_prefix(llama, fail_after):
         assert dec_cap.kv == ref_cap.kv and np.array_equal(dec_cap.logits, ref_cap.logits)
         assert_no_leaks(trio.dec)
         assert trio.dec.stats().kv_load_failures == 1
+        logged = [r for r in caplog.records if r.name == "mlx_engine.engine" and "injected" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].levelname == "WARNING"  # the reason, logged once
         assert indexed_blocks_hold_the_reference(trio.dec, p, ref_cap.kv) == 299 // 16
         # a follow-up request hits the prefix cache, with the same result
         trio.src.enabled = False
@@ -850,3 +852,55 @@ def test_bad_peer_prefills_are_clear_errors_and_a_broken_receiver_ends_only_its_
         peer.shutdown()
     with pytest.raises(EngineShutDownError):
         peer.prefill_for_peer(p, 0, 64, nothing)
+
+
+class Attached(NoPeer):
+    """A source given in EngineConfig.kv_sources: attached on the worker, closed at shutdown;
+    its loads report whether they were exact."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.asked = 0
+
+    def attach(self, engine: Engine) -> None:
+        self.calls.append(("attach", threading.current_thread().name))
+        self.pool_layers = engine.pool.num_layers  # the pool exists by now
+
+    def match(self, tokens: list[int], start: int, end: int) -> int:
+        self.asked += 1
+        return 0
+
+    def close(self) -> None:
+        self.calls.append(("close", threading.current_thread().name))
+
+
+def test_sources_in_the_config_are_attached_asked_and_closed(llama):
+    from mlx_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        EngineConfig(kv_sources="peer:1234").validate()  # type: ignore[arg-type]
+    src = Attached()
+    engine = Engine(llama, tiny_cfg(kv_sources=[src]))
+    try:
+        assert engine.local_prefill_rate() is None
+        (p,) = prompts(llama.tokenizer.vocab_size, [100], seed=17)
+        _, last = run(engine, p)
+        assert src.asked >= 1 and src.pool_layers == llama.num_layers
+        assert last.usage.prefill_location == "local" and last.usage.prefill_exact is None
+        assert last.usage.prompt_tokens_computed == 100
+        assert engine.local_prefill_rate() > 0
+    finally:
+        engine.shutdown()
+    assert src.calls == [("attach", "duet-engine"), ("close", "MainThread")]
+
+
+def test_usage_says_whether_remote_kv_was_exact(llama):
+    (p,) = prompts(llama.tokenizer.vocab_size, [100], seed=18)
+    for exact in (True, False):
+        trio = Trio(llama, tiny_cfg())
+        trio.src.load_info = lambda load_id, exact=exact: {"exact": exact}
+        try:
+            _, last = run(trio.dec, p)
+            assert last.usage.prefill_location == "remote:peer" and last.usage.prefill_exact is exact
+        finally:
+            trio.close()
