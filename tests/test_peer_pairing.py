@@ -8,6 +8,7 @@ import socket
 import stat
 import threading
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -39,6 +40,10 @@ class Capture:
         return getattr(self._sock, name)
 
 
+def wrap(sock: socket.socket, wire: bytearray | None) -> socket.socket:
+    return sock if wire is None else cast(socket.socket, Capture(sock, wire))
+
+
 def side(tmp_path: Path, name: str):
     d = tmp_path / name
     return load_identity(d, name), PairedPeers(d)
@@ -52,14 +57,14 @@ def attempt(shower, joiner, pcode: PairingCode, typed: str, wire: bytearray | No
 
     def run_shower() -> None:
         try:
-            out["shower"] = accept_pairing(Capture(b, wire) if wire is not None else b, pcode, sid, speers)
+            out["shower"] = accept_pairing(wrap(b, wire), pcode, sid, speers)
         except PairingError as e:
             out["shower"] = e
 
     t = threading.Thread(target=run_shower)
     t.start()
     try:
-        out["joiner"] = join_pairing(Capture(a, wire) if wire is not None else a, typed, jid, jpeers)
+        out["joiner"] = join_pairing(wrap(a, wire), typed, jid, jpeers)
     except PairingError as e:
         out["joiner"] = e
     t.join(WAIT)
