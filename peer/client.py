@@ -148,8 +148,9 @@ class RemotePrefillSource:
 
     ``policy`` "always" offers every prompt's uncached part to a healthy peer; "auto" offers it when
     the estimate from measured rates says the peer finishes first (see ``worth_offloading``).
-    ``attach(engine)`` (the engine calls it once its pool exists) builds this side's HELLO and starts
-    connecting; tests without an engine call ``configure(hello, chunk_size)`` instead."""
+    ``attach(engine)`` (``peer.cli.attach_peers`` calls it once the engine runs) builds this side's
+    HELLO from the engine and starts connecting; tests without an engine call
+    ``configure(hello, chunk_size)`` instead. The engine then gets it with ``add_kv_source``."""
 
     def __init__(
         self,
@@ -201,7 +202,7 @@ class RemotePrefillSource:
 
     # --- set-up ------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
-        """Called by the engine once its pool exists: this side's HELLO, the chunk grid, connect."""
+        """This side's HELLO and chunk grid from a running engine, then connect (in the background)."""
         from .identity import local_hello
 
         c = engine.config
@@ -217,8 +218,9 @@ class RemotePrefillSource:
         self.fmt = KVFormat.from_hello(hello)
 
     def connect(self, wait_s: float | None = 0.0) -> bool:
-        """Start connecting (unless connected, connecting or backing off); with ``wait_s`` wait that
-        long for the HELLO exchange to end (None: do not wait). Returns whether the peer is usable."""
+        """Start connecting now (unless connected or connecting; a backoff does not hold it back); with
+        ``wait_s`` wait that long for the HELLO exchange to end (None or 0: do not wait). Returns
+        whether the peer is usable."""
         with self._lock:
             self._start_connect(force=True)
             if wait_s:
