@@ -324,6 +324,7 @@ class Engine:
         self._kv_bytes_loaded = 0
         self._remote_prefills = 0
         self._frames_dropped = 0
+        self._sources_closed = False
         self._prefill_rate: float | None = None  # EWMA of local prefill tokens per second
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
@@ -646,13 +647,19 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join()
         _live_engines.discard(self)
-        for src in list(getattr(getattr(self, "scheduler", None), "sources", ())):
+        with self._lock:
+            sources, self._sources_closed = ([] if self._sources_closed else self._all_sources()), True
+        for src in sources:
             close = getattr(src, "close", None)
             if close is not None:
                 try:
                     close()  # e.g. a peer client's connection and threads
                 except Exception as e:
                     log.warning("KV source %s failed to close: %s", getattr(src, "name", "?"), e)
+
+    def _all_sources(self) -> list[KVSource]:
+        scheduler = getattr(self, "scheduler", None)  # absent when the engine failed to build
+        return list(scheduler.sources) if scheduler is not None else []
 
     def __enter__(self) -> Engine:
         return self
