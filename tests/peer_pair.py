@@ -40,6 +40,7 @@ class Pair:
         hello_change: dict[str, Any] | None = None,
         timeouts: PeerTimeouts | None = None,
         backoff: Backoff | None = None,
+        buffer_cap_bytes: int = 64 << 20,
     ):
         self.ref = Engine(decoder_model, dec_cfg)
         self.ref.add_kv_source(NoPeer())
@@ -57,6 +58,7 @@ class Pair:
             self.server.port,
             timeouts=timeouts or PeerTimeouts(),
             backoff=backoff or Backoff(initial_s=300),  # no retry inside a test unless it says so
+            buffer_cap_bytes=buffer_cap_bytes,
         )
         self.src.attach(self.dec)
         self.dec.add_kv_source(self.src)

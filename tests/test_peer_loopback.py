@@ -261,3 +261,17 @@ def test_the_peer_stops_and_frees_its_blocks_on_cancel_or_disconnect(llama2, how
     finally:
         backend.gate.set()
         pair.close()
+
+
+def test_ingest_stays_within_a_small_receive_buffer(llama2):
+    """A receive pool of two frames: the reader stops reading while the decoder's worker has not
+    applied what it holds, the peer is pushed back, and the result is still exact."""
+    (p,) = prompts(llama2[0].tokenizer.vocab_size, [600], seed=14)
+    frame = 64 * 512  # one layer of one chunk: 64 tokens x 2 heads x 32 dims x K,V x float32
+    pair = Pair(*llama2, tiny_cfg(), buffer_cap_bytes=2 * frame)
+    try:
+        assert per_token_bytes(pair.dec) * 64 == frame
+        assert_exact_remote(pair, p)
+        assert 0 < pair.src._conn.reader.buffers.peak <= 2 * frame
+    finally:
+        pair.close()
