@@ -40,7 +40,7 @@ def run(total: int, chunk: int, use_tls: bool, cfg: tuple) -> tuple[float, str]:
     if use_tls:
         tls, _ = connect_tls(sock, client_context(client_id, client_peers), client_peers)
         cipher = f"{tls.version()} {tls.cipher()[0]}"  # type: ignore[index]
-        sock = tls  # type: ignore[assignment]
+        sock = tls
     payload = memoryview(bytes(chunk))
     t0 = time.perf_counter()
     sent = 0
