@@ -90,15 +90,17 @@ def attach_peers(
     if mode == "never":
         return []
     from .client import PeerTimeouts, RemotePrefillSource
+    from .identity import model_fingerprint
 
+    model_fingerprint(engine.loaded.path)  # hashed here, not on the worker (attach finds it memoised)
     timeouts = PeerTimeouts()
     sources = []
     for host, port in parse_peers(args.peers):
         src = RemotePrefillSource(host, port, policy=mode, timeouts=timeouts)
-        src.attach(engine)
         sources.append(src)
-        engine.add_kv_source(src)
+        engine.add_kv_source(src)  # the worker attaches it: HELLO from the pool, connecting
     _sources[engine] = sources
+    engine.run_on_worker(lambda: None, 300)  # every source is attached
     wait = timeouts.connect_s + timeouts.hello_s if wait_s is None else wait_s
     for src in sources:
         src.connect(wait_s=wait)
@@ -111,11 +113,6 @@ def sources_of(engine: Any) -> list[RemotePrefillSource]:
         return list(_sources.get(engine, ()))
     except TypeError:  # an object that cannot be weakly referenced never got peers
         return []
-
-
-def close_peers(engine: Any) -> None:
-    for src in _sources.pop(engine, ()):
-        src.close()
 
 
 def peer_usage(usage: Any, engine: Any, request_id: str) -> dict[str, Any]:
@@ -157,7 +154,8 @@ def peer_usage(usage: Any, engine: Any, request_id: str) -> dict[str, Any]:
         ]
     if usage.prefill_location.startswith("remote:"):
         used = [s for s in sources if s.name in usage.prefill_location]
-        out["exact"] = all(s.exact for s in used)
+        exact = getattr(usage, "prefill_exact", None)
+        out["exact"] = all(s.exact for s in used) if exact is None else exact
         inexact = [r for s in used for r in s.inexact]
         if inexact:
             out["inexact_reasons"] = inexact

@@ -148,9 +148,11 @@ class RemotePrefillSource:
 
     ``policy`` "always" offers every prompt's uncached part to a healthy peer; "auto" offers it when
     the estimate from measured rates says the peer finishes first (see ``worth_offloading``).
-    ``attach(engine)`` (``peer.cli.attach_peers`` calls it once the engine runs) builds this side's
-    HELLO from the engine and starts connecting; tests without an engine call
-    ``configure(hello, chunk_size)`` instead. The engine then gets it with ``add_kv_source``."""
+    ``attach(engine)`` (the engine calls it on its worker when the source is added, with
+    ``add_kv_source`` or ``EngineConfig.kv_sources``) builds this side's HELLO from the engine and
+    starts connecting; tests without an engine call ``configure(hello, chunk_size)`` instead."""
+
+    logs_failures = True  # the engine logs a failed load at debug level: this source logs it once
 
     def __init__(
         self,
@@ -202,7 +204,8 @@ class RemotePrefillSource:
 
     # --- set-up ------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
-        """This side's HELLO and chunk grid from a running engine, then connect (in the background)."""
+        """This side's HELLO and chunk grid from an engine, then connect (in the background). The
+        engine calls it on its worker when the source is added; it does not block there."""
         from .identity import local_hello
 
         c = engine.config

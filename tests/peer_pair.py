@@ -41,6 +41,7 @@ class Pair:
         timeouts: PeerTimeouts | None = None,
         backoff: Backoff | None = None,
         buffer_cap_bytes: int = 64 << 20,
+        policy: str = "always",
     ):
         self.ref = Engine(decoder_model, dec_cfg)
         self.ref.add_kv_source(NoPeer())
@@ -59,9 +60,10 @@ class Pair:
             timeouts=timeouts or PeerTimeouts(),
             backoff=backoff or Backoff(initial_s=300),  # no retry inside a test unless it says so
             buffer_cap_bytes=buffer_cap_bytes,
+            policy=policy,
         )
-        self.src.attach(self.dec)
-        self.dec.add_kv_source(self.src)
+        self.dec.add_kv_source(self.src)  # attached on the decoder's worker
+        self.dec.run_on_worker(lambda: None, WAIT)
         self.src.connect(wait_s=WAIT)
         self.chunk = min(dec_cfg.prefill_chunk, dec_cfg.max_batch_tokens)
 

@@ -275,3 +275,24 @@ def test_ingest_stays_within_a_small_receive_buffer(llama2):
         assert 0 < pair.src._conn.reader.buffers.peak <= 2 * frame
     finally:
         pair.close()
+
+
+def test_auto_tries_each_side_then_follows_the_measured_rates(llama2):
+    """--remote-prefill auto: the peer first (never measured), then local prefill (never measured:
+    the engine's own rate, Engine.local_prefill_rate), then whichever the estimate says is faster."""
+    p1, p2, p3 = prompts(llama2[0].tokenizer.vocab_size, [200, 210, 220], seed=15)
+    pair = Pair(*llama2, tiny_cfg(), policy="auto")
+    try:
+        assert pair.dec.local_prefill_rate() is None
+        _, first = run(pair.dec, p1)
+        assert first.usage.prefill_location == f"remote:{pair.peer_name}"
+        _, second = run(pair.dec, p2)
+        assert second.usage.prefill_location == "local" and second.usage.prompt_tokens_computed == 210
+        rate = pair.dec.local_prefill_rate()
+        assert rate is not None and pair.src.local_rate() == rate  # the engine's measured rate
+        remote = pair.src.worth_offloading(len(p3) - 1)
+        _, third = run(pair.dec, p3)
+        assert third.usage.prefill_location == (f"remote:{pair.peer_name}" if remote else "local")
+        pair.assert_no_leaks()
+    finally:
+        pair.close()
