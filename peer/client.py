@@ -300,8 +300,10 @@ class RemotePrefillSource:
                 conn.threads.append(t)
                 t.start()
             self._connected.notify_all()
-        note = f" (approximate: {'; '.join(inexact)})" if inexact else " (bit-exact)"
-        log.info("peer %s connected: model %s%s", self.name, remote.model_fingerprint[:24], note)
+        if inexact:  # usable, but its KV will not be bit-exact with local prefill
+            log.warning("peer %s connected; its results are approximate: %s", self.name, "; ".join(inexact))
+        else:
+            log.info("peer %s connected (bit-exact)", self.name)
 
     def close(self) -> None:
         """Drop the connection; loads still running fail with ``disconnected``."""

@@ -223,6 +223,14 @@ class ExportJob:
         if compute_s is None:
             compute_s = time.monotonic() - self.t_start
         self.conn.server.observe_rate(tokens_computed, compute_s)
+        log.info(
+            "peer: prefilled %d tokens for %s (%s; the cache here held %d) in %.2f s",
+            tokens_computed,
+            self.conn.name,
+            self.request_id,
+            self.hit or 0,
+            compute_s,
+        )
         # the job stays on the connection until DONE is sent: a CANCEL before that drops the
         # frames still queued, DONE included
         self.conn.queue_message(Done(self.request_id, self.load_id, tokens_computed, compute_s), self)
@@ -387,6 +395,8 @@ class Connection:
                 self.sock.close()
             reader.buffers.close()
             self.server.connection_ended(self)
+            if self.remote is not None:
+                log.info("peer: decoder %s disconnected", self.name)
 
     def _handshake(self, reader: FrameReader) -> bool:
         frame = reader.read(idle_timeout=self.server.limits.hello_timeout_s)
@@ -407,6 +417,7 @@ class Connection:
             return False
         self.remote, self.wire = hello, wire
         reader.kv_format = wire  # bounds any LAYER_KV (which a peer never accepts anyway)
+        log.info("peer: decoder %s connected", self.name)
         return True
 
     def _handle(self, frame: Frame) -> None:
