@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     add_peer_parser(sub, _add_model_args)
+    from peer.commands import add_peers_parser
+
+    add_peers_parser(sub)
 
     m = sub.add_parser(
         "models",

@@ -175,7 +175,7 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
         description="Prefill peers compute prompts for another Duet (the decoder) and stream the KV "
         "cache to it, layer by layer. Preview: loopback only until peer pairing and TLS exist.",
     )
-    psub = p.add_subparsers(dest="peer_command", metavar="{serve}")
+    psub = p.add_subparsers(dest="peer_command", metavar="{serve,pair,unpair}")
     psub.required = True
     s = psub.add_parser(
         "serve",
@@ -202,6 +202,10 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
         help="most remote prefills computed at once; more get BUSY and prefill locally (default 8)",
     )
     s.set_defaults(func=cmd_peer_serve)
+
+    from .commands import add_pairing_parsers
+
+    add_pairing_parsers(psub)
 
 
 def cmd_peer_serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,294 @@
+"""Finding prefill peers on the local network: DNS-SD over mDNS (python-zeroconf), service type
+``_duet._tcp.local.``.
+
+``Advertiser`` registers this machine's peer on **explicit interface addresses only** (never every
+interface of the machine): zeroconf is bound to those addresses and the service record lists only
+them. ``Browser`` collects the peers seen on the given interfaces. ``txt_record`` builds the TXT
+record from an allowlist of public keys and checks every ``key=value`` against DNS-SD's 255-byte
+limit (python-zeroconf raises a bare ``ValueError`` past it) and the whole record against
+``MAX_TXT_BYTES``:
+
+| key | value |
+|---|---|
+| ``v`` | peer protocol version |
+| ``role`` | ``prefill`` |
+| ``backend`` | metal / cuda / cpu |
+| ``dev`` | device name (e.g. the GPU's) |
+| ``mem`` | device memory, GB |
+| ``models`` | short model fingerprints (12 hex digits each), comma-separated |
+| ``tps`` | measured prefill tokens/s |
+| ``id`` | short id: the first 16 hex digits of the peer's certificate fingerprint |
+
+Nothing secret goes in: the certificate fingerprint is public (it is what pairing pins), and no
+key, code or prompt is ever passed to this module.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
+
+from mlx_engine.errors import ConfigError
+
+SERVICE_TYPE = "_duet._tcp.local."
+TXT_KEYS = ("v", "role", "backend", "dev", "mem", "models", "tps", "id")
+MAX_ENTRY_BYTES = 255
+MAX_TXT_BYTES = 400  # well inside one mDNS packet with the other records
+SHORT_MODEL_CHARS = 12
+_HEX_RE = re.compile(r"^[0-9a-f]+$")
+
+
+def short_model(fp: str) -> str:
+    """``xxh3-128:<hex>`` -> its first 12 hex digits."""
+    return fp.rpartition(":")[2][:SHORT_MODEL_CHARS]
+
+
+def txt_record(
+    *,
+    version: int,
+    backend: str,
+    device: str,
+    memory_gb: float,
+    models: list[str],
+    prefill_tps: float | None,
+    short_id: str,
+    role: str = "prefill",
+) -> dict[str, str]:
+    """The TXT record's key/values, checked: every entry ``key=value`` ≤ 255 bytes, the whole record
+    ≤ ``MAX_TXT_BYTES``, only public values (``ConfigError`` otherwise)."""
+    if not (_HEX_RE.match(short_id) and len(short_id) <= 16):
+        raise ConfigError(f"short id {short_id!r} is not a certificate fingerprint prefix", "id")
+    shorts = [short_model(m) for m in models]
+    for s in shorts:
+        if not _HEX_RE.match(s):
+            raise ConfigError(f"model fingerprint {s!r} is not hex", "models")
+    txt = {
+        "v": str(int(version)),
+        "role": role,
+        "backend": backend,
+        "dev": device,
+        "mem": f"{memory_gb:.0f}",
+        "models": ",".join(shorts),
+        "tps": "" if prefill_tps is None else f"{prefill_tps:.0f}",
+        "id": short_id,
+    }
+    check_txt(txt)
+    return txt
+
+
+def check_txt(txt: dict[str, str]) -> None:
+    total = 0
+    for k, v in txt.items():
+        if k not in TXT_KEYS:
+            raise ConfigError(f"TXT key {k!r} is not one of the public keys {TXT_KEYS}", "txt")
+        n = len(f"{k}={v}".encode())
+        if n > MAX_ENTRY_BYTES:
+            raise ConfigError(f"TXT entry {k!r} is {n} bytes (DNS-SD allows {MAX_ENTRY_BYTES})", "txt")
+        total += n + 1  # each entry carries a length byte
+    if total > MAX_TXT_BYTES:
+        raise ConfigError(f"TXT record is {total} bytes (at most {MAX_TXT_BYTES})", "txt")
+
+
+def _addresses(interfaces: list[str]) -> list[str]:
+    if not interfaces:
+        raise ConfigError(
+            "advertising needs at least one --interface IP (never every interface)", "interface"
+        )
+    out = []
+    for ip in interfaces:
+        try:
+            addr = ipaddress.ip_address(ip.split("%")[0])
+        except ValueError:
+            raise ConfigError(f"--interface {ip!r} is not an IP address", "interface") from None
+        if addr.is_unspecified:
+            raise ConfigError(f"--interface {ip!r}: name one interface's address, not all", "interface")
+        out.append(ip)
+    return out
+
+
+def _ip_version(addrs: list[str]) -> IPVersion:
+    v6 = [":" in a for a in addrs]
+    return IPVersion.V6Only if all(v6) else IPVersion.V4Only if not any(v6) else IPVersion.All
+
+
+def _zeroconf(interfaces: list[str]) -> Zeroconf:
+    addrs = _addresses(interfaces)
+    return Zeroconf(interfaces=addrs, ip_version=_ip_version(addrs))
+
+
+class Advertiser:
+    """Registers ``<name>._duet._tcp.local.`` on the given interface addresses only."""
+
+    def __init__(self, name: str, port: int, txt: dict[str, str], interfaces: list[str]):
+        check_txt(txt)
+        self.addresses = _addresses(interfaces)
+        self.zc = _zeroconf(self.addresses)
+        host = f"{name}-{txt.get('id', '')[:6]}".strip("-")
+        self.info = ServiceInfo(
+            SERVICE_TYPE,
+            f"{name}.{SERVICE_TYPE}",
+            port=port,
+            properties=txt,
+            server=f"{host}.local.",
+            parsed_addresses=[a.split("%")[0] for a in self.addresses],
+        )
+        self.zc.register_service(self.info, allow_name_change=True)
+
+    def close(self) -> None:
+        try:
+            self.zc.unregister_service(self.info)
+        finally:
+            self.zc.close()
+
+    def __enter__(self) -> Advertiser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class DiscoveredPeer:
+    name: str
+    addresses: list[str]
+    port: int
+    txt: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def short_id(self) -> str:
+        return self.txt.get("id", "")
+
+    def as_dict(self, paired: bool) -> dict[str, Any]:
+        t = self.txt
+        return {
+            "name": self.name,
+            "addresses": self.addresses,
+            "port": self.port,
+            "backend": t.get("backend", ""),
+            "device": t.get("dev", ""),
+            "memory_gb": t.get("mem", ""),
+            "models": [m for m in t.get("models", "").split(",") if m],
+            "prefill_tps": t.get("tps", ""),
+            "id": self.short_id,
+            "protocol": t.get("v", ""),
+            "paired": paired,
+        }
+
+
+def _decode_txt(props: dict[bytes, bytes | None]) -> dict[str, str]:
+    out = {}
+    for k, v in props.items():
+        key = k.decode("utf-8", "replace")
+        if key in TXT_KEYS:
+            out[key] = (v or b"").decode("utf-8", "replace")[:MAX_ENTRY_BYTES]
+    return out
+
+
+class Browser:
+    """Collects ``_duet._tcp`` peers seen on ``interfaces`` (addresses; None: every interface, for
+    the ``duet peers`` command only)."""
+
+    def __init__(self, interfaces: list[str] | None = None):
+        self.zc = _zeroconf(interfaces) if interfaces else Zeroconf()
+        self.peers: dict[str, DiscoveredPeer] = {}
+        self._cond = threading.Condition()
+        self._browser = ServiceBrowser(self.zc, SERVICE_TYPE, handlers=[self._on_change])
+
+    def _on_change(
+        self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange
+    ) -> None:
+        if state_change is ServiceStateChange.Removed:
+            with self._cond:
+                self.peers.pop(name, None)
+                self._cond.notify_all()
+            return
+        threading.Thread(target=self._resolve, args=(service_type, name), daemon=True).start()
+
+    def _resolve(self, service_type: str, name: str) -> None:
+        info = self.zc.get_service_info(service_type, name, timeout=3000)
+        if info is None or info.port is None:
+            return
+        short = name.removesuffix("." + SERVICE_TYPE)
+        peer = DiscoveredPeer(short, info.parsed_scoped_addresses(), info.port, _decode_txt(info.properties))
+        with self._cond:
+            self.peers[name] = peer
+            self._cond.notify_all()
+
+    def wait_for(self, name: str | None, timeout: float) -> list[DiscoveredPeer]:
+        """Wait until a peer called ``name`` is seen (or any peer, ``name`` None), at most ``timeout``
+        seconds; returns the peers seen so far."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                found = [p for p in self.peers.values() if name is None or p.name == name]
+                left = deadline - time.monotonic()
+                if found or left <= 0:
+                    return list(self.peers.values())
+                self._cond.wait(left)
+
+    def collect(self, seconds: float) -> list[DiscoveredPeer]:
+        """Every peer seen within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return list(self.peers.values())
+
+    def close(self) -> None:
+        self._browser.cancel()
+        self.zc.close()
+
+    def __enter__(self) -> Browser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def host_port(peer: DiscoveredPeer) -> str:
+    addr = peer.addresses[0] if peer.addresses else "?"
+    return f"[{addr}]:{peer.port}" if ":" in addr else f"{addr}:{peer.port}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    cols = ("name", "address", "backend", "device", "models", "prefill tok/s", "id", "paired")
+    lines = [cols]
+    for r in rows:
+        addr = r["addresses"][0] if r["addresses"] else "?"
+        lines.append(
+            (
+                r["name"],
+                f"[{addr}]:{r['port']}" if ":" in addr else f"{addr}:{r['port']}",
+                r["backend"],
+                r["device"],
+                ",".join(r["models"]) or "-",
+                r["prefill_tps"] or "-",
+                r["id"],
+                "yes" if r["paired"] else "no",
+            )
+        )
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(cols))]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def local_ip_for(interface: str) -> str:
+    """``interface`` as given (an address), checked to be one of this machine's."""
+    addr = interface.split("%")[0]
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((addr, 0))
+        except OSError:
+            raise ConfigError(
+                f"--interface {interface!r} is not an address of this machine", "interface"
+            ) from None
+    return interface
