@@ -1,0 +1,207 @@
+"""Discovery: the TXT record stays within DNS-SD limits and holds nothing secret; and over a real
+network, two network namespaces joined by a veth pair (made here, unique names, deleted with every
+process in them even on failure): a peer advertised with mDNS bound to its veth address only is
+found by ``duet peers`` in the other namespace, after pairing with a code over the same link."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mlx_engine.errors import ConfigError
+from peer.discovery import MAX_ENTRY_BYTES, SERVICE_TYPE, TXT_KEYS, check_txt, txt_record
+from peer.keys import load_identity
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT = 30
+
+
+def good_txt(**over):
+    kw = dict(
+        version=1,
+        backend="cuda",
+        device="NVIDIA H200",
+        memory_gb=141,
+        models=["xxh3-128:" + "ab" * 16, "xxh3-128:" + "cd" * 16],
+        prefill_tps=15234.7,
+        short_id="0123456789abcdef",
+    )
+    kw.update(over)
+    return txt_record(**kw)
+
+
+def test_txt_record_within_dns_sd_limits_and_public_only(tmp_path):
+    ident = load_identity(tmp_path, "gpu")
+    txt = good_txt(short_id=ident.short_id)
+    assert set(txt) == set(TXT_KEYS)
+    assert (
+        txt["models"] == "abababababab,cdcdcdcdcdcd" and txt["tps"] == "15235" and txt["id"] == ident.short_id
+    )
+    encoded = b"".join(f"{k}={v}".encode() for k, v in txt.items())
+    assert all(len(f"{k}={v}".encode()) <= MAX_ENTRY_BYTES for k, v in txt.items())
+    key_pem = ident.key_path.read_bytes()
+    secret_lines = [line for line in key_pem.splitlines() if b"-----" not in line]
+    assert secret_lines and not any(line[:16] in encoded for line in secret_lines)
+    assert ident.fingerprint not in encoded.decode()  # only the 16-digit prefix
+    from zeroconf import ServiceInfo
+
+    info = ServiceInfo(
+        SERVICE_TYPE, f"gpu.{SERVICE_TYPE}", port=7611, properties=txt, addresses=[b"\n\0\0\1"]
+    )
+    assert len(info.text) <= 400
+
+    with pytest.raises(ConfigError, match="255"):
+        good_txt(device="x" * 260)
+    with pytest.raises(ConfigError, match="at most"):
+        good_txt(device="x" * 200, models=[f"xxh3-128:{i:032x}" for i in range(18)])
+    with pytest.raises(ConfigError, match="not one of the public keys"):
+        check_txt({**txt, "code": "1234-5678"})
+    with pytest.raises(ConfigError, match="fingerprint prefix"):
+        good_txt(short_id=ident.fingerprint)
+
+
+# --- two namespaces ---------------------------------------------------------------------------
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=WAIT)
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = f"duetprobe{secrets.token_hex(3)}"
+    try:
+        _ip("netns", "add", probe)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"`ip netns add` is unavailable here: {e}"
+    _ip("netns", "del", probe)
+    return None
+
+
+def _kill_all_in(ns: str) -> None:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=WAIT).stdout
+    for pid in out.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def netns_pair() -> Iterator[tuple[str, str, str, str]]:
+    """(ns_a, ip_a, ns_b, ip_b): two namespaces joined by a veth pair."""
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = secrets.token_hex(3)
+    a, b = f"duet-{tag}-a", f"duet-{tag}-b"
+    octet = int(tag[:2], 16) % 250 + 1
+    ip_a, ip_b = f"10.213.{octet}.1", f"10.213.{octet}.2"
+    made: list[str] = []
+    try:
+        for ns in (a, b):
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("link", "add", f"dv{tag}a", "netns", a, "type", "veth", "peer", "name", f"dv{tag}b", "netns", b)
+        for ns, ifname, ip in ((a, f"dv{tag}a", ip_a), (b, f"dv{tag}b", ip_b)):
+            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", ifname)
+            _ip("-n", ns, "link", "set", ifname, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield a, ip_a, b, ip_b
+    finally:
+        for ns in made:
+            _kill_all_in(ns)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=WAIT)
+
+
+def _in_ns(ns: str, config: Path, *argv: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "DUET_CONFIG_DIR": str(config), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *argv],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+DUET = [sys.executable, "-m", "app.cli"]
+ADVERTISE = """
+import sys
+from peer.discovery import Advertiser, txt_record
+from peer.keys import load_identity
+ident = load_identity()
+txt = txt_record(version=1, backend="cuda", device="NVIDIA H200", memory_gb=141,
+                 models=["xxh3-128:" + "ab" * 16], prefill_tps=15000.0, short_id=ident.short_id)
+with Advertiser("gpu", 7611, txt, [sys.argv[1]]):
+    print("ready", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_pair_and_discover_over_a_veth_between_two_namespaces(netns_pair, tmp_path):
+    ns_a, ip_a, ns_b, ip_b = netns_pair
+    gpu_dir, mac_dir = tmp_path / "gpu", tmp_path / "mac"
+    # pair over the link: the GPU box shows a code, the Mac types it
+    shower = _in_ns(ns_a, gpu_dir, *DUET, "peer", "pair", "--host", ip_a, "--name", "gpu")
+    try:
+        assert shower.stdout is not None
+        line = shower.stdout.readline()
+        assert line.startswith("pairing code: "), shower.stderr.read() if shower.stderr else line
+        code = line.split(": ")[1].strip()
+        joiner = _in_ns(ns_b, mac_dir, *DUET, "peer", "pair", "--name", "mac", "--code", code, ip_a)
+        out, err = joiner.communicate(timeout=WAIT)
+        assert joiner.returncode == 0, err
+        assert out.startswith("paired with gpu")
+        rest, err = shower.communicate(timeout=WAIT)
+        assert shower.returncode == 0, err
+        assert rest.startswith("paired with mac")
+    finally:
+        shower.kill()
+        shower.wait(WAIT)
+
+    advertiser = _in_ns(ns_a, gpu_dir, sys.executable, "-c", ADVERTISE, ip_a, stdin=subprocess.PIPE)
+    try:
+        assert advertiser.stdout is not None and advertiser.stdout.readline().strip() == "ready"
+        browse = _in_ns(
+            ns_b,
+            mac_dir,
+            *DUET,
+            "peers",
+            "--interface",
+            ip_b,
+            "--wait-for",
+            "gpu",
+            "--timeout",
+            str(WAIT),
+            "--json",
+        )
+        out, err = browse.communicate(timeout=WAIT + 10)
+        assert browse.returncode == 0, err
+        peers = json.loads(out)["peers"]
+        assert [p["name"] for p in peers] == ["gpu"]
+        p = peers[0]
+        assert p["addresses"] == [ip_a] and p["port"] == 7611
+        assert (p["backend"], p["device"], p["models"], p["prefill_tps"]) == (
+            "cuda",
+            "NVIDIA H200",
+            ["abababababab"],
+            "15000",
+        )
+        assert p["paired"] is True and p["id"] == load_identity(gpu_dir).short_id
+    finally:
+        advertiser.kill()
+        advertiser.wait(WAIT)
