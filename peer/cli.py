@@ -175,7 +175,7 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
         description="Prefill peers compute prompts for another Duet (the decoder) and stream the KV "
         "cache to it, layer by layer. Preview: loopback only until peer pairing and TLS exist.",
     )
-    psub = p.add_subparsers(dest="peer_command", metavar="{serve,pair,unpair}")
+    psub = p.add_subparsers(dest="peer_command", metavar="{serve,pair,unpair}", help="what to do")
     psub.required = True
     s = psub.add_parser(
         "serve",

@@ -353,14 +353,29 @@ def test_line_chat_drops_old_turns_to_fit_and_survives_a_message_too_long(
 
 # --- help ---------------------------------------------------------------------------------------
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every command, and every command of a command (``peer serve``), by its name."""
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices)
+    out = dict(sub.choices)
+    for name, p in sub.choices.items():
+        if any(isinstance(a, argparse._SubParsersAction) for a in p._actions):
+            out.update({f"{name} {k}": v for k, v in subcommands(p).items()})
+    return out
 
 
 def test_every_option_of_every_command_has_help():
     parser = cli.build_parser()
     commands = subcommands(parser)
-    assert set(commands) == {"generate", "chat", "serve", "models"}
+    assert set(commands) == {
+        "generate",
+        "chat",
+        "serve",
+        "models",
+        "peer",
+        "peer serve",
+        "peer pair",
+        "peer unpair",
+        "peers",
+    }
     missing = []
     for name, p in commands.items():
         assert p.description, f"duet {name} has no description"
