@@ -13,13 +13,16 @@ peer (``peer/tls.py``); on load every certificate must hash to its recorded fing
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import json
 import os
 import re
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +99,17 @@ def _write_private(path: Path, data: bytes) -> None:
         raise
 
 
+@contextlib.contextmanager
+def _dir_lock(d: Path) -> Iterator[None]:
+    """An exclusive advisory lock (``flock``) on ``d/.lock`` across processes."""
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 @dataclass(frozen=True)
 class Identity:
     """This machine's certificate and key (paths, for ``ssl``) and what others know it by."""
@@ -164,7 +178,7 @@ def load_identity(directory: Path | None = None, name: str | None = None) -> Ide
     """This machine's identity, made on first use (certificate and key 0600 in ``directory``)."""
     d = _private_dir(directory or config_dir())
     cert_path, key_path = d / CERT_FILE, d / KEY_FILE
-    with _lock:
+    with _lock, _dir_lock(d):  # two processes starting at once make one key pair, not a mix
         if not (cert_path.is_file() and key_path.is_file()):
             cert_pem, key_pem = _make_certificate(check_name(name or device_name()))
             _write_private(key_path, key_pem)
@@ -231,22 +245,24 @@ class PairedPeers:
         cert = x509.load_pem_x509_certificate(cert_pem.encode())
         fp = fingerprint(cert.public_bytes(serialization.Encoding.DER))
         pem = cert.public_bytes(serialization.Encoding.PEM).decode()
-        peers = {n: p for n, p in self.load().items() if p.fingerprint != fp}
-        final, i = name, 1
-        while final in peers:
-            i += 1
-            final = f"{name[:58]}-{i}"
-        peers[final] = PairedPeer(final, fp, pem)
-        self._save(peers)
+        with _dir_lock(_private_dir(self.path.parent)):
+            peers = {n: p for n, p in self.load().items() if p.fingerprint != fp}
+            final, i = name, 1
+            while final in peers:
+                i += 1
+                final = f"{name[:58]}-{i}"
+            peers[final] = PairedPeer(final, fp, pem)
+            self._save(peers)
         return peers[final]
 
     def remove(self, name: str) -> PairedPeer:
-        peers = self.load()
-        if name not in peers:
-            known = ", ".join(sorted(peers)) or "none"
-            raise ConfigError(f"no paired peer named {name!r} (paired: {known})", "name")
-        gone = peers.pop(name)
-        self._save(peers)
+        with _dir_lock(_private_dir(self.path.parent)):
+            peers = self.load()
+            if name not in peers:
+                known = ", ".join(sorted(peers)) or "none"
+                raise ConfigError(f"no paired peer named {name!r} (paired: {known})", "name")
+            gone = peers.pop(name)
+            self._save(peers)
         return gone
 
     def by_fingerprint(self, fp: str) -> PairedPeer | None:

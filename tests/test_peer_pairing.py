@@ -190,3 +190,28 @@ def test_codes_and_identity(tmp_path):
     assert list(peers.load()) == ["mac"]
     peers.remove("mac")
     assert peers.load() == {}
+
+
+def test_processes_starting_at_once_make_one_matching_key_pair(tmp_path):
+    import subprocess
+    import sys
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    root = Path(__file__).resolve().parent.parent
+    script = "import sys; from pathlib import Path; from peer.keys import load_identity; print(load_identity(Path(sys.argv[1])).fingerprint)"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path / "c")], cwd=root, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
+    fps = {p.communicate(timeout=WAIT)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(fps) == 1
+    ident = load_identity(tmp_path / "c")
+    assert fps == {ident.fingerprint}
+    key = serialization.load_pem_private_key(ident.key_path.read_bytes(), None)
+    cert = x509.load_der_x509_certificate(ident.cert_der)
+    raw = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    assert key.public_key().public_bytes(*raw) == cert.public_key().public_bytes(*raw)
