@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import socket
 import ssl
+from pathlib import Path
 
 from mlx_engine.errors import DuetError
 
-from .keys import Identity, PairedPeer, PairedPeers, fingerprint, short_id
+from .keys import Identity, PairedPeer, PairedPeers, fingerprint, load_identity, short_id
 
 ACCEPTED = b"\x01"
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -144,3 +145,24 @@ def connect_tls(
         raise
     tls.settimeout(None)
     return tls, peer
+
+
+class PeerTLS:
+    """This machine's side of peer TLS, for the prefill server and client: ``wrap_server`` /
+    ``wrap_client`` on a connected socket. The paired set is re-read for every connection, so
+    ``duet peer unpair`` takes effect for the next one."""
+
+    def __init__(self, identity: Identity, peers: PairedPeers):
+        self.identity, self.peers = identity, peers
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> PeerTLS:
+        """From the config directory (``DUET_CONFIG_DIR`` or platformdirs'); the identity is made on
+        first use."""
+        return cls(load_identity(directory), PairedPeers(directory))
+
+    def wrap_server(self, sock: socket.socket) -> tuple[ssl.SSLSocket, PairedPeer]:
+        return accept_tls(sock, server_context(self.identity, self.peers), self.peers)
+
+    def wrap_client(self, sock: socket.socket, who: str = "the peer") -> tuple[ssl.SSLSocket, PairedPeer]:
+        return connect_tls(sock, client_context(self.identity, self.peers), self.peers, who=who)

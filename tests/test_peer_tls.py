@@ -117,3 +117,39 @@ def test_unpaired_after_unpair_and_no_peers(tmp_path):
         server_context(*gpu)
     ctx = client_context(*mac)
     assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3 and ctx.verify_mode == ssl.CERT_REQUIRED
+
+
+def test_peer_tls_rereads_the_paired_set_per_connection(tmp_path):
+    from peer.tls import PeerTLS
+
+    gpu, mac, other = machine(tmp_path, "gpu"), machine(tmp_path, "mac"), machine(tmp_path, "other")
+    pair(gpu, mac)
+    pair(gpu, other)  # the server keeps one paired peer after the Mac is unpaired
+    server, client = PeerTLS.load(tmp_path / "gpu"), PeerTLS.load(tmp_path / "mac")
+    assert server.identity.fingerprint == gpu[0].fingerprint
+
+    def once():
+        a, b = socket.socketpair()
+        out: dict[str, object] = {}
+
+        def srv() -> None:
+            try:
+                out["s"] = server.wrap_server(b)[1].name
+            except PeerAuthError as e:
+                out["s"] = e
+
+        t = threading.Thread(target=srv)
+        t.start()
+        try:
+            out["c"] = client.wrap_client(a, "gpu")[1].name
+        except PeerAuthError as e:
+            out["c"] = e
+        t.join(WAIT)
+        a.close()
+        b.close()
+        return out["s"], out["c"]
+
+    assert once() == ("mac", "gpu")
+    gpu[1].remove("mac")
+    s, c = once()
+    assert isinstance(s, PeerAuthError) and isinstance(c, PeerAuthError)
