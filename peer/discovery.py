@@ -83,6 +83,34 @@ def txt_record(
     return txt
 
 
+def txt_for(hello: Any, *, short_id: str, prefill_tps: float | None) -> dict[str, str]:
+    """The TXT record of a prefill peer serving ``hello`` (its ``peer.protocol.Hello``), with this
+    machine's device name and memory from MLX (``mx.device_info()``; memory 0 when unknown)."""
+    device, memory_gb = device_description()
+    return txt_record(
+        version=hello.protocol_max,
+        backend=hello.backend,
+        device=device,
+        memory_gb=memory_gb,
+        models=[hello.model_fingerprint],
+        prefill_tps=prefill_tps,
+        short_id=short_id,
+    )
+
+
+def device_description() -> tuple[str, float]:
+    """(device name, memory in GB) as MLX reports them; at most 64 characters of name."""
+    try:
+        import mlx.core as mx
+
+        info = dict(mx.device_info())
+    except Exception:  # an MLX without device_info, or no device: still advertise
+        info = {}
+    name = str(info.get("device_name") or info.get("architecture") or "unknown")[:64]
+    mem = info.get("memory_size") or info.get("total_memory") or 0
+    return name, float(mem) / 1e9 if isinstance(mem, int | float) else 0.0
+
+
 def check_txt(txt: dict[str, str]) -> None:
     total = 0
     for k, v in txt.items():

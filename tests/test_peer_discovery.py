@@ -205,3 +205,16 @@ def test_pair_and_discover_over_a_veth_between_two_namespaces(netns_pair, tmp_pa
     finally:
         advertiser.kill()
         advertiser.wait(WAIT)
+
+
+def test_txt_for_a_serving_peer(tmp_path):
+    from peer.discovery import txt_for
+    from tests.peer_fakes import fake_hello
+
+    hello = fake_hello()
+    ident = load_identity(tmp_path, "gpu")
+    txt = txt_for(hello, short_id=ident.short_id, prefill_tps=None)
+    assert txt["v"] == str(hello.protocol_max) and txt["backend"] == hello.backend
+    assert txt["models"] == hello.model_fingerprint.rpartition(":")[2][:12] and txt["tps"] == ""
+    assert txt["dev"] and txt["id"] == ident.short_id
+    check_txt(txt)
