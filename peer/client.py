@@ -29,7 +29,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_engine.kv_source import LandedKV
 
@@ -48,6 +48,9 @@ from .protocol import (
     Prefill,
     ProtocolError,
 )
+
+if TYPE_CHECKING:
+    from .tls import PeerTLS
 
 log = logging.getLogger("duet.peer.client")
 
@@ -165,6 +168,7 @@ class RemotePrefillSource:
         buffer_cap_bytes: int = 64 * MiB,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tls: PeerTLS | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
@@ -174,6 +178,7 @@ class RemotePrefillSource:
         self.backoff = backoff or Backoff()
         self.buffer_cap = buffer_cap_bytes
         self.clock = clock
+        self.tls = tls  # mutual TLS 1.3 with a paired peer (peer/tls.py), before the HELLO
         self.local: Hello | None = None
         self.remote: Hello | None = None
         self.fmt: KVFormat | None = None
@@ -253,6 +258,14 @@ class RemotePrefillSource:
                 raise ProtocolError(ErrorCode.DISCONNECTED, f"cannot connect: {e.strerror or e}") from None
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                from .tls import PeerAuthError
+
+                try:
+                    sock = self.tls.wrap_client(sock, who=self.name)[0]
+                except PeerAuthError as e:  # nothing of the model or prompt was sent
+                    sock = None
+                    raise ProtocolError(ErrorCode.DISCONNECTED, str(e)) from None
             try:
                 send_frame(sock, encode_message(self.local))
             except OSError as e:
@@ -518,10 +531,13 @@ class RemotePrefillSource:
         try:
             while not conn.closed.is_set():
                 timeout = self._expire(conn)
-                events = conn.selector.select(timeout)
+                pending = getattr(conn.sock, "pending", None)  # TLS may hold decrypted bytes already
+                buffered = pending is not None and pending() > 0
+                events = conn.selector.select(0 if buffered else timeout)
                 if any(key.fileobj is conn.wake_r for key, _ in events):
                     conn.drain_wake()
-                if not any(key.fileobj is conn.sock for key, _ in events) or conn.closed.is_set():
+                readable = buffered or any(key.fileobj is conn.sock for key, _ in events)
+                if not readable or conn.closed.is_set():
                     continue
                 frame = conn.reader.read()
                 if frame is None:

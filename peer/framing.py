@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import selectors
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -82,7 +83,7 @@ def send_frame(sock: socket.socket, buffers) -> None:
     """Write every buffer, in order, with as few system calls as the kernel allows."""
     views = [_byte_view(b) for b in buffers]
     views = [v for v in views if v.nbytes]
-    if not hasattr(sock, "sendmsg"):
+    if not hasattr(sock, "sendmsg") or isinstance(sock, ssl.SSLSocket):  # TLS refuses sendmsg
         for v in views:
             sock.sendall(v)
         return

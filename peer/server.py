@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from .protocol import (
     Prefill,
     ProtocolError,
 )
+
+if TYPE_CHECKING:
+    from .tls import PeerTLS
 
 log = logging.getLogger("duet.peer.server")
 
@@ -499,7 +502,8 @@ class ServerStats:
 
 
 class PeerServer:
-    """Serve ``backend`` to decoders on ``host:port`` (loopback only). ``start()`` listens and
+    """Serve ``backend`` to decoders on ``host:port`` (loopback only, unless ``tls`` is given: then
+    any address, paired decoders only, over mutual TLS 1.3). ``start()`` listens and
     accepts in a thread; ``close()`` stops it and drops every connection (their exports are
     cancelled)."""
 
@@ -513,8 +517,10 @@ class PeerServer:
         limits: ServerLimits | None = None,
         connection_class: type[Connection] = Connection,
         sock: socket.socket | None = None,
+        tls: PeerTLS | None = None,
     ):
         self.backend, self.hello = backend, hello
+        self.tls = tls  # every connection mutual TLS 1.3 with a paired decoder (peer/tls.py)
         self.limits = limits or ServerLimits()
         self.connection_class = connection_class
         self.host, self.port = host, port
@@ -530,8 +536,9 @@ class PeerServer:
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> PeerServer:
-        if self._listener is None:
+        if self._listener is None and self.tls is None:
             check_loopback(self.host)
+        if self._listener is None:
             self._listener = _listen(self.host, self.port)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name="duet-peer-accept", daemon=True)
@@ -570,19 +577,44 @@ class PeerServer:
                 return
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = self.connection_class(self, sock, addr)
-            with self._lock:
-                full = len(self._conns) >= self.limits.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                with contextlib.suppress(OSError):
-                    send_frame(sock, encode_message(Error(ErrorCode.BUSY, "too many decoders are connected")))
-                sock.close()
-                self.count("connections_refused")
-                continue
-            self.count("connections")
-            threading.Thread(target=conn.serve, name=f"duet-peer-conn {conn.name}", daemon=True).start()
+            if self.tls is not None:  # the handshake runs on a thread of its own, never blocking accept
+                threading.Thread(target=self._admit_tls, args=(sock, addr), daemon=True).start()
+            else:
+                self._admit(sock, addr)
+
+    def _admit_tls(self, sock: socket.socket, addr: Any) -> None:
+        """TLS handshake and pin check before anything of the peer protocol; an unpaired decoder is
+        refused (both sides say why) and never reaches ``Connection``."""
+        from .tls import PeerAuthError
+
+        assert self.tls is not None
+        who = addr[0] if isinstance(addr, tuple) else str(addr)
+        try:
+            tls, peer = self.tls.wrap_server(sock)
+        except PeerAuthError as e:
+            log.warning("peer: %s (from %s)", e, who)
+            self.count("connections_unpaired")
+            return
+        if self._closing.is_set():
+            tls.close()
+            return
+        log.info("peer: %s is paired decoder %s (TLS 1.3)", who, peer.name)
+        self._admit(tls, addr)
+
+    def _admit(self, sock: socket.socket, addr: Any) -> None:
+        conn = self.connection_class(self, sock, addr)
+        with self._lock:
+            full = len(self._conns) >= self.limits.max_connections
+            if not full:
+                self._conns.add(conn)
+        if full:
+            with contextlib.suppress(OSError):
+                send_frame(sock, encode_message(Error(ErrorCode.BUSY, "too many decoders are connected")))
+            sock.close()
+            self.count("connections_refused")
+            return
+        self.count("connections")
+        threading.Thread(target=conn.serve, name=f"duet-peer-conn {conn.name}", daemon=True).start()
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def count(self, name: str, n: int = 1) -> None:
