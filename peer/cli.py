@@ -77,7 +77,11 @@ def remote_prefill_mode(args: argparse.Namespace) -> str:
 
 def check_peer_args(args: argparse.Namespace) -> None:
     """The peer options, checked before anything loads."""
-    remote_prefill_mode(args)
+    if remote_prefill_mode(args) != "never":
+        from .tls import tls_for_address
+
+        for host, _ in parse_peers(getattr(args, "peers", None)):
+            tls_for_address(host, "--peers")  # a network peer needs pairing first
 
 
 def attach_peers(
@@ -91,12 +95,14 @@ def attach_peers(
         return []
     from .client import PeerTimeouts, RemotePrefillSource
     from .identity import model_fingerprint
+    from .tls import tls_for_address
 
     model_fingerprint(engine.loaded.path)  # hashed here, not on the worker (attach finds it memoised)
     timeouts = PeerTimeouts()
     sources = []
     for host, port in parse_peers(args.peers):
-        src = RemotePrefillSource(host, port, policy=mode, timeouts=timeouts)
+        tls = tls_for_address(host, "--peers")  # a peer on a network: mutual TLS, paired only
+        src = RemotePrefillSource(host, port, policy=mode, timeouts=timeouts, tls=tls)
         sources.append(src)
         engine.add_kv_source(src)  # the worker attaches it: HELLO from the pool, connecting
     _sources[engine] = sources
@@ -187,7 +193,8 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
     s.add_argument(
         "--host",
         default="127.0.0.1",
-        help="address to listen on: loopback only (127.0.0.1, ::1, localhost) until pairing exists",
+        help="address to listen on: loopback (127.0.0.1, the default) serves this machine over plain "
+        "TCP; any other address serves paired machines only, over mutual TLS 1.3 (docs/peers.md)",
     )
     s.add_argument(
         "--port",
@@ -215,10 +222,11 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
     from .handshake import check_supported
     from .identity import local_hello
     from .protocol import ProtocolError
-    from .server import EngineBackend, PeerServer, ServerLimits, _listen, check_loopback
+    from .server import EngineBackend, PeerServer, ServerLimits, _listen
+    from .tls import tls_for_address
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    check_loopback(args.host)
+    tls = tls_for_address(args.host)  # not loopback: paired decoders only, over mutual TLS
     limits = ServerLimits()
     if args.max_exports is not None:
         if args.max_exports < 1:
@@ -240,14 +248,17 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
             check_supported(hello)
         except ProtocolError as e:
             raise ConfigError(f"{engine.model_name} cannot serve remote prefill: {e}", "model") from None
-        server = PeerServer(EngineBackend(engine), hello, args.host, limits=limits, sock=sock).start()
+        server = PeerServer(
+            EngineBackend(engine), hello, args.host, limits=limits, sock=sock, tls=tls
+        ).start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         s = engine.stats()
         host = f"[{args.host.strip('[]')}]" if ":" in args.host else args.host
         print(
             f"duet: prefill peer serving {engine.model_name} ({s.backend}, {s.weight_format} weights, "
-            f"model {hello.model_fingerprint[:24]}) at {host}:{server.port}",
+            f"model {hello.model_fingerprint[:24]}) at {host}:{server.port}"
+            + (f", mutual TLS with paired machines only (this one is {tls.identity.name})" if tls else ""),
             file=sys.stderr,
             flush=True,
         )

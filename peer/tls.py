@@ -23,11 +23,12 @@ without ever having sent application data.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import ssl
 from pathlib import Path
 
-from mlx_engine.errors import DuetError
+from mlx_engine.errors import ConfigError, DuetError
 
 from .keys import Identity, PairedPeer, PairedPeers, fingerprint, load_identity, short_id
 
@@ -166,3 +167,30 @@ class PeerTLS:
 
     def wrap_client(self, sock: socket.socket, who: str = "the peer") -> tuple[ssl.SSLSocket, PairedPeer]:
         return connect_tls(sock, client_context(self.identity, self.peers), self.peers, who=who)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback one (False when it does not resolve)."""
+    bare = host.strip("[]").split("%")[0]
+    try:
+        infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+        addrs = {ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos}
+    except (OSError, ValueError):
+        return False
+    return bool(addrs) and all(a.is_loopback for a in addrs)
+
+
+def tls_for_address(host: str, flag: str = "--host", directory: Path | None = None) -> PeerTLS | None:
+    """The peer link's security for ``host``: loopback (this machine only) stays plain TCP; any
+    other address is mutual TLS 1.3 with paired peers only, both for ``duet peer serve --host`` and
+    for ``--peers HOST:PORT``. ``ConfigError`` (nothing made on disk) when this machine has paired
+    with nobody yet."""
+    if is_loopback(host):
+        return None
+    if not PairedPeers(directory).load():
+        raise ConfigError(
+            f"{flag} {host} is not a loopback address: machines on a network must be paired first "
+            "(duet peer pair on the GPU box, then duet peer pair --code NNNN-NNNN HOST on the other)",
+            flag.lstrip("-").replace("-", "_"),
+        )
+    return PeerTLS.load(directory)

@@ -265,3 +265,19 @@ def test_unpaired_decoder_gets_nothing_and_the_peer_computes_nothing(tmp_path, c
     assert not ok and backend.started == [] and server.stats.counts.get("connections", 0) == 0
     assert src.last_error is not None and "gpu refused this machine" in src.last_error[1]
     assert _token_bytes() not in wire and b"hello" not in wire
+
+
+def test_loopback_stays_plain_and_a_network_address_needs_pairing(tmp_path):
+    from mlx_engine.errors import ConfigError
+    from peer.tls import PeerTLS, tls_for_address
+
+    d = tmp_path / "mac"
+    for host in ("127.0.0.1", "::1", "localhost", "[::1]"):
+        assert tls_for_address(host, directory=d) is None
+    with pytest.raises(ConfigError, match="--peers 192.0.2.7 is not a loopback address.*paired first"):
+        tls_for_address("192.0.2.7", "--peers", directory=d)
+    assert not d.exists()  # refusing made nothing on disk
+    gpu, mac = machine(tmp_path, "gpu"), machine(tmp_path, "mac")
+    pair(gpu, mac)
+    tls = tls_for_address("192.0.2.7", "--peers", directory=d)
+    assert isinstance(tls, PeerTLS) and tls.identity.fingerprint == mac[0].fingerprint
