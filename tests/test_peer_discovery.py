@@ -151,11 +151,8 @@ with Advertiser("gpu", 7611, txt, [sys.argv[1]]):
 """
 
 
-@pytest.mark.slow
-def test_pair_and_discover_over_a_veth_between_two_namespaces(netns_pair, tmp_path):
-    ns_a, ip_a, ns_b, ip_b = netns_pair
-    gpu_dir, mac_dir = tmp_path / "gpu", tmp_path / "mac"
-    # pair over the link: the GPU box shows a code, the Mac types it
+def _pair(ns_a: str, ip_a: str, ns_b: str, gpu_dir: Path, mac_dir: Path) -> None:
+    """`duet peer pair` in ns_a (the GPU box) and `duet peer pair --code` in ns_b, over the veth."""
     shower = _in_ns(ns_a, gpu_dir, *DUET, "peer", "pair", "--host", ip_a, "--name", "gpu")
     try:
         assert shower.stdout is not None
@@ -172,6 +169,13 @@ def test_pair_and_discover_over_a_veth_between_two_namespaces(netns_pair, tmp_pa
     finally:
         shower.kill()
         shower.wait(WAIT)
+
+
+@pytest.mark.slow
+def test_pair_and_discover_over_a_veth_between_two_namespaces(netns_pair, tmp_path):
+    ns_a, ip_a, ns_b, ip_b = netns_pair
+    gpu_dir, mac_dir = tmp_path / "gpu", tmp_path / "mac"
+    _pair(ns_a, ip_a, ns_b, gpu_dir, mac_dir)
 
     advertiser = _in_ns(ns_a, gpu_dir, sys.executable, "-c", ADVERTISE, ip_a, stdin=subprocess.PIPE)
     try:
@@ -218,3 +222,70 @@ def test_txt_for_a_serving_peer(tmp_path):
     assert txt["models"] == hello.model_fingerprint.rpartition(":")[2][:12] and txt["tps"] == ""
     assert txt["dev"] and txt["id"] == ident.short_id
     check_txt(txt)
+
+
+@pytest.mark.slow
+def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, tiny_dirs):
+    """The GPU box serves on its veth address (mutual TLS, paired machines only); the paired decoder
+    in the other namespace prefills there with the greedy tokens of local prefill; a machine not
+    paired with it is refused on both sides and answers locally."""
+    import re
+
+    ns_a, ip_a, ns_b, ip_b = netns_pair
+    gpu_dir, mac_dir, stranger_dir = tmp_path / "gpu", tmp_path / "mac", tmp_path / "stranger"
+    _pair(ns_a, ip_a, ns_b, gpu_dir, mac_dir)
+    load_identity(stranger_dir, "stranger")
+    from peer.keys import PairedPeers
+
+    PairedPeers(stranger_dir).add("gpu", load_identity(gpu_dir).cert_pem)  # it trusts the box, not vice versa
+    model = str(tiny_dirs("llama"))
+    serve = _in_ns(
+        ns_a,
+        gpu_dir,
+        *DUET,
+        "peer",
+        "serve",
+        "--model",
+        model,
+        "--cache-gb",
+        "0.05",
+        "--host",
+        ip_a,
+        "--port",
+        "0",
+    )
+    try:
+        assert serve.stderr is not None
+        port = None
+        for line in serve.stderr:
+            if m := re.search(r"prefill peer serving .* at [0-9.]+:(\d+), mutual TLS", line):
+                port = int(m.group(1))
+                break
+        assert port is not None, "duet peer serve did not come up"
+        where = f"{ip_a}:{port}"
+        common = ["generate", "--model", model, "--cache-gb", "0.05", "--raw", "--json", "--temperature", "0"]
+        common += ["--prompt", "The quick brown fox jumps over the lazy dog. " * 8, "--max-tokens", "6"]
+
+        def generate(config: Path, mode: str) -> tuple[dict, str]:
+            p = _in_ns(ns_b, config, *DUET, *common, "--peers", where, "--remote-prefill", mode)
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            return json.loads(out), err
+
+        remote, _ = generate(mac_dir, "always")
+        local, _ = generate(mac_dir, "never")
+        refused, err = generate(stranger_dir, "always")
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            _, serve_err = serve.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            _, serve_err = serve.communicate()
+    assert remote["usage"]["prefill_location"] == f"remote:{where}" and remote["usage"]["remote_bytes"] > 0
+    assert local["usage"]["prefill_location"] == "local"
+    assert remote["token_ids"] == local["token_ids"]
+    assert refused["usage"]["prefill_location"] == "local" and refused["token_ids"] == local["token_ids"]
+    assert f"{where} refused this machine: it has not paired with this machine's certificate" in err
+    assert "refused a client: its certificate is not one this machine has paired with" in serve_err
+    assert "paired decoder mac" in serve_err
