@@ -52,6 +52,7 @@ from .errors import (
     QueueFullError,
     RequestError,
 )
+from .identity import model_fingerprint, numerics_profile
 from .kv_pool import KVPool
 from .kv_source import KVParts, KVSource
 from .loader import LoadedModel, load_model
@@ -392,14 +393,12 @@ class Engine:
         self.runner = ModelRunner(m.model, self.pool)
         self.disk: PrefixDiskTier | None = None
         if c.disk_cache_dir and c.prefix_cache:
+            # the model's identity (a hash of its weights) and the numerics that shape its KV: a cache
+            # written by another model, version or KV format is never read back
             fingerprint = {
-                "model": str(m.path),
-                "size": m.path.stat().st_size if m.path.is_file() else 0,
-                "weights": m.weight_format,
-                "kv_bits": c.kv_bits,
-                "group": c.kv_group_size,
+                "model": self.model_identity(),
                 "block_size": c.block_size,
-                "dtype": str(m.dtype),
+                **self.numerics_profile(),
             }
             disk = self.disk = PrefixDiskTier(
                 c.disk_cache_dir,
@@ -609,6 +608,22 @@ class Engine:
         if call.error is not None:
             raise call.error
         return call.result
+
+    def model_identity(self) -> str:
+        """The hash of the model's weight files (``mlx_engine.identity.model_fingerprint``)."""
+        return model_fingerprint(self.loaded.path)
+
+    def numerics_profile(self) -> dict[str, Any]:
+        """What decides whether KV computed elsewhere for this model is bit-identical to this engine's."""
+        c = self.config
+        return numerics_profile(
+            backend=backend_name(),
+            weight_format=self.loaded.weight_format,
+            dtype=str(self.loaded.dtype),
+            kv_bits=c.kv_bits,
+            kv_group_size=c.kv_group_size,
+            prefill_chunk=min(c.prefill_chunk, c.max_batch_tokens),
+        )
 
     def stats(self) -> EngineStats:
         a, s = self.allocator, self.scheduler

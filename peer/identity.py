@@ -1,4 +1,4 @@
-"""Who a side is, for the HELLO exchange: the model identity (a hash of its weights) and the
+"""Who a side is, for the HELLO exchange (the identity and profile come from ``mlx_engine.identity``): the model identity (a hash of its weights) and the
 numerics profile and KV layout of its pool.
 
 ``model_fingerprint(path)`` hashes the weight files (a GGUF file, or an HF/MLX directory's
@@ -10,56 +10,11 @@ before any compute. ``local_hello(engine)`` puts it together for a running ``Eng
 
 from __future__ import annotations
 
-import os
-import threading
-from importlib import metadata
-from pathlib import Path
 from typing import Any
 
-import xxhash
+from mlx_engine.identity import model_fingerprint, package_version
 
 from .protocol import PROTOCOL_MAX, PROTOCOL_MIN, Hello, LayerSpec
-
-READ_BYTES = 16 << 20
-_memo: dict[tuple[str, ...], str] = {}
-_memo_lock = threading.Lock()
-
-
-def weight_files(path: str | os.PathLike) -> list[Path]:
-    """The files that make a model's identity: a GGUF file itself; in a directory the
-    safetensors shards and config.json (the architecture), in name order."""
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    files = sorted(p.glob("*.safetensors")) + sorted(p.glob("*.gguf"))
-    if (p / "config.json").is_file():
-        files.append(p / "config.json")
-    if not files:
-        raise FileNotFoundError(f"no weight files in {p}")
-    return files
-
-
-def model_fingerprint(path: str | os.PathLike) -> str:
-    """``xxh3-128:<hex>`` over the model's weight files (names, sizes and bytes). Memoised per
-    process by path, size and modification time, so a second engine on the same files pays nothing."""
-    files = weight_files(path)
-    stats = [f.stat() for f in files]
-    key = tuple(f"{f.resolve()}:{s.st_size}:{s.st_mtime_ns}" for f, s in zip(files, stats, strict=True))
-    with _memo_lock:
-        if key in _memo:
-            return _memo[key]
-    h = xxhash.xxh3_128()
-    buf = bytearray(READ_BYTES)
-    view = memoryview(buf)
-    for f, s in zip(files, stats, strict=True):
-        h.update(f"{f.name}\0{s.st_size}\0".encode())
-        with open(f, "rb", buffering=0) as fh:
-            while n := fh.readinto(buf):
-                h.update(view[:n])
-    digest = f"xxh3-128:{h.hexdigest()}"
-    with _memo_lock:
-        _memo[key] = digest
-    return digest
 
 
 def _cache_kind(cache: Any) -> tuple[str, int | None]:
@@ -98,13 +53,6 @@ def layer_specs(model: Any, n_kv_heads: int, head_dim: int, v_head_dim: int | No
         heads = getattr(attn, "n_kv_heads", None) or n_kv_heads
         specs.append(LayerSpec(kind, int(heads), head_dim, v_head_dim or head_dim, window))
     return specs
-
-
-def package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def local_hello(engine: Any) -> Hello:

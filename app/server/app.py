@@ -34,6 +34,7 @@ def create_app(
     policy = security if security is not None else SecurityPolicy.build(api_key=api_key)
     ids = tuple(dict.fromkeys([engine.model_name, *[a for a in aliases if a]]))
     state = ServerState(engine, Metrics(engine), GrammarFactory(engine.tokenizer), ids, policy.api_key)
+    state.fingerprint  # noqa: B018  (hash the weights now, not during the first response)
     app = FastAPI(
         title="Duet",
         version=__version__,

@@ -4,7 +4,6 @@ and running a non-streamed generation that stops when its client goes away."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import secrets
@@ -12,6 +11,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TypeVar
 
 from fastapi import Request
@@ -20,6 +20,7 @@ from mlx_engine import __version__, defaults
 from mlx_engine.constraints import GrammarFactory
 from mlx_engine.engine import Engine
 from mlx_engine.errors import ContextLengthError, DuetError, EngineShutDownError
+from mlx_engine.identity import short_hash
 from mlx_engine.request import GenerationEvent, RequestError, SamplingParams, TokenLogprob, Usage
 
 from .errors import APIError, bad_request, internal_error
@@ -43,11 +44,11 @@ class ServerState:
     def model_id(self) -> str:
         return self.model_ids[0]
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
+        """OpenAI's ``system_fingerprint``: changes when the model's weights or the numerics do."""
         e = self.engine
-        key = f"{__version__}|{e.model_name}|{e.config.kv_bits}|{e.loaded.weight_format}"
-        return "fp_" + hashlib.sha1(key.encode()).hexdigest()[:10]
+        return "fp_" + short_hash(__version__, e.model_identity(), e.numerics_profile())[:10]
 
     def check_model(self, model: str) -> None:
         if model not in self.model_ids:

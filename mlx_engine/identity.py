@@ -1,0 +1,99 @@
+"""One model identity and one numerics profile, for everything that must know whether two KV caches agree.
+
+- ``model_fingerprint(path)``: ``xxh3-128:<hex>`` over the model's weight files (names, sizes, bytes). Two
+  processes serve the same model exactly when it matches. Memoised per process by path, size and mtime.
+- ``numerics_profile(...)``: what decides whether KV computed in one place is bit-identical to KV computed
+  in another for the same model: backend, mlx and mlx-lm versions, weight format, activation dtype, KV
+  format and the prefill chunk grid.
+
+The prefix cache's disk tier keys its files by both (a stale or foreign cache is never read), the server's
+``system_fingerprint`` is derived from both, and a prefill peer must match the identity while the profile
+decides whether its result is exact (``peer/identity.py`` builds the HELLO from these).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+READ_BYTES = 16 << 20
+_memo: dict[tuple[str, ...], str] = {}
+_memo_lock = threading.Lock()
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The files that make a model's identity: a GGUF file itself; in a directory the
+    safetensors shards and config.json (the architecture), in name order."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    files = sorted(p.glob("*.safetensors")) + sorted(p.glob("*.gguf"))
+    if (p / "config.json").is_file():
+        files.append(p / "config.json")
+    if not files:
+        raise FileNotFoundError(f"no weight files in {p}")
+    return files
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """``xxh3-128:<hex>`` over the model's weight files (names, sizes and bytes). Memoised per
+    process by path, size and modification time, so a second engine on the same files pays nothing."""
+    files = weight_files(path)
+    stats = [f.stat() for f in files]
+    key = tuple(f"{f.resolve()}:{s.st_size}:{s.st_mtime_ns}" for f, s in zip(files, stats, strict=True))
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]
+    h = xxhash.xxh3_128()
+    buf = bytearray(READ_BYTES)
+    view = memoryview(buf)
+    for f, s in zip(files, stats, strict=True):
+        h.update(f"{f.name}\0{s.st_size}\0".encode())
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                h.update(view[:n])
+    digest = f"xxh3-128:{h.hexdigest()}"
+    with _memo_lock:
+        _memo[key] = digest
+    return digest
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def numerics_profile(
+    *,
+    backend: str,
+    weight_format: str,
+    dtype: str,
+    kv_bits: int | None,
+    kv_group_size: int,
+    prefill_chunk: int,
+) -> dict[str, Any]:
+    """What must be equal on two sides for their KV of the same model and tokens to be bit-identical."""
+    return {
+        "backend": backend,
+        "mlx": package_version("mlx"),
+        "mlx_lm": package_version("mlx-lm"),
+        "weights": weight_format,
+        "dtype": dtype,
+        "kv_bits": kv_bits,
+        "kv_group_size": kv_group_size if kv_bits else None,
+        "prefill_chunk": prefill_chunk,
+    }
+
+
+def short_hash(*parts: Any) -> str:
+    """A short, stable hex digest of JSON-able parts (for keys and ``system_fingerprint``)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
