@@ -208,6 +208,15 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
         default=None,
         help="most remote prefills computed at once; more get BUSY and prefill locally (default 8)",
     )
+    s.add_argument(
+        "--interface",
+        action="append",
+        default=[],
+        metavar="IP",
+        help="advertise over mDNS (_duet._tcp) on this interface address only (repeatable; default: "
+        "the --host address when it is a network one; never every interface)",
+    )
+    s.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
     s.set_defaults(func=cmd_peer_serve)
 
     from .commands import add_pairing_parsers
@@ -227,6 +236,11 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     tls = tls_for_address(args.host)  # not loopback: paired decoders only, over mutual TLS
+    if args.interface:
+        from .discovery import local_ip_for
+
+        for ip in args.interface:
+            local_ip_for(ip)  # one of this machine's addresses, checked before the model loads
     limits = ServerLimits()
     if args.max_exports is not None:
         if args.max_exports < 1:
@@ -262,11 +276,42 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        advertiser = _advertise(args, tls, hello, server.port, engine) if tls else None
         try:
             stop.wait()
         finally:
+            if advertiser is not None:
+                advertiser.close()
             server.close()
     finally:
         sock.close()
         engine.shutdown()
     return 0
+
+
+def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine: Any) -> Any:
+    """Advertise this peer on ``--interface`` addresses (else ``--host`` when it names one
+    interface) with its public TXT record; None with ``--no-advertise`` or no such address."""
+    import ipaddress
+
+    from .discovery import Advertiser, txt_for
+
+    if args.no_advertise:
+        return None
+    interfaces = list(args.interface)
+    if not interfaces:
+        try:
+            if not ipaddress.ip_address(args.host.strip("[]").split("%")[0]).is_unspecified:
+                interfaces = [args.host.strip("[]")]
+        except ValueError:  # a host name: the user names the interfaces
+            pass
+    if not interfaces:
+        logging.getLogger("duet.peer").warning(
+            "peer: not advertised over mDNS (give --interface IP to advertise on one interface)"
+        )
+        return None
+    rate = getattr(engine, "local_prefill_rate", None)
+    txt = txt_for(hello, short_id=tls.identity.short_id, prefill_tps=rate() if callable(rate) else None)
+    adv = Advertiser(tls.identity.name, port, txt, interfaces)
+    print(f"duet: advertised as {tls.identity.name} on {', '.join(interfaces)}", file=sys.stderr, flush=True)
+    return adv

@@ -235,6 +235,7 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
     gpu_dir, mac_dir, stranger_dir = tmp_path / "gpu", tmp_path / "mac", tmp_path / "stranger"
     _pair(ns_a, ip_a, ns_b, gpu_dir, mac_dir)
     load_identity(stranger_dir, "stranger")
+    from peer.identity import model_fingerprint
     from peer.keys import PairedPeers
 
     PairedPeers(stranger_dir).add("gpu", load_identity(gpu_dir).cert_pem)  # it trusts the box, not vice versa
@@ -272,6 +273,8 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
             assert p.returncode == 0, err
             return json.loads(out), err
 
+        browse = _in_ns(ns_b, mac_dir, *DUET, "peers", "--interface", ip_b, "--wait-for", "gpu", "--json")
+        seen = json.loads(browse.communicate(timeout=WAIT + 10)[0])["peers"]
         remote, _ = generate(mac_dir, "always")
         local, _ = generate(mac_dir, "never")
         refused, err = generate(stranger_dir, "always")
@@ -282,6 +285,9 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
         except subprocess.TimeoutExpired:
             serve.kill()
             _, serve_err = serve.communicate()
+    (adv,) = seen  # duet peer serve advertised itself on its --host address, with its model
+    assert (adv["name"], adv["addresses"], adv["port"], adv["paired"]) == ("gpu", [ip_a], port, True)
+    assert adv["models"] == [model_fingerprint(model).rpartition(":")[2][:12]] and adv["backend"] == "cpu"
     assert remote["usage"]["prefill_location"] == f"remote:{where}" and remote["usage"]["remote_bytes"] > 0
     assert local["usage"]["prefill_location"] == "local"
     assert remote["token_ids"] == local["token_ids"]
