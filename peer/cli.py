@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the client imports MLX: only once peers are attached
 
 MODES = ("auto", "always", "never")
 DEFAULT_PORT = 7611
+AUTO_BROWSE_S = 5.0  # --peers auto: the longest wait for a paired machine's mDNS answer
 
 _sources: weakref.WeakKeyDictionary[Any, list[RemotePrefillSource]] = weakref.WeakKeyDictionary()
 
@@ -35,9 +36,18 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
         "--peers",
         action="append",
         default=[],
-        metavar="HOST:PORT[,HOST:PORT...]",
-        help="prefill peers (`duet peer serve`) to compute prompts on, then stream their KV here "
-        "(preview: this machine only, until pairing exists; repeatable)",
+        metavar="auto|off|HOST:PORT[,HOST:PORT...]",
+        help="prefill peers (`duet peer serve`) to compute prompts on, then stream their KV here: "
+        "auto finds paired machines over mDNS; a network address needs pairing (mutual TLS); "
+        "repeatable",
+    )
+    p.add_argument(
+        "--interface",
+        action="append",
+        default=[],
+        metavar="IP",
+        help="with --peers auto: look for peers on this interface address only (repeatable; "
+        "default: every interface)",
     )
     p.add_argument(
         "--remote-prefill",
@@ -53,7 +63,7 @@ def parse_peers(values: list[str] | None) -> list[tuple[str, int]]:
     out = []
     for value in values or ():
         for item in (x.strip() for x in value.split(",")):
-            if not item:
+            if not item or item in ("auto", "off"):
                 continue
             host, sep, port = item.rpartition(":")
             host = host.strip("[]")
@@ -65,9 +75,14 @@ def parse_peers(values: list[str] | None) -> list[tuple[str, int]]:
     return out
 
 
+def peers_auto(args: argparse.Namespace) -> bool:
+    """Whether ``--peers auto`` asks for the paired machines advertised on the network."""
+    return any(x.strip() == "auto" for v in getattr(args, "peers", None) or () for x in v.split(","))
+
+
 def remote_prefill_mode(args: argparse.Namespace) -> str:
     mode = getattr(args, "remote_prefill", None)
-    peers = parse_peers(getattr(args, "peers", None))
+    peers = parse_peers(getattr(args, "peers", None)) or peers_auto(args)
     if mode is None:
         return "auto" if peers else "never"
     if mode != "never" and not peers:
@@ -82,6 +97,18 @@ def check_peer_args(args: argparse.Namespace) -> None:
 
         for host, _ in parse_peers(getattr(args, "peers", None)):
             tls_for_address(host, "--peers")  # a network peer needs pairing first
+        if peers_auto(args):
+            from .discovery import local_ip_for
+            from .keys import PairedPeers
+
+            for ip in getattr(args, "interface", None) or ():
+                local_ip_for(ip)
+            if not PairedPeers().load():
+                raise ConfigError(
+                    "--peers auto uses paired machines only, and none is paired yet "
+                    "(duet peer pair --code NNNN-NNNN HOST)",
+                    "peers",
+                )
 
 
 def attach_peers(
@@ -100,9 +127,12 @@ def attach_peers(
     model_fingerprint(engine.loaded.path)  # hashed here, not on the worker (attach finds it memoised)
     timeouts = PeerTimeouts()
     sources = []
-    for host, port in parse_peers(args.peers):
+    targets: list[tuple[str, int, str | None]] = [(h, p, None) for h, p in parse_peers(args.peers)]
+    if peers_auto(args):
+        targets += _discovered(args)
+    for host, port, name in targets:
         tls = tls_for_address(host, "--peers")  # a peer on a network: mutual TLS, paired only
-        src = RemotePrefillSource(host, port, policy=mode, timeouts=timeouts, tls=tls)
+        src = RemotePrefillSource(host, port, policy=mode, timeouts=timeouts, tls=tls, name=name)
         sources.append(src)
         engine.add_kv_source(src)  # the worker attaches it: HELLO from the pool, connecting
     _sources[engine] = sources
@@ -111,6 +141,22 @@ def attach_peers(
     for src in sources:
         src.connect(wait_s=wait)
     return sources
+
+
+def _discovered(
+    args: argparse.Namespace, timeout: float = AUTO_BROWSE_S
+) -> list[tuple[str, int, str | None]]:
+    """``--peers auto``: paired machines advertised on ``--interface`` (every interface without)."""
+    from .discovery import discover_paired
+    from .keys import PairedPeers
+
+    paired = {p.short_id: p.name for p in PairedPeers().load().values()}
+    found = discover_paired(list(getattr(args, "interface", None) or ()) or None, set(paired), timeout)
+    if not found:
+        logging.getLogger("duet.peer").warning(
+            "peer: --peers auto found no paired machine advertising within %g s; prefilling here", timeout
+        )
+    return [(p.addresses[0].split("%")[0], p.port, paired[p.short_id]) for p in found]
 
 
 def sources_of(engine: Any) -> list[RemotePrefillSource]:

@@ -30,6 +30,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,6 +262,16 @@ class Browser:
                     return list(self.peers.values())
                 self._cond.wait(left)
 
+    def wait_until(
+        self, done: Callable[[list[DiscoveredPeer]], bool], timeout: float
+    ) -> list[DiscoveredPeer]:
+        """Wait until ``done(peers seen)`` holds, at most ``timeout`` seconds; the peers seen."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not done(list(self.peers.values())) and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return list(self.peers.values())
+
     def collect(self, seconds: float) -> list[DiscoveredPeer]:
         """Every peer seen within ``seconds``."""
         deadline = time.monotonic() + seconds
@@ -320,3 +331,18 @@ def local_ip_for(interface: str) -> str:
                 f"--interface {interface!r} is not an address of this machine", "interface"
             ) from None
     return interface
+
+
+def discover_paired(
+    interfaces: list[str] | None, paired_ids: set[str], timeout: float
+) -> list[DiscoveredPeer]:
+    """The advertised peers whose short id is a paired machine's, seen on ``interfaces`` (None: every
+    interface) within ``timeout`` seconds (returns as soon as one is seen). A TXT id can be forged:
+    TLS pins the certificate when connecting, so a forger is refused there."""
+
+    def paired(peers: list[DiscoveredPeer]) -> bool:
+        return any(p.short_id in paired_ids and p.addresses for p in peers)
+
+    with Browser(interfaces) as browser:
+        seen = browser.wait_until(paired, timeout)
+    return [p for p in seen if p.short_id in paired_ids and p.addresses]

@@ -267,15 +267,15 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
         common = ["generate", "--model", model, "--cache-gb", "0.05", "--raw", "--json", "--temperature", "0"]
         common += ["--prompt", "The quick brown fox jumps over the lazy dog. " * 8, "--max-tokens", "6"]
 
-        def generate(config: Path, mode: str) -> tuple[dict, str]:
-            p = _in_ns(ns_b, config, *DUET, *common, "--peers", where, "--remote-prefill", mode)
+        def generate(config: Path, mode: str, *peers: str) -> tuple[dict, str]:
+            p = _in_ns(ns_b, config, *DUET, *common, *(peers or ("--peers", where)), "--remote-prefill", mode)
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
             return json.loads(out), err
 
         browse = _in_ns(ns_b, mac_dir, *DUET, "peers", "--interface", ip_b, "--wait-for", "gpu", "--json")
         seen = json.loads(browse.communicate(timeout=WAIT + 10)[0])["peers"]
-        remote, _ = generate(mac_dir, "always")
+        remote, _ = generate(mac_dir, "always", "--peers", "auto", "--interface", ip_b)  # found over mDNS
         local, _ = generate(mac_dir, "never")
         refused, err = generate(stranger_dir, "always")
     finally:
@@ -288,10 +288,40 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
     (adv,) = seen  # duet peer serve advertised itself on its --host address, with its model
     assert (adv["name"], adv["addresses"], adv["port"], adv["paired"]) == ("gpu", [ip_a], port, True)
     assert adv["models"] == [model_fingerprint(model).rpartition(":")[2][:12]] and adv["backend"] == "cpu"
-    assert remote["usage"]["prefill_location"] == f"remote:{where}" and remote["usage"]["remote_bytes"] > 0
+    assert remote["usage"]["prefill_location"] == "remote:gpu" and remote["usage"]["remote_bytes"] > 0
     assert local["usage"]["prefill_location"] == "local"
     assert remote["token_ids"] == local["token_ids"]
     assert refused["usage"]["prefill_location"] == "local" and refused["token_ids"] == local["token_ids"]
     assert f"{where} refused this machine: it has not paired with this machine's certificate" in err
     assert "refused a client: its certificate is not one this machine has paired with" in serve_err
     assert "paired decoder mac" in serve_err
+
+
+def test_network_peer_options_are_refused_before_anything_loads(tmp_path, monkeypatch, capsys):
+    from app import cli
+    from mlx_engine.engine import Engine
+    from peer.keys import PairedPeers
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(Engine, "load", refuse)
+    monkeypatch.setattr(cli, "_check_model", lambda args: None)
+    monkeypatch.setenv("DUET_CONFIG_DIR", str(tmp_path / "mac"))
+
+    def error(*argv: str) -> str:
+        assert cli.main(list(argv)) == cli.EXIT_ERROR
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("duet: error: ")
+        return err
+
+    assert "--peers auto uses paired machines only" in error("generate", "--prompt", "hi", "--peers", "auto")
+    assert "--peers 192.0.2.7 is not a loopback address" in error(
+        "generate", "-p", "hi", "--peers", "192.0.2.7:7611"
+    )
+    assert "--host 192.0.2.7 is not a loopback address" in error("peer", "serve", "--host", "192.0.2.7")
+    assert not (tmp_path / "mac").exists()  # refusing made no key
+    PairedPeers(tmp_path / "mac").add("gpu", load_identity(tmp_path / "gpu", "gpu").cert_pem)
+    assert "not an address of this machine" in error(
+        "generate", "-p", "hi", "--peers", "auto", "--interface", "192.0.2.99"
+    )
