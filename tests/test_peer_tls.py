@@ -165,7 +165,9 @@ TOKENS = [(7 * i + 3) % 397 + 100_000 for i in range(N)]
 class Tap:
     """A TCP proxy between the decoder and the peer recording every byte in both directions."""
 
-    def __init__(self, upstream_port: int):
+    def __init__(self, upstream_port: int, corrupt_at: int | None = None):
+        self.corrupt_at = corrupt_at  # flip one bit of the peer's stream at this byte offset
+        self.from_peer = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.upstream = upstream_port
@@ -180,14 +182,21 @@ class Tap:
             except OSError:
                 return
             up = socket.create_connection(("127.0.0.1", self.upstream))
-            for a, b in ((down, up), (up, down)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, from_peer in ((down, up, False), (up, down, True)):
+                threading.Thread(target=self._pump, args=(a, b, from_peer), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, from_peer: bool) -> None:
         try:
             while data := src.recv(65536):
                 with self.lock:
                     self.seen += data
+                    at = self.corrupt_at
+                    if from_peer and at is not None and self.from_peer <= at < self.from_peer + len(data):
+                        flipped = bytearray(data)
+                        flipped[at - self.from_peer] ^= 0x01
+                        data = bytes(flipped)
+                    if from_peer:
+                        self.from_peer += len(data)
                 dst.sendall(data)
         except OSError:
             pass
@@ -200,14 +209,14 @@ class Tap:
         self.listener.close()
 
 
-def _prefill_over(tmp_path, server_tls, client_tls):
+def _prefill_over(tmp_path, server_tls, client_tls, corrupt_at=None):
     from peer.client import RemotePrefillSource
     from peer.server import PeerServer
     from tests.peer_fakes import FakeBackend, KVLoad, RecordingSink, fake_hello
 
     backend = FakeBackend()
     server = PeerServer(backend, fake_hello(), "127.0.0.1", 0, tls=server_tls).start()
-    tap = Tap(server.port)
+    tap = Tap(server.port, corrupt_at)
     src = RemotePrefillSource("127.0.0.1", tap.port, tls=client_tls, name="gpu")
     src.configure(fake_hello(), CHUNK)
     try:
@@ -215,7 +224,7 @@ def _prefill_over(tmp_path, server_tls, client_tls):
         sink = RecordingSink(N)
         if ok:
             src.start_load(KVLoad(1, "req-1", list(TOKENS), 0, N - 1), sink)
-            assert sink.wait_end(1).done
+            sink.wait_end(1)
         return ok, backend, server, src, sink, bytes(tap.seen)
     finally:
         src.close()
@@ -244,7 +253,7 @@ def test_prefill_stream_over_pinned_tls_lands_exactly_and_nothing_is_plaintext(t
     gpu, mac = machine(tmp_path, "gpu"), machine(tmp_path, "mac")
     pair(gpu, mac)
     ok, backend, server, src, sink, wire = _prefill_over(tmp_path, PeerTLS(*gpu), PeerTLS(*mac))
-    assert ok and src.remote_prefills == 1
+    assert ok and sink.loads[1].done and src.remote_prefills == 1
     for layer in range(LAYERS):
         for got, want in zip(sink.loads[1].kv[layer], expected_kv(TOKENS, layer, 0, N - 1), strict=True):
             np.testing.assert_array_equal(got[: N - 1], want)
@@ -281,3 +290,24 @@ def test_loopback_stays_plain_and_a_network_address_needs_pairing(tmp_path):
     pair(gpu, mac)
     tls = tls_for_address("192.0.2.7", "--peers", directory=d)
     assert isinstance(tls, PeerTLS) and tls.identity.fingerprint == mac[0].fingerprint
+
+
+def test_a_corrupted_tls_record_fails_the_load_and_keeps_what_landed(tmp_path):
+    """A proxy flipping one bit of the peer's stream: the TLS record MAC catches it, the load
+    ends failed (the decoder prefills the rest locally), and no corrupted KV is written."""
+    import numpy as np
+
+    from peer.tls import PeerTLS
+    from tests.peer_fakes import LAYERS, expected_kv
+
+    gpu, mac = machine(tmp_path, "gpu"), machine(tmp_path, "mac")
+    pair(gpu, mac)
+    ok, backend, server, src, sink, wire = _prefill_over(
+        tmp_path, PeerTLS(*gpu), PeerTLS(*mac), corrupt_at=12000
+    )
+    load = sink.loads[1]
+    assert ok and not load.done and load.failed is not None and src.remote_prefills == 0
+    assert 0 < load.frames < LAYERS * -(-(N - 1) // CHUNK)
+    for layer, end in load.landed.items():  # every frame that landed is exact
+        for got, want in zip(load.kv[layer], expected_kv(TOKENS, layer, 0, end), strict=True):
+            np.testing.assert_array_equal(got[:end], want)
