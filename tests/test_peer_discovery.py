@@ -98,8 +98,8 @@ def _kill_all_in(ns: str) -> None:
 
 
 @pytest.fixture
-def netns_pair() -> Iterator[tuple[str, str, str, str]]:
-    """(ns_a, ip_a, ns_b, ip_b): two namespaces joined by a veth pair."""
+def netns_pair() -> Iterator[tuple[str, str, str, str, str, str]]:
+    """(ns_a, ip_a, ns_b, ip_b, veth_a, veth_b): two namespaces joined by a veth pair."""
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
@@ -117,7 +117,7 @@ def netns_pair() -> Iterator[tuple[str, str, str, str]]:
             _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", ifname)
             _ip("-n", ns, "link", "set", ifname, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        yield a, ip_a, b, ip_b
+        yield a, ip_a, b, ip_b, f"dv{tag}a", f"dv{tag}b"
     finally:
         for ns in made:
             _kill_all_in(ns)
@@ -173,7 +173,7 @@ def _pair(ns_a: str, ip_a: str, ns_b: str, gpu_dir: Path, mac_dir: Path) -> None
 
 @pytest.mark.slow
 def test_pair_and_discover_over_a_veth_between_two_namespaces(netns_pair, tmp_path):
-    ns_a, ip_a, ns_b, ip_b = netns_pair
+    ns_a, ip_a, ns_b, ip_b, veth_a, veth_b = netns_pair
     gpu_dir, mac_dir = tmp_path / "gpu", tmp_path / "mac"
     _pair(ns_a, ip_a, ns_b, gpu_dir, mac_dir)
 
@@ -231,9 +231,34 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
     paired with it is refused on both sides and answers locally."""
     import re
 
-    ns_a, ip_a, ns_b, ip_b = netns_pair
+    ns_a, ip_a, ns_b, ip_b, veth_a, veth_b = netns_pair
     gpu_dir, mac_dir, stranger_dir = tmp_path / "gpu", tmp_path / "mac", tmp_path / "stranger"
     _pair(ns_a, ip_a, ns_b, gpu_dir, mac_dir)
+    if shutil.which("tc") is None:
+        pytest.skip("tc (iproute2) is not installed: cannot shape the link")
+    for ns, dev in ((ns_a, veth_a), (ns_b, veth_b)):  # a 1 Gbit/s link (netem is not available)
+        subprocess.run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                "1gbit",
+                "burst",
+                "256kb",
+                "latency",
+                "50ms",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=WAIT,
+        )
     load_identity(stranger_dir, "stranger")
     from peer.identity import model_fingerprint
     from peer.keys import PairedPeers
