@@ -356,8 +356,16 @@ def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine
             "peer: not advertised over mDNS (give --interface IP to advertise on one interface)"
         )
         return None
-    rate = getattr(engine, "local_prefill_rate", None)
-    txt = txt_for(hello, short_id=tls.identity.short_id, prefill_tps=rate() if callable(rate) else None)
+    from .discovery import device_description
+    from .rate import prefill_rate
+
+    rate = prefill_rate(engine, hello.model_fingerprint, hello.backend, device_description()[0])
+    txt = txt_for(hello, short_id=tls.identity.short_id, prefill_tps=rate)
     adv = Advertiser(tls.identity.name, port, txt, interfaces)
-    print(f"duet: advertised as {tls.identity.name} on {', '.join(interfaces)}", file=sys.stderr, flush=True)
+    tps = f", prefill {rate:.0f} tok/s" if rate else ""
+    print(
+        f"duet: advertised as {tls.identity.name} on {', '.join(interfaces)}{tps}",
+        file=sys.stderr,
+        flush=True,
+    )
     return adv

@@ -313,6 +313,8 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
     (adv,) = seen  # duet peer serve advertised itself on its --host address, with its model
     assert (adv["name"], adv["addresses"], adv["port"], adv["paired"]) == ("gpu", [ip_a], port, True)
     assert adv["models"] == [model_fingerprint(model).rpartition(":")[2][:12]] and adv["backend"] == "cpu"
+    assert float(adv["prefill_tps"]) > 0  # measured at start, cached in the box's config dir
+    assert (gpu_dir / "prefill_rates.json").is_file()
     assert remote["usage"]["prefill_location"] == "remote:gpu" and remote["usage"]["remote_bytes"] > 0
     assert local["usage"]["prefill_location"] == "local"
     assert remote["token_ids"] == local["token_ids"]
@@ -350,3 +352,31 @@ def test_network_peer_options_are_refused_before_anything_loads(tmp_path, monkey
     assert "not an address of this machine" in error(
         "generate", "-p", "hi", "--peers", "auto", "--interface", "192.0.2.99"
     )
+
+
+def test_prefill_rate_is_measured_once_then_cached_per_model_and_device(tmp_path):
+    from peer.rate import prefill_rate
+
+    class Engine:
+        context_length = 4096
+
+        def __init__(self, rate):
+            self.rate, self.prompts = rate, []
+
+        async def generate(self, req):
+            self.prompts.append(req.prompt)
+            yield None
+
+        def local_prefill_rate(self):
+            return self.rate
+
+    e = Engine(1234.5)
+    assert prefill_rate(e, "xxh3-128:aa", "cuda", "H200", directory=tmp_path) == 1234.5
+    assert len(e.prompts) == 1 and len(e.prompts[0]) == 512
+    again = Engine(9.0)
+    assert (
+        prefill_rate(again, "xxh3-128:aa", "cuda", "H200", directory=tmp_path) == 1234.5 and not again.prompts
+    )
+    other = Engine(777.0)  # another device: measured again
+    assert prefill_rate(other, "xxh3-128:aa", "cuda", "A100", directory=tmp_path) == 777.0 and other.prompts
+    assert oct((tmp_path / "prefill_rates.json").stat().st_mode & 0o777) == "0o600"
