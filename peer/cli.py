@@ -156,7 +156,7 @@ def _discovered(
         logging.getLogger("duet.peer").warning(
             "peer: --peers auto found no paired machine advertising within %g s; prefilling here", timeout
         )
-    return [(p.addresses[0].split("%")[0], p.port, paired[p.short_id]) for p in found]
+    return [(addr, p.port, paired[p.short_id]) for p in found if (addr := p.best_address())]
 
 
 def sources_of(engine: Any) -> list[RemotePrefillSource]:

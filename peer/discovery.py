@@ -194,6 +194,21 @@ class DiscoveredPeer:
     def short_id(self) -> str:
         return self.txt.get("id", "")
 
+    def best_address(self) -> str | None:
+        """The address to connect to: IPv4 first, then global IPv6, then IPv6 link-local with its
+        scope id kept (``fe80::1%eth0``: without it the address is ambiguous)."""
+
+        def rank(a: str) -> int:
+            ip = ipaddress.ip_address(a.split("%")[0])
+            return 0 if ip.version == 4 else 2 if ip.is_link_local else 1
+
+        def scoped_or_routable(a: str) -> bool:
+            ip = ipaddress.ip_address(a.split("%")[0])
+            return "%" in a or not (ip.version == 6 and ip.is_link_local)
+
+        usable = [a for a in self.addresses if scoped_or_routable(a)]
+        return min(usable, key=rank) if usable else None
+
     def as_dict(self, paired: bool) -> dict[str, Any]:
         t = self.txt
         return {

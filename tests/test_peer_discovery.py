@@ -380,3 +380,15 @@ def test_prefill_rate_is_measured_once_then_cached_per_model_and_device(tmp_path
     other = Engine(777.0)  # another device: measured again
     assert prefill_rate(other, "xxh3-128:aa", "cuda", "A100", directory=tmp_path) == 777.0 and other.prompts
     assert oct((tmp_path / "prefill_rates.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_best_address_prefers_ipv4_and_keeps_a_link_local_scope():
+    from peer.discovery import DiscoveredPeer
+
+    def best(*addrs: str) -> str | None:
+        return DiscoveredPeer("gpu", list(addrs), 7611).best_address()
+
+    assert best("fe80::1%eth0", "2001:db8::5", "10.0.0.5") == "10.0.0.5"
+    assert best("fe80::1%eth0", "2001:db8::5") == "2001:db8::5"
+    assert best("fe80::1%eth0") == "fe80::1%eth0"
+    assert best("fe80::1") is None  # link-local without a scope: ambiguous, not used
