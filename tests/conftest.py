@@ -16,6 +16,7 @@ from tests.tiny_models import make_tiny_model_dir  # noqa: E402
 _USER_DIRS = {
     "DUET_METAL_EMU_CACHE": "metal_emu",  # metal_kernels/emulator/build.py: compiled kernels
     "DUET_DATA_DIR": "duet_data",  # app/tui/store.py: conversations, input history
+    "DUET_CONFIG_DIR": "duet_config",  # peer/keys.py: this machine's peer key and its paired peers
     "XDG_CACHE_HOME": "xdg_cache",  # platformdirs' user cache dir and everything else following XDG
     "XDG_DATA_HOME": "xdg_data",
     "XDG_CONFIG_HOME": "xdg_config",
