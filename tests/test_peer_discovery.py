@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -97,14 +98,26 @@ def _kill_all_in(ns: str) -> None:
             pass
 
 
+def _reap_orphaned_namespaces() -> None:
+    """Delete namespaces this suite made in a process that is gone (killed before its finally ran)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=WAIT).stdout
+    for line in out.splitlines():
+        m = re.fullmatch(r"(duet-(\d+)-[0-9a-f]{6}-[ab])(?: \(id: \d+\))?", line.strip())
+        if m and not Path(f"/proc/{m.group(2)}").exists():
+            _kill_all_in(m.group(1))
+            subprocess.run(["ip", "netns", "del", m.group(1)], capture_output=True, timeout=WAIT)
+
+
 @pytest.fixture
 def netns_pair() -> Iterator[tuple[str, str, str, str, str, str]]:
-    """(ns_a, ip_a, ns_b, ip_b, veth_a, veth_b): two namespaces joined by a veth pair."""
+    """(ns_a, ip_a, ns_b, ip_b, veth_a, veth_b): two namespaces joined by a veth pair. Their names
+    carry this process's pid, so a later run deletes them if this one is killed before cleaning up."""
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
+    _reap_orphaned_namespaces()
     tag = secrets.token_hex(3)
-    a, b = f"duet-{tag}-a", f"duet-{tag}-b"
+    a, b = f"duet-{os.getpid()}-{tag}-a", f"duet-{os.getpid()}-{tag}-b"
     octet = int(tag[:2], 16) % 250 + 1
     ip_a, ip_b = f"10.213.{octet}.1", f"10.213.{octet}.2"
     made: list[str] = []
