@@ -238,7 +238,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _check_model(args: argparse.Namespace) -> None:
-    from mlx_engine.preflight import check_model
+    from mlx_engine.loading.preflight import check_model
 
     check_model(args.model)
 
@@ -335,7 +335,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from mlx_engine.resolve import BUNDLED_NAME, bundled_model_path, cached_models
+    from mlx_engine.loading.resolve import BUNDLED_NAME, bundled_model_path, cached_models
 
     try:
         print(f"{BUNDLED_NAME}  (bundled: {bundled_model_path()})")

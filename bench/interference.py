@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_engine.blas import active_blas  # noqa: E402
 from mlx_engine.engine import Engine, EngineConfig  # noqa: E402
-from mlx_engine.loader import load_model  # noqa: E402
+from mlx_engine.loading.loader import load_model  # noqa: E402
 from mlx_engine.request import GenerationRequest, SamplingParams  # noqa: E402
 
 

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_engine.block_allocator import BlockAllocator  # noqa: E402
-from mlx_engine.kv_pool import KVPool  # noqa: E402
-from mlx_engine.loader import load_model  # noqa: E402
+from mlx_engine.kv_cache.block_allocator import BlockAllocator  # noqa: E402
+from mlx_engine.kv_cache.kv_pool import KVPool  # noqa: E402
+from mlx_engine.loading.loader import load_model  # noqa: E402
 from mlx_engine.scheduler import Scheduler, SchedulerConfig, Sequence  # noqa: E402
 
 FORMATS = [

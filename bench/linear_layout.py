@@ -23,7 +23,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from mlx_engine.blas import active_blas  # noqa: E402
-from mlx_engine.loader import load_model  # noqa: E402
+from mlx_engine.loading.loader import load_model  # noqa: E402
 
 
 def linears(model: nn.Module) -> list[nn.Linear]:

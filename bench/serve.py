@@ -35,7 +35,7 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mlx_engine.resolve import bundled_model_path  # noqa: E402
+from mlx_engine.loading.resolve import bundled_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -52,7 +52,7 @@ def export_mlx_dir(dest: Path) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_engine.loader import load_model
+    from mlx_engine.loading.loader import load_model
 
     lm = load_model(None, weights="dense")
     dest.mkdir(parents=True, exist_ok=True)

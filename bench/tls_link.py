@@ -16,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from peer.keys import PairedPeers, load_identity
-from peer.tls import accept_tls, client_context, connect_tls, server_context
+from peer.trust.keys import PairedPeers, load_identity
+from peer.trust.tls import accept_tls, client_context, connect_tls, server_context
 
 
 def run(total: int, chunk: int, use_tls: bool, cfg: tuple) -> tuple[float, str]:

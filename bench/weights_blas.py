@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 def child(model: str | None, weights: str, runs: int) -> dict:
     from mlx_engine.blas import active_blas
     from mlx_engine.engine import Engine, EngineConfig
-    from mlx_engine.loader import load_model
+    from mlx_engine.loading.loader import load_model
     from mlx_engine.request import GenerationRequest, SamplingParams
 
     loaded = load_model(model, weights=weights)

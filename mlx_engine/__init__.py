@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .blas_preload import preload_openblas
+from mlx_engine.blas_preload import preload_openblas
 
 preload_openblas()  # before anything imports mlx: libmlx binds cblas_* when it loads
 
-from .errors import (  # noqa: E402
+from mlx_engine.errors import (  # noqa: E402
     ConfigError,
     ContextLengthError,
     DuetError,
@@ -31,10 +31,10 @@ from .errors import (  # noqa: E402
     RequestError,
     TemplateError,
 )
-from .request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage  # noqa: E402
+from mlx_engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage  # noqa: E402
 
 if TYPE_CHECKING:
-    from .engine import Engine, EngineConfig, EngineStats
+    from mlx_engine.engine import Engine, EngineConfig, EngineStats
 
 __version__ = "0.1.0"
 

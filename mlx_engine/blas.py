@@ -25,7 +25,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from .blas_preload import (
+from mlx_engine.blas_preload import (
     ENV_DISABLE,
     PROBE_SYMBOL,
     global_provider,

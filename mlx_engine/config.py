@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from mlx_engine.errors import ConfigError
 
 GiB = 2**30
 # The most of the machine's memory the KV cache may take: the rest is for the weights, MLX's
@@ -115,7 +115,7 @@ class EngineConfig:
 
 
 def _memory_bytes() -> int:
-    from .backend import total_memory_bytes
+    from mlx_engine.backend import total_memory_bytes
 
     return total_memory_bytes()
 

@@ -39,12 +39,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .backend import backend_name, total_memory_bytes
-from .blas import active_blas, warn_if_slow
-from .block_allocator import BlockAllocator
-from .config import EngineConfig
-from .detokenizer import StreamingDetokenizer
-from .errors import (
+from mlx_engine.backend import backend_name, total_memory_bytes
+from mlx_engine.blas import active_blas, warn_if_slow
+from mlx_engine.config import EngineConfig
+from mlx_engine.errors import (
     ConfigError,
     ContextLengthError,
     DuetError,
@@ -52,17 +50,19 @@ from .errors import (
     QueueFullError,
     RequestError,
 )
-from .identity import model_fingerprint, numerics_profile
-from .kv_pool import KVPool
-from .kv_source import KVParts, KVSource
-from .loader import LoadedModel, load_model
-from .model_runner import ModelRunner, Row
-from .paged_attention import LayerExport
-from .prefix_disk import PrefixDiskTier
-from .request import GenerationEvent, GenerationRequest, TokenLogprob, Usage
-from .sampler import SamplerRow, SeedState, make_rng, sample
-from .scheduler import RUNNING, Scheduler, SchedulerConfig, Sequence, StartLoad, Step
-from .stop_strings import StopMatcher
+from mlx_engine.kv_cache.block_allocator import BlockAllocator
+from mlx_engine.kv_cache.kv_pool import KVPool
+from mlx_engine.kv_cache.kv_source import KVParts, KVSource
+from mlx_engine.kv_cache.paged_attention import LayerExport
+from mlx_engine.kv_cache.prefix_disk import PrefixDiskTier
+from mlx_engine.loading.identity import model_fingerprint, numerics_profile
+from mlx_engine.loading.loader import LoadedModel, load_model
+from mlx_engine.model_runner import ModelRunner, Row
+from mlx_engine.request import GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from mlx_engine.sampling.sampler import SamplerRow, SeedState, make_rng, sample
+from mlx_engine.scheduler import RUNNING, Scheduler, SchedulerConfig, Sequence, StartLoad, Step
+from mlx_engine.tokenization.detokenizer import StreamingDetokenizer
+from mlx_engine.tokenization.stop_strings import StopMatcher
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "QueueFullError", "RequestError"]
 
@@ -610,7 +610,7 @@ class Engine:
         return call.result
 
     def model_identity(self) -> str:
-        """The hash of the model's weight files (``mlx_engine.identity.model_fingerprint``)."""
+        """The hash of the model's weight files (``mlx_engine.loading.identity.model_fingerprint``)."""
         return model_fingerprint(self.loaded.path)
 
     def numerics_profile(self) -> dict[str, Any]:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import paged_attention
-from .backend import backend_name
-from .kv_pool import KVPool
-from .paged_attention import BatchLayout, LayerExport, PagedLayerCache
+from mlx_engine.backend import backend_name
+from mlx_engine.kv_cache import paged_attention
+from mlx_engine.kv_cache.kv_pool import KVPool
+from mlx_engine.kv_cache.paged_attention import BatchLayout, LayerExport, PagedLayerCache
 
 
 @dataclass

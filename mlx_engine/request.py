@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from . import defaults
-from .errors import DuetError, RequestError
+from mlx_engine import defaults
+from mlx_engine.errors import DuetError, RequestError
 
 if TYPE_CHECKING:
     import numpy as np

@@ -49,9 +49,9 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .block_allocator import BlockAllocator
-from .errors import QueueFullError
-from .kv_source import KVLoad, KVSource, LandedKV
+from mlx_engine.errors import QueueFullError
+from mlx_engine.kv_cache.block_allocator import BlockAllocator
+from mlx_engine.kv_cache.kv_source import KVLoad, KVSource, LandedKV
 
 WAITING, RUNNING, LOADING, FINISHED = "waiting", "running", "loading", "finished"
 

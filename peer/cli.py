@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_engine.errors import ConfigError
 
 if TYPE_CHECKING:  # the client imports MLX: only once peers are attached
-    from .client import RemotePrefillSource
+    from peer.client import RemotePrefillSource
 
 MODES = ("auto", "always", "never")
 DEFAULT_PORT = 7611
@@ -93,13 +93,13 @@ def remote_prefill_mode(args: argparse.Namespace) -> str:
 def check_peer_args(args: argparse.Namespace) -> None:
     """The peer options, checked before anything loads."""
     if remote_prefill_mode(args) != "never":
-        from .tls import tls_for_address
+        from peer.trust.tls import tls_for_address
 
         for host, _ in parse_peers(getattr(args, "peers", None)):
             tls_for_address(host, "--peers")  # a network peer needs pairing first
         if peers_auto(args):
-            from .discovery import local_ip_for
-            from .keys import PairedPeers
+            from peer.discovery import local_ip_for
+            from peer.trust.keys import PairedPeers
 
             for ip in getattr(args, "interface", None) or ():
                 local_ip_for(ip)
@@ -120,9 +120,9 @@ def attach_peers(
     mode = remote_prefill_mode(args)
     if mode == "never":
         return []
-    from .client import PeerTimeouts, RemotePrefillSource
-    from .identity import model_fingerprint
-    from .tls import tls_for_address
+    from peer.client import PeerTimeouts, RemotePrefillSource
+    from peer.identity import model_fingerprint
+    from peer.trust.tls import tls_for_address
 
     model_fingerprint(engine.loaded.path)  # hashed here, not on the worker (attach finds it memoised)
     timeouts = PeerTimeouts()
@@ -147,8 +147,8 @@ def _discovered(
     args: argparse.Namespace, timeout: float = AUTO_BROWSE_S
 ) -> list[tuple[str, int, str | None]]:
     """``--peers auto``: paired machines advertised on ``--interface`` (every interface without)."""
-    from .discovery import discover_paired
-    from .keys import PairedPeers
+    from peer.discovery import discover_paired
+    from peer.trust.keys import PairedPeers
 
     paired = {p.short_id: p.name for p in PairedPeers().load().values()}
     found = discover_paired(list(getattr(args, "interface", None) or ()) or None, set(paired), timeout)
@@ -265,7 +265,7 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
     s.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
     s.set_defaults(func=cmd_peer_serve)
 
-    from .commands import add_pairing_parsers
+    from peer.commands import add_pairing_parsers
 
     add_pairing_parsers(psub)
 
@@ -273,17 +273,16 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
 def cmd_peer_serve(args: argparse.Namespace) -> int:
     from app.cli import _check_model, _use_fast_blas, engine_config
     from mlx_engine.engine import Engine
-
-    from .handshake import check_supported
-    from .identity import local_hello
-    from .protocol import ProtocolError
-    from .server import EngineBackend, PeerServer, ServerLimits, _listen
-    from .tls import tls_for_address
+    from peer.identity import local_hello
+    from peer.server import EngineBackend, PeerServer, ServerLimits, _listen
+    from peer.trust.tls import tls_for_address
+    from peer.wire.handshake import check_supported
+    from peer.wire.protocol import ProtocolError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     tls = tls_for_address(args.host)  # not loopback: paired decoders only, over mutual TLS
     if args.interface:
-        from .discovery import local_ip_for
+        from peer.discovery import local_ip_for
 
         for ip in args.interface:
             local_ip_for(ip)  # one of this machine's addresses, checked before the model loads
@@ -340,7 +339,7 @@ def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine
     interface) with its public TXT record; None with ``--no-advertise`` or no such address."""
     import ipaddress
 
-    from .discovery import Advertiser, txt_for
+    from peer.discovery import Advertiser, txt_for
 
     if args.no_advertise:
         return None
@@ -356,8 +355,8 @@ def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine
             "peer: not advertised over mDNS (give --interface IP to advertise on one interface)"
         )
         return None
-    from .discovery import device_description
-    from .rate import prefill_rate
+    from peer.discovery import device_description
+    from peer.rate import prefill_rate
 
     rate = prefill_rate(engine, hello.model_fingerprint, hello.backend, device_description()[0])
     txt = txt_for(hello, short_id=tls.identity.short_id, prefill_tps=rate)

@@ -31,12 +31,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mlx_engine.kv_source import LandedKV
-
-from .framing import BufferPool, Frame, FrameReader, encode_message, encode_prefill, send_frame
-from .handshake import check_peer, inexact_reasons
-from .kv_wire import KVFormat, decode_layer
-from .protocol import (
+from mlx_engine.kv_cache.kv_source import LandedKV
+from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, encode_prefill, send_frame
+from peer.wire.handshake import check_peer, inexact_reasons
+from peer.wire.kv_wire import KVFormat, decode_layer
+from peer.wire.protocol import (
     Accept,
     Busy,
     Cancel,
@@ -50,7 +49,7 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from .tls import PeerTLS
+    from peer.trust.tls import PeerTLS
 
 log = logging.getLogger("duet.peer.client")
 
@@ -102,7 +101,7 @@ class LoadInfo:
 
 @dataclass(eq=False)
 class _Load:
-    load: Any  # mlx_engine.kv_source.KVLoad
+    load: Any  # mlx_engine.kv_cache.kv_source.KVLoad
     sink: Any
     info: LoadInfo
     conn: _Conn
@@ -147,7 +146,7 @@ class _Conn:
 
 
 class RemotePrefillSource:
-    """A ``KVSource`` (mlx_engine.kv_source) that prefills on a peer (``duet peer serve``).
+    """A ``KVSource`` (mlx_engine.kv_cache.kv_source) that prefills on a peer (``duet peer serve``).
 
     ``policy`` "always" offers every prompt's uncached part to a healthy peer; "auto" offers it when
     the estimate from measured rates says the peer finishes first (see ``worth_offloading``).
@@ -211,7 +210,7 @@ class RemotePrefillSource:
     def attach(self, engine: Any) -> None:
         """This side's HELLO and chunk grid from an engine, then connect (in the background). The
         engine calls it on its worker when the source is added; it does not block there."""
-        from .identity import local_hello
+        from peer.identity import local_hello
 
         c = engine.config
         hello = engine.run_on_worker(lambda: local_hello(engine), 120)  # the pool is the worker's
@@ -259,7 +258,7 @@ class RemotePrefillSource:
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
-                from .tls import PeerAuthError
+                from peer.trust.tls import PeerAuthError
 
                 try:
                     sock = self.tls.wrap_client(sock, who=self.name)[0]

@@ -75,8 +75,15 @@ def _target(text: str | None) -> tuple[str, int]:
 
 
 def cmd_pair(args: argparse.Namespace) -> int:
-    from .keys import PairedPeers, load_identity
-    from .pairing import IO_TIMEOUT_S, PairingCode, PairingError, join_pairing, parse_code, serve_pairing
+    from peer.trust.keys import PairedPeers, load_identity
+    from peer.trust.pairing import (
+        IO_TIMEOUT_S,
+        PairingCode,
+        PairingError,
+        join_pairing,
+        parse_code,
+        serve_pairing,
+    )
 
     identity = load_identity(name=args.name)
     peers = PairedPeers()
@@ -119,7 +126,7 @@ def cmd_pair(args: argparse.Namespace) -> int:
 
 
 def cmd_unpair(args: argparse.Namespace) -> int:
-    from .keys import PairedPeers
+    from peer.trust.keys import PairedPeers
 
     gone = PairedPeers().remove(args.name)
     print(f"unpaired {gone.name} (id {gone.short_id})")
@@ -127,8 +134,8 @@ def cmd_unpair(args: argparse.Namespace) -> int:
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
-    from .discovery import Browser, format_table, local_ip_for
-    from .keys import PairedPeers
+    from peer.discovery import Browser, format_table, local_ip_for
+    from peer.trust.keys import PairedPeers
 
     interfaces = [local_ip_for(i) for i in args.interface]
     paired = PairedPeers().load()

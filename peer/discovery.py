@@ -85,7 +85,7 @@ def txt_record(
 
 
 def txt_for(hello: Any, *, short_id: str, prefill_tps: float | None) -> dict[str, str]:
-    """The TXT record of a prefill peer serving ``hello`` (its ``peer.protocol.Hello``), with this
+    """The TXT record of a prefill peer serving ``hello`` (its ``peer.wire.protocol.Hello``), with this
     machine's device name and memory from MLX (``mx.device_info()``; memory 0 when unknown)."""
     device, memory_gb = device_description()
     return txt_record(

@@ -1,4 +1,4 @@
-"""Who a side is, for the HELLO exchange (the identity and profile come from ``mlx_engine.identity``): the model identity (a hash of its weights) and the
+"""Who a side is, for the HELLO exchange (the identity and profile come from ``mlx_engine.loading.identity``): the model identity (a hash of its weights) and the
 numerics profile and KV layout of its pool.
 
 ``model_fingerprint(path)`` hashes the weight files (a GGUF file, or an HF/MLX directory's
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_engine.identity import model_fingerprint, package_version
-
-from .protocol import PROTOCOL_MAX, PROTOCOL_MIN, Hello, LayerSpec
+from mlx_engine.loading.identity import model_fingerprint, package_version
+from peer.wire.protocol import PROTOCOL_MAX, PROTOCOL_MIN, Hello, LayerSpec
 
 
 def _cache_kind(cache: Any) -> tuple[str, int | None]:
@@ -58,8 +57,7 @@ def layer_specs(model: Any, n_kv_heads: int, head_dim: int, v_head_dim: int | No
 def local_hello(engine: Any) -> Hello:
     """This side's HELLO, from a running ``mlx_engine.Engine`` (its model, pool and options)."""
     from mlx_engine.backend import backend_name
-
-    from .kv_wire import DTYPE_NAMES
+    from peer.wire.kv_wire import DTYPE_NAMES
 
     loaded, pool = engine.loaded, engine.pool
     capacity = (pool.num_blocks - 1) * pool.block_size

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .keys import _dir_lock, _private_dir, _write_private, config_dir
+from peer.trust.keys import _dir_lock, _private_dir, _write_private, config_dir
 
 RATES_FILE = "prefill_rates.json"
 PROBE_TOKENS = 512

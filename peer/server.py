@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from mlx_engine.errors import ConfigError, QueueFullError, RequestError
-
-from .framing import BufferPool, Frame, FrameReader, encode_message, send_frame
-from .handshake import check_peer
-from .kv_wire import KVFormat, encode_layer, to_wire
-from .protocol import (
+from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, send_frame
+from peer.wire.handshake import check_peer
+from peer.wire.kv_wire import KVFormat, encode_layer, to_wire
+from peer.wire.protocol import (
     Accept,
     Busy,
     Cancel,
@@ -47,7 +46,7 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from .tls import PeerTLS
+    from peer.trust.tls import PeerTLS
 
 log = logging.getLogger("duet.peer.server")
 
@@ -128,7 +127,7 @@ def convert_parts(parts: list, src: KVFormat, dst: KVFormat) -> list:
         return parts
     import mlx.core as mx
 
-    from .kv_wire import MX_DTYPES
+    from peer.wire.kv_wire import MX_DTYPES
 
     act = MX_DTYPES[dst.dtype]
     step = 2 if src.kv_bits is None else 6
@@ -585,7 +584,7 @@ class PeerServer:
     def _admit_tls(self, sock: socket.socket, addr: Any) -> None:
         """TLS handshake and pin check before anything of the peer protocol; an unpaired decoder is
         refused (both sides say why) and never reaches ``Connection``."""
-        from .tls import PeerAuthError
+        from peer.trust.tls import PeerAuthError
 
         assert self.tls is not None
         who = addr[0] if isinstance(addr, tuple) else str(addr)

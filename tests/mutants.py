@@ -156,7 +156,7 @@ MUTANTS = [
     ),
     Mutant(
         "landed-in-one-layer",
-        "mlx_engine/kv_source.py",
+        "mlx_engine/kv_cache/kv_source.py",
         "return min(r.end_from(t) for r in self.layers)",
         "return max(r.end_from(t) for r in self.layers)",
         KV_SOURCES,
@@ -196,7 +196,7 @@ MUTANTS = [
     ),
     Mutant(
         "sliding-window-dropped",
-        "mlx_engine/paged_attention.py",
+        "mlx_engine/kv_cache/paged_attention.py",
         "m = m & (self._k_pos > self._q_pos - window)",
         "pass",
         ATTENTION,
@@ -204,7 +204,7 @@ MUTANTS = [
     ),
     Mutant(
         "min-p-before-temperature",
-        "mlx_engine/sampler.py",
+        "mlx_engine/sampling/sampler.py",
         "math.log(p.min_p) if p.min_p > 0",
         "math.log(p.min_p) / p.temperature if p.min_p > 0",
         SAMPLER,
@@ -212,7 +212,7 @@ MUTANTS = [
     ),
     Mutant(
         "evict-newest-first",
-        "mlx_engine/block_allocator.py",
+        "mlx_engine/kv_cache/block_allocator.py",
         "b, _ = self._free.popitem(last=False)",
         "b, _ = self._free.popitem(last=True)",
         ALLOCATOR,
@@ -220,7 +220,7 @@ MUTANTS = [
     ),
     Mutant(
         "free-head-first",
-        "mlx_engine/block_allocator.py",
+        "mlx_engine/kv_cache/block_allocator.py",
         "for b in reversed(blocks):",
         "for b in blocks:",
         ALLOCATOR,
@@ -228,7 +228,7 @@ MUTANTS = [
     ),
     Mutant(
         "revived-block-stays-in-free-queue",
-        "mlx_engine/block_allocator.py",
+        "mlx_engine/kv_cache/block_allocator.py",
         "if self.ref[b] == 0:\n            self._free.pop(b)",
         "if self.ref[b] == 0:\n            self._free.get(b)",
         ALLOCATOR,
@@ -236,7 +236,7 @@ MUTANTS = [
     ),
     Mutant(
         "stop-tie-goes-to-shorter",
-        "mlx_engine/stop_strings.py",
+        "mlx_engine/tokenization/stop_strings.py",
         "start + len(stop) < best[0]",
         "start + len(stop) <= best[0]",
         STOPS,

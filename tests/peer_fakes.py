@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from peer.kv_wire import KVFormat
-from peer.protocol import Hello, LayerSpec
 from peer.server import Connection, ExportJob
+from peer.wire.kv_wire import KVFormat
+from peer.wire.protocol import Hello, LayerSpec
 
 WAIT = 60.0  # a deadline for hangs only
 LAYERS, HEADS, DIM = 3, 2, 8
@@ -200,7 +200,7 @@ class RecordingSink:
 
 @dataclass
 class KVLoad:
-    """The engine's load descriptor (mlx_engine.kv_source.KVLoad's fields)."""
+    """The engine's load descriptor (mlx_engine.kv_cache.kv_source.KVLoad's fields)."""
 
     load_id: int
     request_id: str

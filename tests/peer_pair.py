@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from mlx_engine.engine import Engine, EngineConfig
-from mlx_engine.loader import LoadedModel, load_model
+from mlx_engine.loading.loader import LoadedModel, load_model
 from peer.client import Backoff, PeerTimeouts, RemotePrefillSource
 from peer.identity import local_hello
 from peer.server import Connection, EngineBackend, PeerServer, ServerLimits

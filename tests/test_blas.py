@@ -108,7 +108,7 @@ _ENGINE_WARNINGS = """
 import json, logging, sys
 {prelude}
 from mlx_engine import Engine
-from mlx_engine.loader import load_model
+from mlx_engine.loading.loader import load_model
 
 records = []
 handler = logging.Handler()

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_engine.block_allocator import BlockAllocator, OutOfBlocks
-from mlx_engine.prefix_index import PrefixIndex
+from mlx_engine.kv_cache.block_allocator import BlockAllocator, OutOfBlocks
+from mlx_engine.kv_cache.prefix_index import PrefixIndex
 
 BS = 4
 
@@ -125,7 +125,7 @@ def test_double_free_is_caught():
 def test_pool_copy_block_copies_every_layer(kv_bits):
     import mlx.core as mx
 
-    from mlx_engine.kv_pool import KVPool
+    from mlx_engine.kv_cache.kv_pool import KVPool
 
     pool = KVPool(num_layers=2, num_blocks=4, block_size=BS, n_kv_heads=2, head_dim=32, kv_bits=kv_bits)
     slots = mx.arange(1 * BS, 2 * BS)

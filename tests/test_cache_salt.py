@@ -14,11 +14,11 @@ import asyncio
 import httpx
 import pytest
 
-from mlx_engine.block_allocator import BlockAllocator
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.errors import RequestError
-from mlx_engine.loader import load_model
-from mlx_engine.prefix_index import PrefixIndex
+from mlx_engine.kv_cache.block_allocator import BlockAllocator
+from mlx_engine.kv_cache.prefix_index import PrefixIndex
+from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, SamplingParams
 from mlx_engine.scheduler import Scheduler, SchedulerConfig, Sequence
 

@@ -65,7 +65,7 @@ def test_generate_applies_the_chat_template_unless_raw(tiny_dirs):
     """Like `ollama run`: the prompt is a user message in the model's chat template by default;
     --raw sends the text as is, for plain completion."""
     model = tiny_dirs("llama")
-    from mlx_engine.tokenizer import Tokenizer
+    from mlx_engine.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.from_hf_dir(model)
     chat = generate_json(model, "--max-tokens", "1")

@@ -1,5 +1,5 @@
 """Engine options are checked before anything is loaded or allocated (``EngineConfig.validate``),
-and a model's files before it is loaded (``mlx_engine.preflight.check_model``)."""
+and a model's files before it is loaded (``mlx_engine.loading.preflight.check_model``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from mlx_engine.config import EngineConfig
 from mlx_engine.errors import ConfigError, GGUFError, ModelLoadError, ModelNotFoundError
-from mlx_engine.preflight import check_model
-from mlx_engine.resolve import BUNDLED_NAME
+from mlx_engine.loading.preflight import check_model
+from mlx_engine.loading.resolve import BUNDLED_NAME
 
 GiB = 2**30
 MEMORY = 16 * GiB  # a machine with 16 GiB, so the messages do not depend on this one

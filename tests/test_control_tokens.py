@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_engine.engine import Engine, EngineConfig
-from mlx_engine.gguf_tokenizer import tokenizer_from_gguf
+from mlx_engine.loading.resolve import bundled_model_path
 from mlx_engine.request import GenerationRequest
-from mlx_engine.resolve import bundled_model_path
-from mlx_engine.tokenizer import Tokenizer
+from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
+from mlx_engine.tokenization.tokenizer import Tokenizer
 from tests.tiny_models import CHATML, tokenizer_json
 
 INJECTION = (

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from mlx_engine.detokenizer import StreamingDetokenizer
-from mlx_engine.gguf_tokenizer import tokenizer_from_gguf
-from mlx_engine.resolve import bundled_model_path
-from mlx_engine.tokenizer import Tokenizer
+from mlx_engine.loading.resolve import bundled_model_path
+from mlx_engine.tokenization.detokenizer import StreamingDetokenizer
+from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
+from mlx_engine.tokenization.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

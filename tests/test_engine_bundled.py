@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_engine.kv_pool import KVPool
-from mlx_engine.loader import load_model
+from mlx_engine.kv_cache.kv_pool import KVPool
+from mlx_engine.loading.loader import load_model
 from mlx_engine.model_runner import ModelRunner, Row
 
 TEXT = (

@@ -15,7 +15,7 @@ import pytest
 import mlx_engine.engine
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.errors import ConfigError, ContextLengthError, EngineShutDownError, RequestError
-from mlx_engine.loader import load_model
+from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_engine.engine import Engine, EngineConfig
-from mlx_engine.loader import load_model
+from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, RequestError, SamplingParams
 from tests.tiny_models import ARCHS
 
@@ -236,7 +236,7 @@ def test_evicted_blocks_spill_to_disk_and_come_back(tiny_dirs, tmp_path):
 def test_decode_through_metal_kernel_source_in_emulator(tiny_dirs, kv_bits):
     """The engine's Metal decode path (the kernel's exact MSL, run by the CPU emulator) over the
     real paged pool gives the same greedy tokens as the MLX reference path."""
-    from mlx_engine import paged_attention
+    from mlx_engine.kv_cache import paged_attention
 
     loaded = load_model(str(tiny_dirs("llama")))
     ps = prompts(loaded.tokenizer.vocab_size, [20, 37], seed=21)

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from mlx_engine.block_allocator import BlockAllocator
 from mlx_engine.engine import Engine, EngineConfig
+from mlx_engine.kv_cache.block_allocator import BlockAllocator
 from mlx_engine.request import GenerationRequest, SamplingParams
 from mlx_engine.scheduler import FINISHED, RUNNING, WAITING, Scheduler, SchedulerConfig, Sequence
 

@@ -17,9 +17,9 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from tokenizers.pre_tokenizers import ByteLevel
 
-from mlx_engine.dequantize import dequantize_model
-from mlx_engine.gguf_loader import GGUFError, load_gguf
-from mlx_engine.resolve import bundled_model_path
+from mlx_engine.loading.dequantize import dequantize_model
+from mlx_engine.loading.gguf_loader import GGUFError, load_gguf
+from mlx_engine.loading.resolve import bundled_model_path
 
 REFERENCE = json.loads((Path(__file__).parent / "data/smollm2_reference.json").read_text())
 Q = gguf.GGMLQuantizationType

@@ -9,9 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_engine.gguf_file import GGUFError
-from mlx_engine.gguf_tokenizer import tokenizer_from_gguf
-from mlx_engine.resolve import bundled_model_path
+from mlx_engine.loading.gguf_file import GGUFError
+from mlx_engine.loading.resolve import bundled_model_path
+from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
 
 REFERENCE = json.loads((Path(__file__).parent / "data/smollm2_reference.json").read_text())
 STRINGS = REFERENCE["tokenizer_strings"]

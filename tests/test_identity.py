@@ -6,8 +6,8 @@ import asyncio
 import shutil
 
 from mlx_engine.engine import Engine, EngineConfig
-from mlx_engine.identity import model_fingerprint
-from mlx_engine.loader import load_model
+from mlx_engine.loading.identity import model_fingerprint
+from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, SamplingParams
 from tests.tiny_models import make_tiny_model_dir
 

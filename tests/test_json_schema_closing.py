@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from mlx_engine.json_schema_closing import close_objects
+from mlx_engine.sampling.json_schema_closing import close_objects
 
 
 class Address(BaseModel):

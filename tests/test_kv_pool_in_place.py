@@ -14,8 +14,8 @@ import random
 import mlx.core as mx
 import pytest
 
-from mlx_engine.kv_pool import KVPool
-from mlx_engine.loader import load_model
+from mlx_engine.kv_cache.kv_pool import KVPool
+from mlx_engine.loading.loader import load_model
 from mlx_engine.model_runner import ModelRunner, Row
 
 

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_engine.block_allocator import BlockAllocator
-from mlx_engine.kv_source import KVLoad, KVSink, LandedKV, RangeSet
-from mlx_engine.prefix_index import prefix_hash
+from mlx_engine.kv_cache.block_allocator import BlockAllocator
+from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, LandedKV, RangeSet
+from mlx_engine.kv_cache.prefix_index import prefix_hash
 from mlx_engine.scheduler import FINISHED, LOADING, RUNNING, WAITING, Scheduler, SchedulerConfig, Sequence
 
 BS = 4
@@ -336,8 +336,8 @@ class RecordingSink:
 
 
 def test_the_disk_tier_loads_whole_blocks_and_stops_at_an_unreadable_one(tmp_path):
-    from mlx_engine.kv_pool import KVPool
-    from mlx_engine.prefix_disk import PrefixDiskTier
+    from mlx_engine.kv_cache.kv_pool import KVPool
+    from mlx_engine.kv_cache.prefix_disk import PrefixDiskTier
 
     pool = KVPool(2, 8, BS, 2, 32, mx.float32, 8)  # quantized: 3 arrays per K and per V
     disk = PrefixDiskTier(tmp_path, {"m": 1}, 2**30, block_size=BS, num_layers=2)
@@ -361,7 +361,7 @@ def test_the_disk_tier_loads_whole_blocks_and_stops_at_an_unreadable_one(tmp_pat
 
 def test_an_unreadable_disk_block_keeps_the_blocks_before_it(tiny_dirs, tmp_path):
     from mlx_engine.engine import Engine, EngineConfig
-    from mlx_engine.loader import load_model
+    from mlx_engine.loading.loader import load_model
     from tests.test_engine_tiny import assert_no_leaks, prompts, reference_greedy, req, run_all
 
     loaded = load_model(str(tiny_dirs("llama")))

@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_engine.kv_pool import KVPool
-from peer.framing import BufferPool, FrameReader, send_frame
-from peer.kv_wire import KVFormat, decode_layer, encode_layer, to_mx, to_wire
+from mlx_engine.kv_cache.kv_pool import KVPool
+from peer.wire.framing import BufferPool, FrameReader, send_frame
+from peer.wire.kv_wire import KVFormat, decode_layer, encode_layer, to_mx, to_wire
 
 LAYERS, HEADS, DIM, N = 3, 2, 64, 75
 START = 5  # the decoder already holds tokens [0, START); the peer sends [START, N - 1)

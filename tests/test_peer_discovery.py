@@ -20,7 +20,7 @@ import pytest
 
 from mlx_engine.errors import ConfigError
 from peer.discovery import MAX_ENTRY_BYTES, SERVICE_TYPE, TXT_KEYS, check_txt, txt_record
-from peer.keys import load_identity
+from peer.trust.keys import load_identity
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT = 30
@@ -154,7 +154,7 @@ DUET = [sys.executable, "-m", "app.cli"]
 ADVERTISE = """
 import sys
 from peer.discovery import Advertiser, txt_record
-from peer.keys import load_identity
+from peer.trust.keys import load_identity
 ident = load_identity()
 txt = txt_record(version=1, backend="cuda", device="NVIDIA H200", memory_gb=141,
                  models=["xxh3-128:" + "ab" * 16], prefill_tps=15000.0, short_id=ident.short_id)
@@ -274,7 +274,7 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
         )
     load_identity(stranger_dir, "stranger")
     from peer.identity import model_fingerprint
-    from peer.keys import PairedPeers
+    from peer.trust.keys import PairedPeers
 
     PairedPeers(stranger_dir).add("gpu", load_identity(gpu_dir).cert_pem)  # it trusts the box, not vice versa
     model = str(tiny_dirs("llama"))
@@ -340,7 +340,7 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
 def test_network_peer_options_are_refused_before_anything_loads(tmp_path, monkeypatch, capsys):
     from app import cli
     from mlx_engine.engine import Engine
-    from peer.keys import PairedPeers
+    from peer.trust.keys import PairedPeers
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the options were checked")

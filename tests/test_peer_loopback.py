@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import pytest
 
-from mlx_engine.kv_pool import KVPool
+from mlx_engine.kv_cache.kv_pool import KVPool
 from mlx_engine.request import GenerationRequest
 from peer.server import EngineBackend, ExportJob
 from tests.peer_pair import WAIT, Pair, tiny_cfg, two_models

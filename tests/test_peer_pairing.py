@@ -12,8 +12,15 @@ from typing import cast
 
 import pytest
 
-from peer.keys import PairedPeers, fingerprint, load_identity
-from peer.pairing import PairingCode, PairingError, accept_pairing, join_pairing, parse_code, serve_pairing
+from peer.trust.keys import PairedPeers, fingerprint, load_identity
+from peer.trust.pairing import (
+    PairingCode,
+    PairingError,
+    accept_pairing,
+    join_pairing,
+    parse_code,
+    serve_pairing,
+)
 
 WAIT = 30.0
 
@@ -200,7 +207,7 @@ def test_processes_starting_at_once_make_one_matching_key_pair(tmp_path):
     from cryptography.hazmat.primitives import serialization
 
     root = Path(__file__).resolve().parent.parent
-    script = "import sys; from pathlib import Path; from peer.keys import load_identity; print(load_identity(Path(sys.argv[1])).fingerprint)"
+    script = "import sys; from pathlib import Path; from peer.trust.keys import load_identity; print(load_identity(Path(sys.argv[1])).fingerprint)"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", script, str(tmp_path / "c")], cwd=root, stdout=subprocess.PIPE, text=True

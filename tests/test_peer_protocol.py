@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_engine.errors import DuetError
-from peer.framing import (
+from peer.wire.framing import (
     BufferPool,
     FrameReader,
     encode_frame,
@@ -23,9 +23,9 @@ from peer.framing import (
     encode_prefill,
     send_frame,
 )
-from peer.handshake import check_peer, inexact_reasons, negotiate_version
-from peer.kv_wire import KVFormat, decode_layer, encode_layer
-from peer.protocol import (
+from peer.wire.handshake import check_peer, inexact_reasons, negotiate_version
+from peer.wire.kv_wire import KVFormat, decode_layer, encode_layer
+from peer.wire.protocol import (
     MAX_HEADER_BYTES,
     Accept,
     Busy,

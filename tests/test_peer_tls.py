@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from peer.keys import PairedPeers, load_identity
-from peer.tls import PeerAuthError, accept_tls, client_context, connect_tls, server_context
+from peer.trust.keys import PairedPeers, load_identity
+from peer.trust.tls import PeerAuthError, accept_tls, client_context, connect_tls, server_context
 
 WAIT = 30.0
 
@@ -121,7 +121,7 @@ def test_unpaired_after_unpair_and_no_peers(tmp_path):
 
 
 def test_peer_tls_rereads_the_paired_set_per_connection(tmp_path):
-    from peer.tls import PeerTLS
+    from peer.trust.tls import PeerTLS
 
     gpu, mac, other = machine(tmp_path, "gpu"), machine(tmp_path, "mac"), machine(tmp_path, "other")
     pair(gpu, mac)
@@ -247,7 +247,7 @@ def _kv_bytes() -> bytes:
 def test_prefill_stream_over_pinned_tls_lands_exactly_and_nothing_is_plaintext(tmp_path):
     import numpy as np
 
-    from peer.tls import PeerTLS
+    from peer.trust.tls import PeerTLS
     from tests.peer_fakes import LAYERS, expected_kv
 
     gpu, mac = machine(tmp_path, "gpu"), machine(tmp_path, "mac")
@@ -265,7 +265,7 @@ def test_prefill_stream_over_pinned_tls_lands_exactly_and_nothing_is_plaintext(t
 
 
 def test_unpaired_decoder_gets_nothing_and_the_peer_computes_nothing(tmp_path, caplog):
-    from peer.tls import PeerTLS
+    from peer.trust.tls import PeerTLS
 
     gpu, mac, stranger = machine(tmp_path, "gpu"), machine(tmp_path, "mac"), machine(tmp_path, "stranger")
     pair(gpu, mac)
@@ -278,7 +278,7 @@ def test_unpaired_decoder_gets_nothing_and_the_peer_computes_nothing(tmp_path, c
 
 def test_loopback_stays_plain_and_a_network_address_needs_pairing(tmp_path):
     from mlx_engine.errors import ConfigError
-    from peer.tls import PeerTLS, tls_for_address
+    from peer.trust.tls import PeerTLS, tls_for_address
 
     d = tmp_path / "mac"
     for host in ("127.0.0.1", "::1", "localhost", "[::1]"):
@@ -297,7 +297,7 @@ def test_a_corrupted_tls_record_fails_the_load_and_keeps_what_landed(tmp_path):
     ends failed (the decoder prefills the rest locally), and no corrupted KV is written."""
     import numpy as np
 
-    from peer.tls import PeerTLS
+    from peer.trust.tls import PeerTLS
     from tests.peer_fakes import LAYERS, expected_kv
 
     gpu, mac = machine(tmp_path, "gpu"), machine(tmp_path, "mac")

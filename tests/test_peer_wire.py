@@ -13,8 +13,8 @@ import pytest
 
 from mlx_engine.errors import ConfigError
 from peer.client import Backoff, PeerTimeouts, RemotePrefillSource
-from peer.protocol import LayerSpec
 from peer.server import PeerServer, ServerLimits
+from peer.wire.protocol import LayerSpec
 from tests.peer_fakes import (
     DIM,
     HEADS,

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from mlx_engine.engine import Engine, EngineConfig
-from mlx_engine.loader import load_model
+from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationEvent, GenerationRequest, SamplingParams
 from tests.test_engine_tiny import assert_no_leaks, prompts, reference_greedy
 

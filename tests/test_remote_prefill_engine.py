@@ -2,7 +2,7 @@
 
 A ``RelaySource`` is a ``KVSource`` whose KV comes from a second ``Engine``'s
 ``prefill_for_peer``: the peer's worker converts each exported layer to wire arrays
-(``peer.kv_wire.to_wire``, bf16 as uint16) and queues it; a relay thread (standing in for the
+(``peer.wire.kv_wire.to_wire``, bf16 as uint16) and queues it; a relay thread (standing in for the
 network) posts it to the decoder's sink. The decoder's result is compared with a third engine
 that prefills the same prompt locally:
 
@@ -33,11 +33,11 @@ import numpy as np
 import pytest
 
 from mlx_engine.engine import Engine, EngineConfig
-from mlx_engine.kv_pool import KVPool
-from mlx_engine.kv_source import KVLoad, KVSink, RangeSet
-from mlx_engine.loader import LoadedModel, load_model
+from mlx_engine.kv_cache.kv_pool import KVPool
+from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, RangeSet
+from mlx_engine.loading.loader import LoadedModel, load_model
 from mlx_engine.request import GenerationEvent, GenerationRequest, SamplingParams
-from peer.kv_wire import to_wire
+from peer.wire.kv_wire import to_wire
 from tests.test_engine_tiny import assert_no_leaks, prompts
 
 WAIT = 120.0  # a deadline for hangs only

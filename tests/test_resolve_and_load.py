@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mlx_engine.loader import ModelLoadError, load_model
-from mlx_engine.resolve import ModelNotFoundError, bundled_model_path, resolve_model
+from mlx_engine.loading.loader import ModelLoadError, load_model
+from mlx_engine.loading.resolve import ModelNotFoundError, bundled_model_path, resolve_model
 
 
 def test_default_is_the_bundled_gguf():

@@ -10,7 +10,7 @@ append a sampled token to every sequence whose tokens are all computed (finishin
 
 from __future__ import annotations
 
-from mlx_engine.block_allocator import BlockAllocator
+from mlx_engine.kv_cache.block_allocator import BlockAllocator
 from mlx_engine.scheduler import FINISHED, RUNNING, WAITING, Scheduler, SchedulerConfig, Sequence
 
 BS = 4

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_engine.block_allocator import BlockAllocator
+from mlx_engine.kv_cache.block_allocator import BlockAllocator
 from mlx_engine.scheduler import FINISHED, RUNNING, Scheduler, SchedulerConfig, Sequence
 
 BS = 4

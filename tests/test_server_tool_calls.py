@@ -15,8 +15,13 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from app.server.chat import _with_tools_prompt
 from app.server.tool_calls import ParsedToolCall, ToolCallStream, parse_tool_calls
-from mlx_engine.constraints import GrammarFactory, json_schema_grammar, tool_call_grammar, tool_call_schema
-from mlx_engine.tokenizer import Tokenizer
+from mlx_engine.sampling.constraints import (
+    GrammarFactory,
+    json_schema_grammar,
+    tool_call_grammar,
+    tool_call_schema,
+)
+from mlx_engine.tokenization.tokenizer import Tokenizer
 from tests.tiny_models import tokenizer_json
 
 CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'

@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_engine.stop_strings import StopMatcher
+from mlx_engine.tokenization.stop_strings import StopMatcher
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[str, str | None]:

@@ -34,10 +34,10 @@ Behaviour worth knowing (decisions where OpenAI's API leaves room):
   the prompt is computed once. ``seed`` gives choice i the seed ``seed + i``. Usage counts
   the prompt once, and its cached tokens from the first choice.
 - Structured output (``response_format`` json_object / json_schema) and forced tool calls
-  (``tool_choice`` required / named) are grammars (llguidance, ``mlx_engine.constraints``).
+  (``tool_choice`` required / named) are grammars (llguidance, ``mlx_engine.sampling.constraints``).
   JSON comes out compact with ``", "`` and ``": "`` separators. Objects that declare
-  properties get only those (``mlx_engine.json_schema_closing``), and each tool's ``$defs`` are
-  hoisted into the call grammar (``mlx_engine.json_schema_embedding``). A tool without
+  properties get only those (``mlx_engine.sampling.json_schema_closing``), and each tool's ``$defs`` are
+  hoisted into the call grammar (``mlx_engine.sampling.json_schema_embedding``). A tool without
   ``parameters`` takes ``{}``. A forced tool call is a single call unless
   ``parallel_tool_calls`` is true. ``tool_choice: "none"`` leaves the tools out of the prompt.
   Templates that do not render ``tools`` get a Hermes-style tools system prompt. A reply cut by

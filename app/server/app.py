@@ -8,8 +8,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from mlx_engine import __version__
-from mlx_engine.constraints import GrammarFactory
 from mlx_engine.engine import Engine
+from mlx_engine.sampling.constraints import GrammarFactory
 
 from . import errors
 from .chat import chat_completions

@@ -13,8 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_engine import defaults
-from mlx_engine.constraints import json_schema_grammar, tool_call_grammar
 from mlx_engine.request import GenerationRequest, RequestError
+from mlx_engine.sampling.constraints import json_schema_grammar, tool_call_grammar
 
 from .common import (
     SSE_DONE,

@@ -17,11 +17,11 @@ from typing import TypeVar
 from fastapi import Request
 
 from mlx_engine import __version__, defaults
-from mlx_engine.constraints import GrammarFactory
 from mlx_engine.engine import Engine
 from mlx_engine.errors import ContextLengthError, DuetError, EngineShutDownError
-from mlx_engine.identity import short_hash
+from mlx_engine.loading.identity import short_hash
 from mlx_engine.request import GenerationEvent, RequestError, SamplingParams, TokenLogprob, Usage
+from mlx_engine.sampling.constraints import GrammarFactory
 
 from .errors import APIError, bad_request, internal_error
 from .metrics import Metrics

@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mlx_engine.constraints import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from mlx_engine.sampling.constraints import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
 @dataclass

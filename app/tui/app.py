@@ -21,8 +21,8 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar, Static
 
+from mlx_engine.loading.resolve import BUNDLED_NAME, cached_models
 from mlx_engine.request import RequestError, Usage
-from mlx_engine.resolve import BUNDLED_NAME, cached_models
 
 from .backends import Backend, BackendError
 from .screens import ErrorScreen, HelpScreen, ModelPicker, SettingsScreen, SystemPromptEditor

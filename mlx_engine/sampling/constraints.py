@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 import llguidance as llg
 import numpy as np
 
-from .json_schema_closing import close_objects
-from .json_schema_embedding import embed_schemas
-from .request import RequestError
-from .tokenizer import Tokenizer
+from mlx_engine.request import RequestError
+from mlx_engine.sampling.json_schema_closing import close_objects
+from mlx_engine.sampling.json_schema_embedding import embed_schemas
+from mlx_engine.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import GGUFError
+from mlx_engine.errors import GGUFError
 
 # ggml tensor types mx.load reads correctly: id -> (name, elements per block, bytes per block).
 # (It also converts some K-quants to float16, but gives wrong values for Q4_K, so we refuse those.)

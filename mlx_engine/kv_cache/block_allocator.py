@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from .prefix_index import PrefixIndex
+from mlx_engine.kv_cache.prefix_index import PrefixIndex
 
 
 class OutOfBlocks(RuntimeError):

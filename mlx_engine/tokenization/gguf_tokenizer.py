@@ -19,8 +19,8 @@ import mlx.core as mx
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from mlx_engine.gguf_file import GGUFError
-from mlx_engine.tokenizer import Tokenizer
+from mlx_engine.loading.gguf_file import GGUFError
+from mlx_engine.tokenization.tokenizer import Tokenizer
 
 # llama.cpp token types (llama_token_type in llama.h)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

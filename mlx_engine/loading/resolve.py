@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelNotFoundError
+from mlx_engine.errors import ModelNotFoundError
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct-Q4_1"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -17,7 +17,7 @@ Cost per token: two decodes of a few tokens, independent of the length of the te
 
 from __future__ import annotations
 
-from mlx_engine.tokenizer import Tokenizer
+from mlx_engine.tokenization.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

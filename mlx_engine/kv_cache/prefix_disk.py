@@ -22,8 +22,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .kv_source import KVLoad, KVSink
-from .prefix_index import prefix_hash
+from mlx_engine.kv_cache.kv_source import KVLoad, KVSink
+from mlx_engine.kv_cache.prefix_index import prefix_hash
 
 
 class PrefixDiskTier:

@@ -20,7 +20,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import TemplateError
+from mlx_engine.errors import TemplateError
 
 # Used when a model ships no chat template: ChatML, what most small instruct models speak.
 DEFAULT_CHAT_TEMPLATE = (

@@ -8,7 +8,7 @@ remote prefill is bit-exact; block size and weight format need not match.
 
 from __future__ import annotations
 
-from .protocol import SUPPORTED_LAYER_KINDS, ErrorCode, Hello, ProtocolError
+from peer.wire.protocol import SUPPORTED_LAYER_KINDS, ErrorCode, Hello, ProtocolError
 
 
 def negotiate_version(local: Hello, remote: Hello) -> int:

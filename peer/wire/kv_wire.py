@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .framing import Frame, encode_frame
-from .handshake import check_supported
-from .protocol import Hello, LayerKV, bad_frame
+from peer.wire.framing import Frame, encode_frame
+from peer.wire.handshake import check_supported
+from peer.wire.protocol import Hello, LayerKV, bad_frame
 
 MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DTYPE_NAMES = {v: k for k, v in MX_DTYPES.items()}
@@ -58,7 +58,7 @@ class KVFormat:
 
     @classmethod
     def from_pool(cls, pool, max_tokens: int) -> KVFormat:
-        """``pool``: an ``mlx_engine.kv_pool.KVPool``."""
+        """``pool``: an ``mlx_engine.kv_cache.kv_pool.KVPool``."""
         return cls(
             pool.num_layers,
             pool.n_kv_heads,

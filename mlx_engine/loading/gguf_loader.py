@@ -26,10 +26,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_engine.dequantize import dequantize_model
-from mlx_engine.gguf_file import GGUFError, TensorInfo, read_tensor_table
-from mlx_engine.gguf_tokenizer import tokenizer_from_gguf
-from mlx_engine.tokenizer import Tokenizer
+from mlx_engine.loading.dequantize import dequantize_model
+from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_tensor_table
+from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
+from mlx_engine.tokenization.tokenizer import Tokenizer
 
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf"]
 

@@ -29,8 +29,7 @@ import ssl
 from pathlib import Path
 
 from mlx_engine.errors import ConfigError, DuetError
-
-from .keys import Identity, PairedPeer, PairedPeers, fingerprint, load_identity, short_id
+from peer.trust.keys import Identity, PairedPeer, PairedPeers, fingerprint, load_identity, short_id
 
 ACCEPTED = b"\x01"
 HANDSHAKE_TIMEOUT_S = 10.0

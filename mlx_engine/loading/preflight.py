@@ -14,15 +14,15 @@ import json
 import os
 from pathlib import Path
 
-from .errors import ModelLoadError
-from .resolve import ModelSource, resolve_model
+from mlx_engine.errors import ModelLoadError
+from mlx_engine.loading.resolve import ModelSource, resolve_model
 
 
 def check_model(spec: str | os.PathLike | None) -> ModelSource:
     """Resolve ``spec`` (None: the bundled model) and check its files; returns where it is."""
     src = resolve_model(spec)
     if src.kind == "gguf":
-        from .gguf_file import read_tensor_table
+        from mlx_engine.loading.gguf_file import read_tensor_table
 
         read_tensor_table(src.path)
     else:

@@ -17,10 +17,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .backend import backend_name
-from .errors import ModelLoadError
-from .resolve import ModelSource, resolve_model
-from .tokenizer import Tokenizer
+from mlx_engine.backend import backend_name
+from mlx_engine.errors import ModelLoadError
+from mlx_engine.loading.resolve import ModelSource, resolve_model
+from mlx_engine.tokenization.tokenizer import Tokenizer
 
 WEIGHT_FORMATS = ("auto", "dense", "quantized")
 
@@ -42,7 +42,7 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        from .mlx_tree import flat_parameters
+        from mlx_engine.mlx_tree import flat_parameters
 
         return sum(v.nbytes for _, v in flat_parameters(self.model))
 
@@ -73,7 +73,7 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
     src = resolve_model(spec)
     dense = _want_dense(weights)
     if src.kind == "gguf":
-        from .gguf_loader import load_gguf
+        from mlx_engine.loading.gguf_loader import load_gguf
 
         model, tokenizer, info = load_gguf(src.path, dense=dense)
         model_type, ctx, fmt = info["model_type"], info["context_length"], info["weight_format"]
@@ -125,7 +125,7 @@ def _load_hf_dir(src: ModelSource, dense: bool):
         raise ModelLoadError(f"could not load {src.path}: {e}") from e
     quant = config.get("quantization")
     if quant and dense:
-        from .dequantize import dequantize_model
+        from mlx_engine.loading.dequantize import dequantize_model
 
         model = dequantize_model(model, mx.float32)
         fmt = f"dense float32 (from {quant.get('bits')}-bit affine)"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .kv_pool import KVPool
+from mlx_engine.kv_cache.kv_pool import KVPool
 
 
 @dataclass

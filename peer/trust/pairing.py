@@ -43,8 +43,7 @@ from spake2 import SPAKE2_A, SPAKE2_B
 from spake2.spake2 import SPAKEError
 
 from mlx_engine.errors import DuetError
-
-from .keys import Identity, PairedPeer, PairedPeers
+from peer.trust.keys import Identity, PairedPeer, PairedPeers
 
 CODE_TTL_S = 300.0
 MAX_ATTEMPTS = 3

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from .protocol import (
+from peer.wire.protocol import (
     MAX_HEADER_BYTES,
     U64,
     ErrorCode,
@@ -35,7 +35,7 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from .kv_wire import KVFormat
+    from peer.wire.kv_wire import KVFormat
 
 LEN_BYTES = 4
 TOKEN_DTYPE = np.dtype("<u4")

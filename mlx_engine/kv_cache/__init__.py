@@ -1,0 +1,1 @@
+"""The paged KV cache: block pool, allocator, prefix cache (RAM and disk), KV sources, paged attention."""

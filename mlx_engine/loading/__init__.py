@@ -1,0 +1,1 @@
+"""Finding, checking and loading models: HF ids, local MLX folders, GGUF files."""

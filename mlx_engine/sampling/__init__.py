@@ -1,0 +1,1 @@
+"""Choosing the next token: batched sampling and grammar constraints (JSON schema)."""

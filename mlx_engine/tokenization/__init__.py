@@ -1,0 +1,1 @@
+"""Text to token ids and back: tokenizers, chat templates, stop strings."""

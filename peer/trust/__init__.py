@@ -1,0 +1,1 @@
+"""Who a peer is: machine keys, code pairing and pinned mutual TLS."""

@@ -1,0 +1,1 @@
+"""The peer wire protocol: message types, framing, handshake and the KV stream."""
