@@ -8,9 +8,12 @@ import argparse
 import json
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from peer.trust.keys import Identity, PairedPeer
 
 PAIR_PORT = 7612
 
@@ -74,34 +77,38 @@ def _target(text: str | None) -> tuple[str, int]:
     return host, int(port)
 
 
+def pair_with_code(code: str, target: str | None, name: str | None = None) -> tuple[PairedPeer, Identity]:
+    """The side that types the code (``duet peer pair --code``, the chat's ``/peers pair``): pair with
+    the machine at ``target`` (HOST[:PORT]) showing ``code``. Returns (the PairedPeer stored, this
+    machine's Identity); raises ``PairingError`` or ``ConfigError`` with a one-line message."""
+    from peer.trust.keys import PairedPeers, load_identity
+    from peer.trust.pairing import IO_TIMEOUT_S, PairingError, join_pairing, parse_code
+
+    canonical = parse_code(code)
+    host, port = _target(target)
+    identity = load_identity(name=name)
+    try:
+        sock = socket.create_connection((host, port), timeout=IO_TIMEOUT_S)
+    except OSError as e:
+        raise PairingError("disconnected", f"cannot reach {host}:{port} to pair: {e}") from None
+    with sock:
+        return join_pairing(sock, canonical, identity, PairedPeers()), identity
+
+
 def cmd_pair(args: argparse.Namespace) -> int:
     from peer.trust.keys import PairedPeers, load_identity
-    from peer.trust.pairing import (
-        IO_TIMEOUT_S,
-        PairingCode,
-        PairingError,
-        join_pairing,
-        parse_code,
-        serve_pairing,
-    )
+    from peer.trust.pairing import PairingCode, PairingError, serve_pairing
 
-    identity = load_identity(name=args.name)
-    peers = PairedPeers()
     if args.code is not None:
-        code = parse_code(args.code)
-        host, port = _target(args.target)
-        try:
-            sock = socket.create_connection((host, port), timeout=IO_TIMEOUT_S)
-        except OSError as e:
-            raise PairingError("disconnected", f"cannot reach {host}:{port} to pair: {e}") from None
-        with sock:
-            peer = join_pairing(sock, code, identity, peers)
+        peer, identity = pair_with_code(args.code, args.target, args.name)
         print(
             f"paired with {peer.name} (id {peer.short_id}); this machine is {identity.name} (id {identity.short_id})"
         )
         return 0
     if args.target:
         raise ConfigError("HOST is for the machine typing the code: add --code NNNN-NNNN", "target")
+    identity = load_identity(name=args.name)
+    peers = PairedPeers()
     pcode = PairingCode()
     try:
         listener = socket.create_server((args.host, args.port))
