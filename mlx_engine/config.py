@@ -21,6 +21,9 @@ MAX_MEMORY_FRACTION = 0.9
 WEIGHT_FORMATS = ("auto", "dense", "quantized")
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
+# The KV pool starts with room for this many tokens and grows (doubling) as sequences need
+# blocks, up to the budget: memory is taken when used, not reserved at start.
+KV_FIRST_CHUNK_TOKENS = 512
 
 
 def _plain(name: str) -> str:
@@ -31,7 +34,7 @@ def _plain(name: str) -> str:
 class EngineConfig:
     kv_bits: int | None = None  # 8 or 4 to quantize the KV cache
     kv_group_size: int = 32
-    cache_gb: float | None = None  # KV pool budget in GiB; default min(4 GiB, 15% of memory)
+    cache_gb: float | None = None  # KV pool budget in GiB; default min(4 GiB, 15% of memory), taken as used
     cache_fraction: float | None = None  # or the budget as a fraction of device memory
     block_size: int = 16
     max_batch_tokens: int = 512
@@ -104,6 +107,10 @@ class EngineConfig:
             d = number("disk_cache_gb")
             if d <= 0:
                 raise fail("disk_cache_gb", f"{spell('disk_cache_gb')} must be above 0 GiB, not {d:g}")
+
+    def kv_first_blocks(self) -> int:
+        """Blocks the KV pool allocates at start (the null block included); it grows from there."""
+        return -(-KV_FIRST_CHUNK_TOKENS // self.block_size) + 1
 
     def kv_budget_bytes(self, memory_bytes: int) -> float:
         """The KV pool's byte budget on a machine with ``memory_bytes`` of memory."""

@@ -385,8 +385,9 @@ def test_cache_budget_as_a_fraction_of_memory(tiny_dirs):
     engine = Engine(loaded, EngineConfig(cache_fraction=0.001))
     try:
         s = engine.stats()
-        block_bytes = engine.pool.nbytes / (s.kv_blocks_total + 1)
-        assert budget - block_bytes < engine.pool.nbytes <= budget
+        block_bytes = engine.pool.max_nbytes / (s.kv_blocks_total + 1)
+        assert budget - block_bytes < engine.pool.max_nbytes <= budget  # what it may grow to
+        assert engine.pool.nbytes < engine.pool.max_nbytes  # taken as used, not at start
     finally:
         engine.shutdown()
     with pytest.raises(ValueError, match="cache_fraction"):

@@ -9,6 +9,12 @@ biases ``(..., head_dim / group_size)``. Token ``t`` of a sequence lives in bloc
 Writes are indexed assignments on a flat ``(num_blocks * block_size, ...)`` view, so MLX
 updates the pool buffer in place (the old array has no other reference when the step is
 evaluated); reads gather whole token rows by slot index.
+
+Memory is taken as blocks are used: the arrays hold ``capacity`` blocks (``num_blocks``, the
+budget, at most) and ``grow`` re-allocates them larger, a layer at a time, when the block
+allocator needs more (``BlockAllocator.on_grow``). Each layer stays one array, so the reference
+gather and the paged attention kernels read the pool exactly as before; growing at least
+doubles the capacity, so the copies add up to less than the final size.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ class KVPool:
         kv_bits: int | None = None,
         group_size: int = 32,
         v_head_dim: int | None = None,
+        capacity: int | None = None,
     ):
+        """``num_blocks`` (the null block included) is the most the pool may grow to; ``capacity``
+        blocks of it are allocated now (all when None)."""
         if kv_bits not in (None, 4, 8):
             raise ValueError("kv_bits must be 4, 8 or None")
         if kv_bits is not None and head_dim % 32:
@@ -39,7 +48,8 @@ class KVPool:
         self.v_head_dim = v_head_dim or head_dim
         self.dtype, self.kv_bits = dtype, kv_bits
         self.group_size = min(group_size, head_dim)
-        n = num_blocks * block_size
+        self.capacity = num_blocks if capacity is None else max(2, min(capacity, num_blocks))
+        n = self.capacity * block_size
         self.k = [self._empty(n, head_dim) for _ in range(num_layers)]
         self.v = [self._empty(n, self.v_head_dim) for _ in range(num_layers)]
         mx.eval(self.k, self.v)
@@ -54,6 +64,30 @@ class KVPool:
             mx.zeros((n, self.n_kv_heads, groups), self.dtype),
             mx.zeros((n, self.n_kv_heads, groups), self.dtype),
         )
+
+    def grow(self, capacity: int) -> None:
+        """Hold ``capacity`` blocks (at most ``num_blocks``); the new blocks are zeros. Existing
+        contents are kept. One layer is re-allocated at a time, so the transient extra memory is
+        one layer's old arrays."""
+        if not self.capacity < capacity <= self.num_blocks:
+            raise ValueError(f"cannot grow the KV pool from {self.capacity} to {capacity} blocks")
+        n_old, n = self.capacity * self.block_size, capacity * self.block_size
+        for pools in (self.k, self.v):
+            for layer, old in enumerate(pools):
+                pools[layer] = self._enlarged(old, n_old, n)
+                mx.eval(pools[layer])  # now nothing holds the old buffers: they are freed
+        self.capacity = capacity
+
+    @staticmethod
+    def _enlarged(old, n_old: int, n: int):
+        def one(a: mx.array) -> mx.array:
+            # zeros, then the old rows written over their head: in place on the fresh buffer, so
+            # the peak is old + new (a concatenate would also hold the zero tail on its own)
+            out = mx.zeros((n, *a.shape[1:]), a.dtype)
+            out[:n_old] = a
+            return out
+
+        return tuple(one(a) for a in old) if isinstance(old, tuple) else one(old)
 
     @staticmethod
     def bytes_per_token_per_layer(
@@ -83,10 +117,17 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes allocated now."""
+
         def size(a):
             return sum(x.nbytes for x in a) if isinstance(a, tuple) else a.nbytes
 
         return sum(size(a) for a in self.k) + sum(size(a) for a in self.v)
+
+    @property
+    def max_nbytes(self) -> int:
+        """Bytes the pool takes once grown to ``num_blocks`` (its budget)."""
+        return self.nbytes // self.capacity * self.num_blocks
 
     def arrays(self) -> list:
         """Everything to evaluate after a step."""
@@ -148,8 +189,8 @@ class KVPool:
         blocks = np.asarray(table[t0 // bs : (t1 - 1) // bs + 1], dtype=np.int64)
         if len(blocks) != (t1 - 1) // bs - t0 // bs + 1:
             raise ValueError(f"block table of {len(table)} blocks does not cover tokens up to {t1}")
-        if blocks.min() < 1 or blocks.max() >= self.num_blocks:
-            raise ValueError(f"block table names a block outside 1..{self.num_blocks - 1}")
+        if blocks.min() < 1 or blocks.max() >= self.capacity:
+            raise ValueError(f"block table names a block outside 1..{self.capacity - 1}")
         t = np.arange(t0, t1)
         return mx.array((blocks[t // bs - t0 // bs] * bs + t % bs).astype(np.int32))
 
