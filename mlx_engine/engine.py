@@ -1124,4 +1124,11 @@ class Engine:
             usage.prefill_tps = (seq.num_prompt - seq.num_cached) / max(usage.ttft_s, 1e-9)
             if n_out > 1 and a.t_last is not None and a.t_last > a.t_first:
                 usage.decode_tps = (n_out - 1) / (a.t_last - a.t_first)
+        for src in self.scheduler.sources:  # e.g. a peer's offload planner records the measured TTFT
+            finished = getattr(src, "request_finished", None)
+            if finished is not None:
+                try:
+                    finished(a.req.request_id, seq.tokens, usage)
+                except Exception as e:
+                    log.warning("KV source %s: request_finished failed: %s", src.name, e)
         a.emit(GenerationEvent(a.req.request_id, text, [], [], reason, usage, error, stop_reason, error_type))

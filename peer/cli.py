@@ -198,12 +198,18 @@ def peer_usage(usage: Any, engine: Any, request_id: str) -> dict[str, Any]:
                     "wait_s",
                     "transfer_s",
                     "total_s",
+                    "accept_s",
+                    "link_s",
+                    "predicted_s",
                     "outcome",
                     "exact",
                 )
             }
             for info in loads
         ]
+    plans = [d.as_dict() for src in sources if (d := src.planner.decision(request_id)) is not None]
+    if plans:  # the offload planner's decision(s): offloaded or not, predicted and measured TTFT
+        out["plan"] = plans[0] if len(plans) == 1 else plans
     if usage.prefill_location.startswith("remote:"):
         used = [s for s in sources if s.name in usage.prefill_location]
         exact = getattr(usage, "prefill_exact", None)
@@ -227,7 +233,7 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
         description="Prefill peers compute prompts for another Duet (the decoder) and stream the KV "
         "cache to it, layer by layer. Preview: loopback only until peer pairing and TLS exist.",
     )
-    psub = p.add_subparsers(dest="peer_command", metavar="{serve,pair,unpair}", help="what to do")
+    psub = p.add_subparsers(dest="peer_command", metavar="{serve,pair,unpair,plan}", help="what to do")
     psub.required = True
     s = psub.add_parser(
         "serve",
@@ -268,6 +274,82 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
     from peer.commands import add_pairing_parsers
 
     add_pairing_parsers(psub)
+    add_plan_parser(psub)
+
+
+# --- duet peer plan ---------------------------------------------------------------------------------
+def add_plan_parser(psub: Any) -> None:
+    p = psub.add_parser(
+        "plan",
+        help="predict time to first token, local prefill against a prefill peer",
+        description="The offload planner's arithmetic (peer/planner.py) on given profiles: for each "
+        "prompt length, local prefill against remote prefill with the KV streamed layer by layer "
+        "(and, for comparison, sent only after the whole prefill).",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        default="512,2048,8192",
+        metavar="N[,N...]",
+        help="prompt lengths (default 512,2048,8192)",
+    )
+    p.add_argument("--local-tps", type=float, required=True, help="local prefill tokens/s")
+    p.add_argument("--remote-tps", type=float, required=True, help="the peer's prefill tokens/s")
+    p.add_argument("--link-gbps", type=float, required=True, help="link speed, Gbit/s")
+    p.add_argument(
+        "--model-kv-bytes-per-token",
+        type=int,
+        required=True,
+        metavar="B",
+        help="KV bytes per token over all layers (Llama-3.1-8B fp16: 131072)",
+    )
+    p.add_argument("--layers", type=int, default=32, help="layers (frames per chunk; default 32)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk, tokens (default 512)")
+    p.add_argument("--rtt-ms", type=float, default=1.0, help="round trip and set-up, ms (default 1)")
+    p.add_argument(
+        "--tail-ms",
+        type=float,
+        default=None,
+        help="the decoder's last-token step, ms (default: one token at --local-tps)",
+    )
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=cmd_peer_plan)
+
+
+def cmd_peer_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from peer.planner import Planner, format_plan, plan_table
+
+    try:
+        lengths = [int(x) for x in args.prompt_tokens.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or any(n < 2 for n in lengths):
+        raise ConfigError(
+            f"--prompt-tokens must be lengths of at least 2, not {args.prompt_tokens!r}", "prompt_tokens"
+        )
+    for name in ("local_tps", "remote_tps", "link_gbps", "model_kv_bytes_per_token", "layers", "chunk"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive", name)
+    if args.rtt_ms < 0 or (args.tail_ms is not None and args.tail_ms < 0):
+        raise ConfigError("--rtt-ms and --tail-ms must not be negative", "rtt_ms")
+    planner = Planner(
+        kv_bytes_per_token=args.model_kv_bytes_per_token, num_layers=args.layers, chunk=args.chunk
+    )
+    tail = 1 / args.local_tps if args.tail_ms is None else args.tail_ms / 1000
+    planner.seed(
+        local_tps=args.local_tps,
+        remote_tps=args.remote_tps,
+        bandwidth_Bps=args.link_gbps * 1e9 / 8,
+        setup_s=args.rtt_ms / 1000,
+        tail_s=tail,
+    )
+    rows = plan_table(planner, lengths)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(format_plan(rows))
+    return 0
 
 
 def cmd_peer_serve(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mlx_engine.kv_cache.kv_source import LandedKV
+from peer.planner import Decision, Planner, PromptMemory
 from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, encode_prefill, send_frame
 from peer.wire.handshake import check_peer, inexact_reasons
 from peer.wire.kv_wire import KVFormat, decode_layer
@@ -93,6 +94,9 @@ class LoadInfo:
     wait_s: float = 0.0  # PREFILL sent -> first LAYER_KV
     transfer_s: float = 0.0  # first LAYER_KV -> DONE
     total_s: float = 0.0  # PREFILL sent -> DONE (or the failure)
+    accept_s: float | None = None  # PREFILL sent -> ACCEPT
+    link_s: float = 0.0  # time spent reading LAYER_KV frames off the socket
+    predicted_s: float | None = None  # the planner's predicted remote TTFT
     outcome: str = "running"  # running, done, cancelled, or the failure's ErrorCode value
 
     def as_dict(self) -> dict[str, Any]:
@@ -109,6 +113,7 @@ class _Load:
     landed: LandedKV  # per layer: the token ranges received (a peer may re-send a range)
     t_sent: float = field(default_factory=time.monotonic)
     t_first: float | None = None
+    predicted_compute_s: float = 0.0  # the planner's estimate of the peer's compute (its queue)
 
 
 class _Conn:
@@ -149,7 +154,8 @@ class RemotePrefillSource:
     """A ``KVSource`` (mlx_engine.kv_cache.kv_source) that prefills on a peer (``duet peer serve``).
 
     ``policy`` "always" offers every prompt's uncached part to a healthy peer; "auto" offers it when
-    the estimate from measured rates says the peer finishes first (see ``worth_offloading``).
+    the offload planner (``peer/planner.py``, ``self.planner``) predicts the peer gives the first
+    token sooner; every decision is recorded there with its predicted and measured TTFT.
     ``attach(engine)`` (the engine calls it on its worker when the source is added, with
     ``add_kv_source`` or ``EngineConfig.kv_sources``) builds this side's HELLO from the engine and
     starts connecting; tests without an engine call ``configure(hello, chunk_size)`` instead."""
@@ -200,8 +206,8 @@ class RemotePrefillSource:
         self.bytes_received = 0
         self.frames_received = 0
         self.late_frames = 0  # frames of loads already ended (dropped)
-        self._remote_rate: float | None = None  # tokens/s, PREFILL sent -> DONE (EWMA)
-        self._remote_latency: float | None = None  # s, PREFILL sent -> first LAYER_KV (EWMA)
+        self.planner = Planner(self.name, local_rate_fn=self.local_rate)
+        self._sent_prompts = PromptMemory()  # what the peer's prefix cache likely holds
         self._local_rate: float | None = None  # tokens/s of local prefill (EWMA, observe_local_prefill)
         self._local_rate_fn: Callable[[], float | None] | None = None
         self._closed = False
@@ -223,6 +229,8 @@ class RemotePrefillSource:
     def configure(self, hello: Hello, chunk_size: int) -> None:
         self.local, self.chunk_size = hello, chunk_size
         self.fmt = KVFormat.from_hello(hello)
+        self.planner.kv_bytes_per_token = self.fmt.nbytes(1) * self.fmt.num_layers
+        self.planner.num_layers, self.planner.chunk = self.fmt.num_layers, max(chunk_size, 1)
 
     def connect(self, wait_s: float | None = 0.0) -> bool:
         """Start connecting now (unless connected or connecting; a backoff does not hold it back); with
@@ -365,15 +373,40 @@ class RemotePrefillSource:
         return self._local_rate
 
     def worth_offloading(self, n: int) -> bool:
-        """Auto policy: offload when the estimated remote time (first-frame latency + ``n`` / the
-        measured remote rate) is below the local one (``n`` / the measured local prefill rate).
-        Until a side has been measured, it is tried once: the peer first, then local prefill."""
-        remote, latency, local = self._remote_rate, self._remote_latency or 0.0, self.local_rate()
-        if remote is None:
-            return True
-        if local is None:
-            return False
-        return latency + n / remote < n / local
+        """Auto policy for ``n`` uncached tokens (none held by either side): the planner's decision
+        (predicted remote TTFT below local; a side never measured is tried once, the peer first)."""
+        return self.planner.decide(n + 1, 0, 0, self._queue_s()).offload
+
+    def _queue_s(self) -> float:
+        """The peer's predicted compute still ahead of it for this decoder's running loads."""
+        now = self.clock()
+        with self._lock:
+            return sum(max(s.predicted_compute_s - (now - s.t_sent), 0.0) for s in self._loads.values())
+
+    def _decide(self, seq_tokens: list[int], start: int, end: int) -> Decision:
+        block = self.remote.block_size if self.remote is not None else 1
+        hit = self._sent_prompts.hit(seq_tokens, end, block)
+        return self.planner.decide(
+            end + 1, start, hit, self._queue_s(), policy=self.policy, record=seq_tokens
+        )
+
+    def request_finished(self, request_id: str, tokens: list[int], usage: Any) -> None:
+        """The engine ended a request (``KVSource.request_finished``): the planner gets its measured
+        TTFT, and the profiles the local TTFT (a request prefilled here) or what followed the
+        peer's last frame (a request prefilled by this peer)."""
+        loc = str(getattr(usage, "prefill_location", "local"))
+        ttft = float(getattr(usage, "ttft_s", 0.0) or 0.0)
+        d = self.planner.finish(request_id, tokens, loc, ttft)
+        if d is None or ttft <= 0 or getattr(usage, "fallback_reason", None):
+            return
+        if loc == "local":
+            computed = int(getattr(usage, "prompt_tokens_computed", 0))
+            if computed == d.n_tokens - d.start:  # no recompute: a clean sample of local prefill
+                self.planner.observe_local(computed, d.start, ttft)
+        elif loc == f"remote:{self.name}":
+            infos = [i for i in self.loads_of(request_id) if i["outcome"] == "done"]
+            if len(infos) == 1:
+                self.planner.observe_tail(max(ttft - infos[0]["total_s"], 0.0))
 
     # --- KVSource ----------------------------------------------------------------------------
     def match(self, seq_tokens: list[int], start: int, end: int) -> int:
@@ -389,7 +422,8 @@ class RemotePrefillSource:
             assert self.remote is not None
             if end + 1 > self.remote.max_tokens:
                 return 0
-        if self.policy == "auto" and not self.worth_offloading(n):
+        decision = self._decide(seq_tokens, start, end)
+        if self.policy == "auto" and not decision.offload:
             return 0
         return n
 
@@ -400,6 +434,9 @@ class RemotePrefillSource:
             conn = self._conn
             usable = conn is not None and not conn.closed.is_set() and not self._closed
             info = LoadInfo(self.name, load.request_id, load.load_id, load.start, load.end, self.exact)
+            decision = self.planner.assign(load.tokens, load.start, load.request_id)
+            if decision is not None:
+                info.predicted_s = decision.predicted_remote_s
             self._remember(info)
             if not usable or load.end <= load.start:
                 code = ErrorCode.DISCONNECTED if not usable else ErrorCode.BAD_FRAME
@@ -417,7 +454,10 @@ class RemotePrefillSource:
                     LandedKV(self.local.num_layers),
                     t_sent=now,
                 )
+                if decision is not None and decision.estimate.compute_s is not None:
+                    state.predicted_compute_s = decision.estimate.compute_s
                 self._loads[load.load_id] = state
+                self._sent_prompts.remember(load.tokens[: load.end])
         if not usable or load.end <= load.start:
             self.fallbacks[code.value] += 1
             self.last_error = (code.value, msg)
@@ -538,12 +578,13 @@ class RemotePrefillSource:
                 readable = buffered or any(key.fileobj is conn.sock for key, _ in events)
                 if not readable or conn.closed.is_set():
                     continue
+                t_ready = time.monotonic()
                 frame = conn.reader.read()
                 if frame is None:
                     self._drop(conn, ErrorCode.DISCONNECTED, "the peer closed the connection")
                     return
                 self.frames_received += 1
-                self._handle(conn, frame)
+                self._handle(conn, frame, time.monotonic() - t_ready)
         except ProtocolError as e:
             self._drop(conn, e.code, str(e))
         except Exception as e:  # a bug must not leave loads hanging
@@ -584,10 +625,12 @@ class RemotePrefillSource:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"load {load_id} is not request {request_id!r}")
         return s
 
-    def _handle(self, conn: _Conn, frame: Frame) -> None:
+    def _handle(self, conn: _Conn, frame: Frame, read_s: float = 0.0) -> None:
+        """``read_s``: the time from the socket turning readable to the whole frame read (for the
+        planner's link bandwidth)."""
         msg = frame.msg
         if isinstance(msg, LayerKV):
-            self._layer(frame, msg)
+            self._layer(frame, msg, read_s)
             return
         frame.release()
         now = self.clock()
@@ -595,6 +638,9 @@ class RemotePrefillSource:
             s = self._state(msg.load_id, msg.request_id)
             if s is not None:
                 s.info.hit, s.info.eta_s = msg.hit, msg.eta_s
+                if s.info.accept_s is None:
+                    s.info.accept_s = now - s.t_sent
+                    self.planner.observe_setup(s.info.accept_s)
                 if s.t_first is None:
                     s.deadline = now + self.timeouts.first_byte_s + min(msg.eta_s, 3600.0)
         elif isinstance(msg, Busy):
@@ -616,7 +662,7 @@ class RemotePrefillSource:
         else:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"a decoder does not take {msg.TYPE.value} frames")
 
-    def _layer(self, frame: Frame, msg: LayerKV) -> None:
+    def _layer(self, frame: Frame, msg: LayerKV, read_s: float = 0.0) -> None:
         assert self.fmt is not None and frame.payload is not None
         try:
             s = self._state(msg.load_id, msg.request_id)
@@ -641,6 +687,7 @@ class RemotePrefillSource:
             s.t_first = now
         s.info.frames += 1
         s.info.bytes += frame.payload.nbytes
+        s.info.link_s += read_s
         self.bytes_received += frame.payload.nbytes
         parts = decode_layer(frame, self.fmt)
         if _takes_release(s.sink):
@@ -674,10 +721,10 @@ class RemotePrefillSource:
         info.total_s = now - s.t_sent
         t_first = s.t_first if s.t_first is not None else now
         info.wait_s, info.transfer_s = t_first - s.t_sent, now - t_first
-        n = s.load.end - s.load.start
-        if info.total_s > 0:
-            self._remote_rate = _ewma(self._remote_rate, n / max(info.total_s - info.wait_s, 1e-6))
-            self._remote_latency = _ewma(self._remote_latency, info.wait_s)
+        if msg.tokens_computed > 0 and msg.compute_s > 0:
+            self.planner.observe_remote(msg.tokens_computed, info.hit or 0, msg.compute_s)
+        if info.bytes > 0:
+            self.planner.observe_transfer(info.bytes, max(info.link_s, 1e-6))
         s.sink.done(s.load.load_id, msg.tokens_computed, msg.compute_s)
 
 

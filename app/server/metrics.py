@@ -80,14 +80,34 @@ def _peer_metrics(engine: Engine, s: EngineStats):
     healthy = GaugeMetricFamily(
         "duet_peer_healthy", "1 when the peer is connected and usable", labels=["peer"]
     )
+    decisions = CounterMetricFamily(
+        "duet_planner_decisions",
+        "offload planner decisions, by peer and chosen path",
+        labels=["peer", "path"],
+    )
+    predicted = CounterMetricFamily(
+        "duet_planner_predicted_ttft_seconds",
+        "sum of the planner's predicted TTFT for the path taken, over finished requests",
+        labels=["peer", "path"],
+    )
+    measured = CounterMetricFamily(
+        "duet_planner_measured_ttft_seconds",
+        "sum of the measured TTFT over the same requests",
+        labels=["peer", "path"],
+    )
     for src in sources:
+        planner = src.planner
+        for path in ("local", "remote"):
+            decisions.add_metric([src.name, path], planner.counts[path])
+            predicted.add_metric([src.name, path], planner.predicted_sum[path])
+            measured.add_metric([src.name, path], planner.measured_sum[path])
         received.add_metric([src.name], src.bytes_received)
         healthy.add_metric([src.name], 1 if src.healthy else 0)
         for reason, n in sorted(src.fallbacks.items()):
             fallbacks.add_metric([src.name, reason], n)
         for reason, n in sorted(src.failures.items()):
             failures.add_metric([src.name, reason], n)
-    yield from (received, fallbacks, failures, healthy)
+    yield from (received, fallbacks, failures, healthy, decisions, predicted, measured)
 
 
 class Metrics:

@@ -80,7 +80,10 @@ class KVSource(Protocol):
     """Something that can fill a sequence's KV for a token range.
 
     Optional attribute ``is_cache`` (default False): tokens it delivers count as prefix-cache hits
-    (``usage.cached_tokens``); otherwise they are remote prefill (``usage.prefill_location``)."""
+    (``usage.cached_tokens``); otherwise they are remote prefill (``usage.prefill_location``).
+    Optional method ``request_finished(request_id, tokens, usage)``: called on the worker when a
+    request ends, before its last event (``tokens``: the sequence's token list, the object ``match``
+    was given), e.g. for a planner to compare its prediction with the measured TTFT."""
 
     name: str
 
