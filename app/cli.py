@@ -1,4 +1,4 @@
-"""`duet` command line: generate, chat, serve, models.
+"""`duet` command line: generate, chat, serve, models, peer, peers, doctor, service.
 
 Every command checks its arguments (engine options, sampling values, the model's files) before
 anything is loaded, and ``main`` is the one place that turns a ``DuetError`` into a one-line
@@ -182,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the bundled model and the models in the local Hugging Face cache.",
     )
     m.set_defaults(func=cmd_models)
+
+    from app.doctor import add_doctor_parser
+    from app.service import add_service_parser
+
+    add_doctor_parser(sub)
+    add_service_parser(sub)
     return p
 
 
