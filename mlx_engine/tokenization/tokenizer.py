@@ -11,6 +11,7 @@ import datetime
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -223,7 +224,11 @@ class Tokenizer:
             raise TemplateError(f"chat template failed: {e}") from e
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        replies: Callable[[str], list[int] | None] | None = None,
     ) -> list[int]:
         """Render a chat and tokenize it so that control tokens come only from the template.
 
@@ -233,13 +238,55 @@ class Tokenizer:
         template's control tokens that holds a sentinel is re-encoded, sentinels restored, with
         control-token matching off. Every other stretch keeps the ids of a plain ``encode`` of the
         rendered text, so chats without control-token text tokenize exactly as before.
+
+        ``replies`` (text -> the ids the model generated for it, see ``ReplyMemory``): an
+        assistant message whose text the model produced, found verbatim where the template put
+        it, keeps the generated ids, so the prefix cache still matches past it. The result is
+        used only if it decodes to exactly what the plain tokenization decodes to.
         """
         sentinels = _Sentinels(self._control_text)
         messages = sentinels.swap(messages)
         tools = sentinels.swap(tools)
         text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        plain = self._encode_rendered(text, sentinels)
+        spans = self._reply_spans(text, messages, sentinels, replies) if replies is not None else []
+        if not spans:
+            return self._with_bos(plain, True)
+        ids: list[int] = []
+        at = 0
+        for lo, hi, reply_ids in spans:
+            ids += self._encode_rendered(text[at:lo], sentinels) + reply_ids
+            at = hi
+        ids += self._encode_rendered(text[at:], sentinels)
+        if ids != plain and self.decode(ids, False) != self.decode(plain, False):
+            ids = plain
+        return self._with_bos(ids, True)
+
+    @staticmethod
+    def _reply_spans(
+        text: str, messages: list[dict], sentinels: _Sentinels, replies: Callable[[str], list[int] | None]
+    ) -> list[tuple[int, int, list[int]]]:
+        """Where, in order, the rendered ``text`` holds assistant replies whose ids are known."""
+        spans = []
+        at = 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) and m.get("role") == "assistant" else None
+            if not isinstance(content, str) or not content or sentinels.found_in(content):
+                continue
+            ids = replies(content)
+            if ids is None:
+                continue
+            lo = text.find(content, at)
+            if lo < 0:  # the template changed it (trimmed, dropped a thinking section): plain ids
+                continue
+            spans.append((lo, lo + len(content), ids))
+            at = lo + len(content)
+        return spans
+
+    def _encode_rendered(self, text: str, sentinels: _Sentinels) -> list[int]:
+        """Ids of rendered template text (no BOS added), sentinel stretches read as plain text."""
         if not sentinels.originals:
-            return self.encode(text, add_special_tokens=True)
+            return self.backend.encode(text, add_special_tokens=False).ids
         enc = self.backend.encode(text, add_special_tokens=False)
         ids: list[int] = []
         run: list[int] = []  # ids since the last control token
@@ -262,7 +309,7 @@ class Tokenizer:
             else:
                 run.append(tok)
         close_run(len(text))
-        return self._with_bos(ids, True)
+        return ids
 
     # --- construction -------------------------------------------------------
     @classmethod
