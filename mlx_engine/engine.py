@@ -62,6 +62,7 @@ from mlx_engine.request import GenerationEvent, GenerationRequest, TokenLogprob,
 from mlx_engine.sampling.sampler import SamplerRow, SeedState, make_rng, sample
 from mlx_engine.scheduler import RUNNING, Scheduler, SchedulerConfig, Sequence, StartLoad, Step
 from mlx_engine.tokenization.detokenizer import StreamingDetokenizer
+from mlx_engine.tokenization.reply_memory import ReplyMemory
 from mlx_engine.tokenization.stop_strings import StopMatcher
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "QueueFullError", "RequestError"]
@@ -114,8 +115,10 @@ class _Active:
     t_last: float | None = None
     done: bool = False
     remote: _RemoteUsage = field(default_factory=lambda: _RemoteUsage())
+    text: list[str] = field(default_factory=list)  # what was emitted
 
     def emit(self, ev: GenerationEvent) -> None:
+        self.text.append(ev.text)
         self.outbox.setdefault(self.loop, []).append((self.queue, ev))
 
 
@@ -308,6 +311,7 @@ class Engine:
         self.config.validate()
         warn_if_slow(backend_name())  # once per process, with the fix
         self.tokenizer = loaded.tokenizer
+        self.replies = ReplyMemory()  # generated ids behind reply text, for multi-turn prefix hits
         self.model_name = loaded.name
         self.context_length = loaded.context_length
         self._mailbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -454,7 +458,11 @@ class Engine:
             if not request.messages:
                 raise RequestError("messages must not be empty", "messages")
             # control tokens come only from the template, never from message text (TemplateError)
-            ids = self.tokenizer.encode_chat(request.messages, True, request.tools)
+            # a reply the model wrote keeps the ids it was generated as (ReplyMemory)
+            salt = request.cache_salt
+            ids = self.tokenizer.encode_chat(
+                request.messages, True, request.tools, replies=lambda t: self.replies.recall(t, salt)
+            )
         elif isinstance(request.prompt, str):
             if not request.prompt:
                 raise RequestError("prompt must not be empty", "prompt")
@@ -1132,3 +1140,10 @@ class Engine:
                 except Exception as e:
                     log.warning("KV source %s: request_finished failed: %s", src.name, e)
         a.emit(GenerationEvent(a.req.request_id, text, [], [], reason, usage, error, stop_reason, error_type))
+        if reason in ("stop", "length") and a.req.messages is not None:
+            self.replies.remember(
+                "".join(a.text),
+                seq.tokens[seq.num_prompt :],
+                lambda ids: self.tokenizer.decode(ids, False),
+                a.req.cache_salt,
+            )
