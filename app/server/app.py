@@ -11,7 +11,8 @@ from mlx_engine import __version__
 from mlx_engine.engine import Engine
 from mlx_engine.sampling.constraints import GrammarFactory
 
-from . import errors
+from . import anthropic, anthropic_errors, errors
+from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .chat import chat_completions
 from .common import ServerState
 from .completions import completions
@@ -45,14 +46,21 @@ def create_app(
     )
     app.state.duet = state
     errors.install(app)
+    _anthropic_errors_on_messages_paths(app)
     # add_middleware puts the last one added outermost: the security checks run first, and the
     # CORS middleware (only for --allowed-origins) answers the preflights they let through
     if policy.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=["*"] if "*" in policy.allowed_origins else sorted(policy.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["authorization", "content-type"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=[
+                "authorization",
+                "content-type",
+                "x-api-key",
+                "anthropic-version",
+                "anthropic-beta",
+            ],
             max_age=600,
         )
     app.add_middleware(SecurityMiddleware, policy=policy)
@@ -100,4 +108,25 @@ def create_app(
     async def complete(body: CompletionRequest, request: Request) -> Response:
         return await completions(state, body, request)
 
+    @api("POST", "/v1/messages")
+    async def anthropic_messages(body: MessagesRequest, request: Request) -> Response:
+        return await anthropic.messages(state, body, request)
+
+    @api("POST", "/v1/messages/count_tokens")
+    async def anthropic_count_tokens(body: CountTokensRequest, request: Request) -> Response:
+        return await anthropic.count_tokens(state, body, request)
+
     return app
+
+
+def _anthropic_errors_on_messages_paths(app: FastAPI) -> None:
+    """The Messages routes answer errors in Anthropic's shape: wrap each error handler."""
+    for exc_class, handler in list(app.exception_handlers.items()):
+
+        async def wrapped(request: Request, exc: Exception, handler=handler) -> Response:
+            response = await handler(request, exc)
+            if anthropic_errors.is_anthropic_path(request.url.path):
+                return anthropic_errors.reshape(response)
+            return response
+
+        app.exception_handlers[exc_class] = wrapped

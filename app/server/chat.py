@@ -195,9 +195,13 @@ def _with_tools_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
 class ChatCall:
     """One validated chat request, ready to generate."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, cache_salt: str | None):
-        """``cache_salt``: the request's effective prefix-cache salt (``effective_cache_salt``)."""
-        self.state, self.body, self.cache_salt = state, body, cache_salt
+    def __init__(
+        self, state: ServerState, body: ChatCompletionRequest, cache_salt: str | None, endpoint: str = "chat"
+    ):
+        """``cache_salt``: the request's effective prefix-cache salt (``effective_cache_salt``);
+        ``endpoint``: the API it came in through, for the metrics (the Messages and Responses
+        adapters build a chat request and call through here too)."""
+        self.state, self.body, self.cache_salt, self.endpoint = state, body, cache_salt, endpoint
         engine = state.engine
         state.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
@@ -294,7 +298,7 @@ class ChatCall:
         ]
 
     def _cancelled(self, n: int) -> None:
-        self.state.metrics.requests.labels("chat", "cancelled").inc(n)
+        self.state.metrics.requests.labels(self.endpoint, "cancelled").inc(n)
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         if called and reason == "stop":

@@ -61,6 +61,22 @@ def _body_problem(value: Any) -> tuple[str, str] | None:
     return None
 
 
+def check_body(data: Any) -> Any:
+    """A request body's ``mode="before"`` check (every endpoint's): no lone surrogates, no
+    nesting deeper than MAX_DEPTH; a PydanticCustomError naming the field otherwise."""
+    problem = _body_problem(data)
+    if problem is None:
+        return data
+    kind, where = problem
+    where = where if len(where) <= 80 else where[:80] + "..."
+    message = {
+        "invalid_unicode": "{param}: the text contains a lone UTF-16 surrogate (such as \\ud800), which "
+        "is not valid Unicode; send the text as UTF-8 or escape whole surrogate pairs",
+        "too_deep": f"{{param}}: nested more than {MAX_DEPTH} levels deep",
+    }[kind]
+    raise PydanticCustomError(kind, message, {"param": where or "body"})
+
+
 class StreamOptions(_Open):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # no obfuscation field is sent: ignored
@@ -96,17 +112,7 @@ class _Sampling(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_body(cls, data: Any) -> Any:
-        problem = _body_problem(data)
-        if problem is None:
-            return data
-        kind, where = problem
-        where = where if len(where) <= 80 else where[:80] + "..."
-        message = {
-            "invalid_unicode": "{param}: the text contains a lone UTF-16 surrogate (such as \\ud800), which "
-            "is not valid Unicode; send the text as UTF-8 or escape whole surrogate pairs",
-            "too_deep": f"{{param}}: nested more than {MAX_DEPTH} levels deep",
-        }[kind]
-        raise PydanticCustomError(kind, message, {"param": where or "body"})
+        return check_body(data)
 
     def ignored_fields(self) -> list[str]:
         """The fields this request set that the server accepts but does not act on."""

@@ -13,7 +13,7 @@ Every HTTP request passes these checks in order, before any route runs or any bo
    on the server's port. Anything else, ``null`` included, is a 403. CORS headers go only to
    ``--allowed-origins``: CORS stays closed by default.
 3. **API key**, when one or more are set: every path but ``/health`` needs ``Authorization: Bearer
-   KEY`` with one of them (a constant-time comparison against each); 401 otherwise. CORS preflights
+   KEY`` (or ``x-api-key: KEY``, as Anthropic's clients send it) with one of them (a constant-time comparison against each); 401 otherwise. CORS preflights
    from an allowed origin pass (browsers never send credentials on a preflight). The key that
    authenticated a request is recorded in the ASGI scope as ``scope["state"]["duet_key_id"]``, a
    short sha256 of it (never the key itself); with ``--cache-isolation per-key`` it also becomes the
@@ -39,6 +39,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
+
+from .anthropic_errors import error_body as anthropic_error_body
+from .anthropic_errors import is_anthropic_path
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -279,6 +282,8 @@ class SecurityMiddleware:
 
         async def refuse(status: int, message: str, type_: str, code: str | None, extra=()) -> None:
             body = _error_body(status, message, type_, code)
+            if is_anthropic_path(scope.get("path", "")):
+                body = json.dumps(anthropic_error_body(status, message)).encode()
             await send(
                 {
                     "type": "http.response.start",
@@ -324,7 +329,11 @@ class SecurityMiddleware:
             await self.app(scope, receive, send)  # a CORS preflight: the CORS middleware answers it
             return
         # 3. API key
-        kid = p.authenticate(headers.get("authorization", "")) if p.api_keys else None
+        # Anthropic's clients send the key as x-api-key; the others as a bearer token
+        credential = headers.get("authorization") or (
+            "Bearer " + headers["x-api-key"] if "x-api-key" in headers else ""
+        )
+        kid = p.authenticate(credential) if p.api_keys else None
         if kid is not None:
             state = scope.setdefault("state", {})
             state[KEY_ID_STATE] = kid
@@ -334,8 +343,8 @@ class SecurityMiddleware:
             await refuse(
                 401,
                 "Incorrect API key provided."
-                if "authorization" in headers
-                else "Missing API key: send Authorization: Bearer KEY.",
+                if credential
+                else "Missing API key: send Authorization: Bearer KEY (or x-api-key: KEY).",
                 "invalid_request_error",
                 "invalid_api_key",
                 [(b"www-authenticate", b"Bearer")],
