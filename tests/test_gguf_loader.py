@@ -4,7 +4,6 @@ architecture, and the errors for bad files."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 from pathlib import Path
@@ -14,12 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
-from tokenizers.pre_tokenizers import ByteLevel
+from mlx.utils import tree_flatten
 
 from mlx_engine.loading.dequantize import dequantize_model
 from mlx_engine.loading.gguf_loader import GGUFError, load_gguf
 from mlx_engine.loading.resolve import bundled_model_path
+from tests.gguf_quantize import TINY_IDS, TOKENS, tiny_config, tiny_model, write_tiny_gguf
 
 REFERENCE = json.loads((Path(__file__).parent / "data/smollm2_reference.json").read_text())
 Q = gguf.GGMLQuantizationType
@@ -127,161 +126,7 @@ def test_greedy_continuation_is_sensible(dense_model):
     assert "Paris" in tokenizer.decode(out)
 
 
-# --- tiny GGUF files written the way llama.cpp's converter writes them --------------------------------
-
-_GGUF_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["Ġ t", "h e", "Ġt he"]
-TOKENS = SPECIALS + sorted(ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
-
-
-def _gguf_name(key: str) -> str:
-    module, part = key.rsplit(".", 1)
-    if module.startswith("model.layers."):
-        _, _, layer, rest = module.split(".", 3)
-        return f"blk.{layer}.{_GGUF_NAMES[rest]}.{part}"
-    return f"{_GGUF_NAMES[module]}.{part}"
-
-
-def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to llama Q/K rows (HF rotate-half -> interleaved)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _llama3_freq_factors(head_dim: int, base: float, s: dict) -> np.ndarray:
-    """llama.cpp's rope_freqs for Llama 3 rope scaling (divisors of each rotary frequency)."""
-    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
-    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
-    factors = []
-    for f in freqs:
-        wavelen = 2 * np.pi / f
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(s["factor"])
-        else:
-            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
-                s["high_freq_factor"] - s["low_freq_factor"]
-            )
-            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
-    return np.array(factors, dtype=np.float32)
-
-
-def _tiny_config(arch: str) -> dict:
-    config = {
-        "model_type": arch,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 96,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": len(TOKENS),
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": arch != "llama",
-    }
-    return config
-
-
-def _tiny_model(arch: str, config: dict) -> nn.Module:
-    models = importlib.import_module(f"mlx_lm.models.{arch}")
-    model = models.Model(models.ModelArgs.from_dict(config))
-    mx.random.seed(7)
-    params = [
-        (k, 0.2 * mx.random.normal(v.shape) + (1.0 if "norm" in k else 0.0))
-        for k, v in tree_flatten(model.parameters())
-    ]
-    model.update(tree_unflatten(params))
-    mx.eval(model.parameters())
-    return model
-
-
-def write_tiny_gguf(
-    path: Path,
-    arch: str,
-    *,
-    qtypes: dict[str, Q] | None = None,
-    rope_scaling: dict | None = None,
-    gguf_arch: str | None = None,
-) -> nn.Module:
-    """Write a tiny random ``arch`` model as llama.cpp would, and return the mlx-lm model whose logits
-    the loaded file must reproduce (its weights replaced by the values the file's blocks decode to, by
-    the ``gguf`` package's own dequantizer). ``qtypes`` maps GGUF tensor kinds ("attn_q", "output") to
-    a type; the rest stays F32."""
-    config = _tiny_config(arch)
-    if rope_scaling:
-        config["rope_scaling"] = rope_scaling
-    model = _tiny_model(arch, config)
-    writer = gguf.GGUFWriter(str(path), arch=gguf_arch or arch)
-    writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in TOKENS])
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    if rope_scaling:
-        factors = _llama3_freq_factors(config["head_dim"], config["rope_theta"], rope_scaling)
-        writer.add_tensor("rope_freqs.weight", factors)
-    decoded = []
-    for key, value in tree_flatten(model.parameters()):
-        name = _gguf_name(key)
-        w = np.array(value, dtype=np.float32)
-        if arch == "gemma" and name.endswith("norm.weight"):
-            w = w + 1.0  # llama.cpp stores Gemma's norms with the +1 folded in
-        qtype = (qtypes or {}).get(name.split(".")[-2], Q.F32)
-        if qtype != Q.F32:
-            # quantization works row by row, so it commutes with the row permutation below
-            w = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
-            decoded.append((key, mx.array(w)))
-        stored = w
-        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
-            stored = _llama_cpp_permute(w, heads)
-        if qtype == Q.F32:
-            writer.add_tensor(name, stored)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    model.update(tree_unflatten(decoded))
-    mx.eval(model.parameters())
-    return model
-
-
-TINY_IDS = mx.array([[1, 40, 41, 260, 261, 70, 3, 90, 100, 2, 45, 46, 47, 48]])
+# --- tiny GGUF files written the way llama.cpp's converter writes them (tests/gguf_quantize.py) ----
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma"])
@@ -364,8 +209,8 @@ def test_tiny_llama3_rope_freqs(tmp_path):
 
 
 def test_dequantize_model_matches_quantized_layers():
-    config = _tiny_config("qwen2")
-    model = _tiny_model("qwen2", config)
+    config = tiny_config("qwen2")
+    model = tiny_model("qwen2", config)
     nn.quantize(
         model,
         class_predicate=lambda p, m: (
@@ -431,16 +276,18 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = tmp_path / "q4k.gguf"
+    path = tmp_path / "q2k.gguf"
     writer = gguf.GGUFWriter(str(path), arch="llama")
-    bytes_per_row = 256 // 256 * gguf.GGML_QUANT_SIZES[Q.Q4_K][1]
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((8, bytes_per_row), np.uint8), raw_dtype=Q.Q4_K)
+    bytes_per_row = 256 // 256 * gguf.GGML_QUANT_SIZES[Q.Q2_K][1]
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((8, bytes_per_row), np.uint8), raw_dtype=Q.Q2_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        GGUFError, match=r"Q4_K \(1 tensors.*Supported types: F32, F16, Q4_0, Q4_1, Q8_0, BF16"
+        GGUFError,
+        match=r"Q2_K \(1 tensors, e\.g\. blk\.0\.attn_q\.weight\).*"
+        r"Supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K",
     ):
         load_gguf(path, dense=True)
 

@@ -1,10 +1,15 @@
 """Load a llama-family GGUF file into mlx-lm's model classes.
 
-``mx.load`` reads the tensors: F32/F16/BF16 as float arrays, and Q4_0/Q4_1/Q8_0 already converted to
-MLX's affine quantization (``name.weight`` packed uint32, ``name.scales``, ``name.biases``, groups of
-32 along each row). Quantization is per tensor (a "Q4_1" file keeps its embedding in Q8_0), so each
-layer gets its own bits. The rest is renaming llama.cpp's tensors and metadata to mlx-lm's, and
-undoing what llama.cpp's converter changed:
+We read the file ourselves (``gguf_file.read_gguf``: header, metadata, where each tensor is) and take
+each tensor's bytes from a memory map: F32/F16/BF16 as float arrays, quantized blocks decoded by
+``ggml_blocks``. With ``dense=False`` a quantized 2-D weight becomes MLX's affine quantization
+(``name.weight`` packed uint32, ``name.scales``, ``name.biases``, groups of 32 along each row):
+Q4_0/Q4_1/Q4_K at 4 bits, Q5_0/Q5_1/Q5_K at 5, Q8_0 at 8, all exact (``mx.dequantize`` gives the
+values llama.cpp computes, bit for bit); Q6_K, whose 16-weight groups MLX cannot hold, is re-quantized
+to 8 bits in groups of 32 (error measured in docs/kernels.md). With ``dense=True`` every tensor is
+the exact float values. Quantization is per tensor (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K and Q8_0),
+so each layer gets its own bits. The rest is renaming llama.cpp's tensors and metadata to mlx-lm's,
+and undoing what llama.cpp's converter changed:
 
 - ``llama``: Q and K projection rows were permuted from HF's "rotate half" layout to the interleaved
   pairs ggml's rotary embedding uses. We permute them back (whole rows, so it works on quantized
@@ -17,23 +22,25 @@ Architectures: llama (also Mistral, SmolLM, TinyLlama...), qwen2, qwen3, gemma.
 
 from __future__ import annotations
 
-import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from mlx_engine import mlx_lm_lazy
 from mlx_engine.loading.dequantize import dequantize_model
-from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_tensor_table
+from mlx_engine.loading.ggml_blocks import decode
+from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_gguf
 from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
 from mlx_engine.tokenization.tokenizer import Tokenizer
 
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf"]
 
-GROUP_SIZE = 32  # every block type mx.load keeps quantized (Q4_0, Q4_1, Q8_0) has 32 weights per block
+GROUP_SIZE = 32  # MLX's group size for every quantized GGUF tensor (the smallest MLX has)
+REQUANTIZED_BITS = 8  # Q6_K's 16-weight groups, re-quantized to 8 bits in groups of 32
 
 
 @dataclass(frozen=True)
@@ -212,15 +219,44 @@ def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dty
     )
     if dense or not bits:
         return f"dense {dtype_name} (from GGUF {source})"
-    return f"quantized {'/'.join(map(str, bits))}-bit affine, group {GROUP_SIZE} (GGUF {source})"
+    requantized = f"; Q6_K re-quantized to {REQUANTIZED_BITS}-bit" if "Q6_K" in matrix_types else ""
+    return f"quantized {'/'.join(map(str, bits))}-bit affine, group {GROUP_SIZE} (GGUF {source}{requantized})"
 
 
-def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """``mx.load`` with metadata: (tensors by name, metadata). The stub returns the union of every format's
-    result; with ``return_metadata=True`` it is always this pair."""
-    loaded = mx.load(str(path), return_metadata=True)
-    assert isinstance(loaded, tuple)
-    return loaded
+_FLOAT_TYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+
+
+def _tensor_arrays(t: TensorInfo, data: np.ndarray, dense: bool) -> dict[str, mx.array]:
+    """One GGUF tensor as MLX arrays: ``{name: values}``, or for a quantized weight kept quantized
+    ``{name: packed, base.scales: ..., base.biases: ...}``."""
+    shape = tuple(reversed(t.shape))  # GGUF lists the innermost dimension first
+    if t.ggml_type in _FLOAT_TYPES:
+        values = mx.array(data.view(_FLOAT_TYPES[t.ggml_type]).reshape(shape))
+        return {t.name: values.view(mx.bfloat16) if t.ggml_type == "BF16" else values}
+    rows, cols = t.rows_cols
+    codes = decode(data, t.ggml_type, rows, cols)
+    if dense or len(shape) != 2 or not t.name.endswith(".weight"):
+        return {t.name: mx.array(codes.to_float().reshape(shape))}
+    base = t.name.removesuffix(".weight")
+    if codes.group == GROUP_SIZE:
+        packed, scales, biases = mx.array(codes.pack()), mx.array(codes.scales), mx.array(codes.biases)
+    else:  # Q6_K: 16-weight groups
+        packed, scales, biases = mx.quantize(
+            mx.array(codes.to_float()), group_size=GROUP_SIZE, bits=REQUANTIZED_BITS
+        )
+    return {t.name: packed, f"{base}.scales": scales, f"{base}.biases": biases}
+
+
+def _read_tensors(path: Path, tensors: list[TensorInfo], dense: bool) -> dict[str, mx.array]:
+    """Every tensor of ``path``, read from a memory map (``read_gguf`` checked their bounds)."""
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict[str, mx.array] = {}
+    for t in tensors:
+        arrays = _tensor_arrays(t, raw[t.offset : t.offset + t.nbytes], dense)
+        # evaluated one tensor at a time: each tensor's decoding temporaries are freed before the next
+        mx.eval(list(arrays.values()))
+        weights.update(arrays)
+    return weights
 
 
 def load_gguf(
@@ -232,11 +268,9 @@ def load_gguf(
     ``QuantizedLinear``/``QuantizedEmbedding`` with each tensor's own bits. ``info`` has ``model_type``,
     ``context_length``, ``weight_format`` and ``name``. Raises ``GGUFError`` with a readable reason."""
     path = Path(path)
-    tensors = read_tensor_table(path)
-    try:
-        weights, md = _read_gguf(path)
-    except (RuntimeError, ValueError) as e:
-        raise GGUFError(f"cannot read {path}: {e}") from e
+    contents = read_gguf(path)
+    tensors, md = contents.tensors, contents.metadata
+    weights = _read_tensors(path, tensors, dense)
 
     arch = _py(md.get("general.architecture"))
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -246,11 +280,8 @@ def load_gguf(
     spec = SUPPORTED_ARCHITECTURES[arch]
     if "token_embd.weight" not in weights:
         raise GGUFError(f"{path.name} has no token_embd.weight tensor")
-    for t in tensors:  # MLX converts BF16 to float16, whose range is far smaller
-        if t.ggml_type == "BF16" and t.name in weights and not mx.all(mx.isfinite(weights[t.name])).item():
-            raise GGUFError(f"{path.name}: BF16 tensor {t.name} has values beyond float16's range")
     config = _config(arch, md, weights)
-    models = importlib.import_module(f"mlx_lm.models.{spec.module}")
+    models = mlx_lm_lazy.import_module(f"models.{spec.module}")  # not mlx_lm/__init__: seconds of imports
     try:
         model = models.Model(models.ModelArgs.from_dict(config))
     except (ValueError, TypeError, OverflowError) as e:

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx_engine.backend import backend_name
 from mlx_engine.errors import ModelLoadError
 from mlx_engine.loading.resolve import ModelSource, resolve_model
+from mlx_engine.loading.weight_policy import keep_quantized
 from mlx_engine.tokenization.tokenizer import Tokenizer
 
 WEIGHT_FORMATS = ("auto", "dense", "quantized")
@@ -52,7 +53,7 @@ def _want_dense(weights: str) -> bool:
         raise ModelLoadError(f"weights must be one of {WEIGHT_FORMATS}, not {weights!r}")
     if weights != "auto":
         return weights == "dense"
-    return backend_name() == "cpu"
+    return not keep_quantized(backend_name())
 
 
 def _attention_shape(model: nn.Module) -> tuple[int, int, int]:

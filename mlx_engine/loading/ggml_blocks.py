@@ -1,0 +1,208 @@
+"""Decode ggml's quantized blocks (the tensor data of a GGUF file) with NumPy.
+
+Every block type we load is one of two affine forms over small groups of weights, with unsigned
+integer codes ``q``:
+
+- symmetric (Q4_0, Q5_0, Q8_0, Q6_K): ``w = scale * (q - zero)`` with a fixed ``zero`` (8, 16, 128, 32);
+- with a minimum (Q4_1, Q5_1, Q4_K, Q5_K): ``w = scale * q + bias``.
+
+``decode()`` unpacks a tensor's bytes into ``Codes``: the codes, one scale and bias per group, the bit
+width and group size. ``Codes.to_float()`` gives the values llama.cpp computes, bit for bit (every
+product is exact in float32: an fp16 scale has 11 significant bits, a 6-bit sub-scale 6, a code at
+most 8), and ``Codes.pack()`` writes the codes in MLX's packed affine layout: a little-endian bit
+stream of ``bits``-wide fields in uint32 words, which is what ``mx.quantize`` produces for every bit
+width. MLX's group size starts at 32, so the types whose groups are 32 weights (all but Q6_K) map to
+MLX exactly: ``mx.dequantize`` of the packed form gives the same float32 values. Q6_K has 16-weight
+groups; the loader re-quantizes its float values (``mlx_engine/loading/gguf_loader.py``).
+
+Block layouts: llama.cpp's ``ggml/src/ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``); K-quants
+pack 256 weights in a super-block with an fp16 ``d`` (and ``dmin``) and 6-bit or int8 sub-scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+QK_K = 256  # weights per K-quant super-block
+
+
+@dataclass(frozen=True)
+class Codes:
+    """A tensor of ``rows`` x ``cols`` weights as integer codes with a scale and bias per group."""
+
+    q: np.ndarray  # uint8 (rows, cols), each code < 2**bits
+    scales: np.ndarray  # float32 (rows, cols // group)
+    biases: np.ndarray  # float32 (rows, cols // group); -zero * scale for symmetric types
+    bits: int
+    group: int
+    zero: int | None  # the fixed zero point of a symmetric type, else None
+
+    def to_float(self) -> np.ndarray:
+        """The float32 weights (rows, cols), computed as llama.cpp does."""
+        rows, cols = self.q.shape
+        q = self.q.reshape(rows, cols // self.group, self.group)
+        if self.zero is not None:
+            w = self.scales[..., None] * (q.astype(np.float32) - np.float32(self.zero))
+        else:
+            w = self.scales[..., None] * q.astype(np.float32) + self.biases[..., None]
+        return w.reshape(rows, cols)
+
+    def pack(self) -> np.ndarray:
+        """The codes in MLX's packed layout: uint32 (rows, cols * bits // 32)."""
+        return pack_codes(self.q, self.bits)
+
+
+def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack ``bits``-wide codes (uint8, last axis a multiple of 32) into a little-endian bit stream of
+    uint32 words, element ``i`` at bits ``[i * bits, (i + 1) * bits)``: MLX's affine layout."""
+    rows, cols = q.shape
+    if bits == 8:
+        packed = np.ascontiguousarray(q, dtype=np.uint8)
+    elif bits == 4:
+        packed = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))
+    else:  # 8 codes of ``bits`` bits fill exactly ``bits`` bytes
+        eight = q.reshape(rows, cols // 8, 8).astype(np.uint64)
+        shifts = np.arange(0, 8 * bits, bits, dtype=np.uint64)
+        stream = np.bitwise_or.reduce(eight << shifts, axis=-1)
+        packed = stream[..., None].view(np.uint8).reshape(rows, cols // 8, 8)[..., :bits]
+    return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per block (the last axis) read as a little-endian fp16, widened to float32."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's 4-bit packing of 32 weights: byte j holds weight j (low) and j + 16 (high)."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def _bits_of_u32(b: np.ndarray) -> np.ndarray:
+    """Four bytes per block read as a little-endian uint32: its 32 bits, bit j at index j."""
+    word = np.ascontiguousarray(b).view("<u4")
+    return ((word >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+
+
+def _per_row(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], -1)
+
+
+def _q4_0(b: np.ndarray) -> Codes:
+    d = _f16(b[..., 0:2])
+    return Codes(_nibbles(b[..., 2:18]), d, -8 * d, 4, 32, 8)
+
+
+def _q4_1(b: np.ndarray) -> Codes:
+    return Codes(_nibbles(b[..., 4:20]), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4, 32, None)
+
+
+def _q5_0(b: np.ndarray) -> Codes:
+    d = _f16(b[..., 0:2])
+    q = _nibbles(b[..., 6:22]) | (_bits_of_u32(b[..., 2:6]) << np.uint8(4))
+    return Codes(q, d, -16 * d, 5, 32, 16)
+
+
+def _q5_1(b: np.ndarray) -> Codes:
+    q = _nibbles(b[..., 8:24]) | (_bits_of_u32(b[..., 4:8]) << np.uint8(4))
+    return Codes(q, _f16(b[..., 0:2]), _f16(b[..., 2:4]), 5, 32, None)
+
+
+def _q8_0(b: np.ndarray) -> Codes:
+    d = _f16(b[..., 0:2])
+    return Codes(b[..., 2:34] ^ np.uint8(0x80), d, -128 * d, 8, 32, 128)  # int8 + 128 as uint8
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs of a Q4_K/Q5_K super-block from its 12 packed bytes: pairs 0-3
+    are the low 6 bits of bytes 0-3 and 4-7; pairs 4-7 take their low 4 bits from bytes 8-11 and their
+    top 2 bits from the top of bytes 0-3 (scales) and 4-7 (mins)."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    six = np.uint8(0x3F)
+    sc = np.concatenate([lo & six, (hi & np.uint8(0x0F)) | ((lo >> np.uint8(6)) << np.uint8(4))], axis=-1)
+    mn = np.concatenate([mid & six, (hi >> np.uint8(4)) | ((mid >> np.uint8(6)) << np.uint8(4))], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K codes' low 4 bits: 128 bytes in 4 runs of 32; run i holds sub-block 2i in its low
+    nibbles and sub-block 2i + 1 in its high nibbles."""
+    runs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    both = runs >> np.array([[0], [4]], dtype=np.uint8)
+    return (both & np.uint8(0x0F)).reshape(*qs.shape[:-1], QK_K)
+
+
+def _k_affine(b: np.ndarray, q: np.ndarray, bits: int) -> Codes:
+    sc, mn = _k_scales(b[..., 4:16])
+    scales = _f16(b[..., 0:2])[..., None] * sc
+    biases = -(_f16(b[..., 2:4])[..., None] * mn)
+    return Codes(q, _per_row(scales), _per_row(biases), bits, 32, None)
+
+
+def _q4_k(b: np.ndarray) -> Codes:
+    return _k_affine(b, _k_low_nibbles(b[..., 16:144]), 4)
+
+
+def _q5_k(b: np.ndarray) -> Codes:
+    # qh: 32 bytes; bit k of byte l is the fifth bit of weight l of sub-block k
+    qh = b[..., 16:48]
+    high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & np.uint8(1)
+    q = _k_low_nibbles(b[..., 48:176]) | (high.reshape(*qh.shape[:-1], QK_K) << np.uint8(4))
+    return _k_affine(b, q, 5)
+
+
+def _q6_k(b: np.ndarray) -> Codes:
+    """Two halves of 128 weights. In half h, ql[64h : 64h + 64] gives the low 4 bits (low nibbles:
+    weights 0-63, high nibbles: 64-127) and qh[32h : 32h + 32] the top 2 bits (bit pairs 0, 2, 4, 6 of
+    byte l: weights l, l + 32, l + 64, l + 96). Sixteen int8 sub-scales, one per 16 weights."""
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 64)
+    low = np.concatenate([ql & np.uint8(0x0F), ql >> np.uint8(4)], axis=-1)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
+    high = (qh >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & np.uint8(3)
+    q = (low | (high.reshape(*lead, 2, 128) << np.uint8(4))).reshape(*lead, QK_K)
+    sub = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    scales = _f16(b[..., 208:210])[..., None] * sub
+    return Codes(q, _per_row(scales), _per_row(-32 * scales), 6, 16, 32)
+
+
+@dataclass(frozen=True)
+class BlockType:
+    name: str
+    weights: int  # per block
+    nbytes: int  # per block
+    decode: Callable[[np.ndarray], Codes]  # (rows, blocks, nbytes) uint8 -> Codes with (rows, blocks, ...)
+
+
+BLOCK_TYPES: dict[str, BlockType] = {
+    t.name: t
+    for t in (
+        BlockType("Q4_0", 32, 18, _q4_0),
+        BlockType("Q4_1", 32, 20, _q4_1),
+        BlockType("Q5_0", 32, 22, _q5_0),
+        BlockType("Q5_1", 32, 24, _q5_1),
+        BlockType("Q8_0", 32, 34, _q8_0),
+        BlockType("Q4_K", QK_K, 144, _q4_k),
+        BlockType("Q5_K", QK_K, 176, _q5_k),
+        BlockType("Q6_K", QK_K, 210, _q6_k),
+    )
+}
+
+
+def decode(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Codes:
+    """Unpack the bytes of a ``rows`` x ``cols`` tensor of block type ``type_name`` (``cols`` a
+    multiple of the block's weights; the caller checked the byte count)."""
+    t = BLOCK_TYPES[type_name]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // t.weights, t.nbytes)
+    c = t.decode(blocks)
+    return Codes(
+        np.ascontiguousarray(c.q).reshape(rows, cols),
+        _per_row(c.scales),
+        _per_row(c.biases),
+        c.bits,
+        c.group,
+        c.zero,
+    )

@@ -1,0 +1,380 @@
+"""Write quantized GGUF files for tests, without llama.cpp or a network.
+
+- ``quantize(w, qtype)``: float32 rows -> valid ggml blocks of any type we load. Q4_K, Q5_K and Q6_K are
+  written here with NumPy from llama.cpp's block layouts (simple round-to-nearest: the files only have
+  to be valid, not as good as llama-quantize's); the 32-weight types use the ``gguf`` package's own
+  quantizers. ``quantize`` checks every result with ``gguf``'s dequantizer, an implementation
+  independent of Duet's (mlx_engine/loading/ggml_blocks.py).
+- ``write_tiny_gguf(path, arch, ...)``: a tiny random model written as llama.cpp's converter writes it,
+  with a chosen type per tensor kind.
+- ``q4_k_m_type``: the tensor type llama.cpp's Q4_K_M mix gives a llama tensor (llama.cpp's
+  ``src/llama-quant.cpp``: Q6_K for the tied embedding/output and for attn_v/ffn_down of the "more bits"
+  layers, Q4_K elsewhere, and Q5_0/Q8_0 in place of Q4_K/Q6_K where rows are not multiples of 256).
+- ``requantize(src, dst, type_for)`` and ``float32_twin(src, dst)``: rewrite a real GGUF (the bundled
+  SmolLM2) with other tensor types, or with every tensor as the F32 values ``gguf`` decodes it to.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from tokenizers.pre_tokenizers import ByteLevel
+
+Q = gguf.GGMLQuantizationType
+QK_K = 256
+
+# the largest |error| a valid block may have, as a fraction of its row's largest |weight|: half a step
+# for round-to-nearest (Q4_0 and Q5_0 clip one end of the range by a whole step, as llama.cpp does), plus
+# what a K-quant's rounded-up 6-bit sub-scales and mins add
+_MAX_ERROR = {
+    Q.Q4_0: 1 / 8, Q.Q4_1: 1 / 15, Q.Q5_0: 1 / 16, Q.Q5_1: 1 / 31, Q.Q8_0: 1.1 / 254,
+    Q.Q4_K: 1 / 15 + 1 / 50, Q.Q5_K: 1 / 31 + 1 / 50, Q.Q6_K: 1.1 / 62,
+}  # fmt: skip
+
+
+# ---- K-quants --------------------------------------------------------------------------------------
+
+
+def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins -> the 12 bytes of a Q4_K/Q5_K super-block (ggml's get_scale_min_k4
+    reads them back): bytes 0-3 / 4-7 hold scales / mins 0-3 and, in their top 2 bits, the top 2 bits
+    of scales / mins 4-7; bytes 8-11 hold the low 4 bits of scale 4-7 (low nibble) and min 4-7."""
+    lo = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    mid = (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6)
+    hi = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return np.concatenate([lo, mid, hi], axis=1).astype(np.uint8)
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _quantize_k_affine(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, ...]:
+    """Q4_K/Q5_K: per 32-weight sub-block w = d*sc*q - dmin*m, sc and m 6-bit, d and dmin fp16."""
+    x = blocks.reshape(-1, 8, 32)
+    levels = (1 << bits) - 1
+    low = np.minimum(x.min(-1), 0.0)
+    sub_scale, sub_min = (x.max(-1) - low) / levels, -low
+    d = (sub_scale.max(-1) / 63).astype(np.float16)
+    dmin = (sub_min.max(-1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.ceil(sub_scale / d32), 0).clip(0, 63).astype(np.uint8)
+        mn = np.where(dmin32 > 0, np.ceil(sub_min / dmin32), 0).clip(0, 63).astype(np.uint8)
+        step, offset = d32 * sc, dmin32 * mn
+        q = np.where(step[..., None] > 0, np.rint((x + offset[..., None]) / step[..., None]), 0)
+    q = q.clip(0, levels).astype(np.uint8)  # (blocks, 8 sub-blocks, 32)
+    # low 4 bits: run i of 32 bytes holds sub-block 2i (low nibble) and 2i + 1 (high nibble)
+    qs = (q[:, 0::2] & 0x0F) | ((q[:, 1::2] & 0x0F) << 4)
+    header = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(sc, mn)], axis=1)
+    return header, qs.reshape(len(x), 128), q
+
+
+def _quantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    header, qs, _ = _quantize_k_affine(blocks, 4)
+    return np.concatenate([header, qs], axis=1)
+
+
+def _quantize_q5_k(blocks: np.ndarray) -> np.ndarray:
+    header, qs, q = _quantize_k_affine(blocks, 5)
+    # qh: bit k of byte l is the fifth bit of weight l of sub-block k
+    fifth = (q >> 4) & 1  # (blocks, 8, 32)
+    qh = np.bitwise_or.reduce(fifth << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    return np.concatenate([header, qh.astype(np.uint8), qs], axis=1)
+
+
+def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K: per 16-weight sub-block w = d*sc*(q - 32), sc int8, d fp16, q 6-bit."""
+    x = blocks.reshape(-1, 16, 16)
+    sub_scale = np.abs(x).max(-1) / 31
+    d = (sub_scale.max(-1) / 127).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.ceil(sub_scale / d32), 0).clip(0, 127).astype(np.int8)
+        step = d32 * sc
+        q = np.where(step[..., None] > 0, np.rint(x / step[..., None]), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(len(x), 2, 128)  # two halves of 128
+    # half h: ql byte l (0-63) = low 4 bits of weights l and l + 64; qh byte l (0-31) = top 2 bits of
+    # weights l, l + 32, l + 64, l + 96 in bit pairs 0, 2, 4, 6
+    ql = (q[..., :64] & 0x0F) | ((q[..., 64:] & 0x0F) << 4)
+    top = q.reshape(len(x), 2, 4, 32) >> 4
+    qh = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+    parts = [ql.reshape(len(x), 128), qh.reshape(len(x), 64), sc.view(np.uint8), _f16_bytes(d)]
+    return np.concatenate(parts, axis=1).astype(np.uint8)
+
+
+_K_QUANTIZERS: dict[Q, Callable[[np.ndarray], np.ndarray]] = {
+    Q.Q4_K: _quantize_q4_k,
+    Q.Q5_K: _quantize_q5_k,
+    Q.Q6_K: _quantize_q6_k,
+}
+
+
+def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """Float rows (..., cols) -> ggml blocks (..., bytes per row) of ``qtype``, checked with ``gguf``'s
+    dequantizer: every weight decodes to within ``_MAX_ERROR`` of its value."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        return gguf.quants.quantize(w, qtype)
+    if qtype in _K_QUANTIZERS:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        assert w.shape[-1] % block == 0, f"{qtype.name} needs rows of multiples of {block} weights"
+        raw = _K_QUANTIZERS[qtype](w.reshape(-1, block)).reshape(*w.shape[:-1], w.shape[-1] // block * size)
+    else:
+        raw = gguf.quants.quantize(w, qtype)
+    back = gguf.quants.dequantize(raw, qtype)
+    bound = _MAX_ERROR[qtype] * np.abs(w).max(axis=-1, keepdims=True) + 1e-7
+    assert back.shape == w.shape and np.all(np.abs(back - w) <= bound), qtype.name
+    return raw
+
+
+def dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """``gguf``'s own dequantizer (the oracle), float32."""
+    return np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
+
+
+def quantize_and_decode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
+    raw = quantize(w, qtype)
+    return raw, dequantize(raw, qtype)
+
+
+# ---- llama.cpp's Q4_K_M mix ---------------------------------------------------------------------------
+
+
+def _more_bits(layer: int, n_layers: int) -> bool:
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def q4_k_m_type(name: str, cols: int, n_layers: int, tied: bool) -> Q | None:
+    """The type llama-quantize's Q4_K_M gives tensor ``name`` (rows of ``cols`` weights) of a llama
+    model, or None for tensors it leaves as they are (norms, 1-D tensors)."""
+    if not name.endswith(".weight") or "norm" in name or name == "rope_freqs.weight":
+        return None
+    qtype = Q.Q4_K
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return Q.Q6_K if cols % QK_K == 0 else Q.Q8_0
+    if name.startswith("blk."):
+        layer, kind = int(name.split(".")[1]), name.split(".")[2]
+        if kind in ("attn_v", "ffn_down") and _more_bits(layer, n_layers):
+            qtype = Q.Q6_K
+    return _FALLBACK[qtype] if cols % QK_K else qtype
+
+
+# ---- rewriting real GGUF files ------------------------------------------------------------------------
+
+
+def _rewrite(
+    src: Path, dst: Path, convert: Callable[[str, np.ndarray], tuple[np.ndarray, Q]]
+) -> dict[str, Q]:
+    """Copy ``src``'s metadata to ``dst`` and write each tensor as ``convert(name, float32 values)``
+    returns it; returns the type of every tensor written."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.alignment"):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    types = {}
+    for t in reader.tensors:
+        values = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        data, qtype = convert(t.name, values)
+        writer.add_tensor(t.name, data, raw_dtype=None if qtype == Q.F32 else qtype)
+        types[t.name] = qtype
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
+def requantize(src: Path, dst: Path, type_for: Callable[[str, int], Q | None]) -> dict[str, Q]:
+    """``src`` re-quantized: tensor ``name`` with rows of ``cols`` weights becomes ``type_for(name,
+    cols)`` (None: F32), from the values ``gguf`` decodes it to. Returns the types written."""
+
+    def convert(name: str, values: np.ndarray) -> tuple[np.ndarray, Q]:
+        qtype = type_for(name, values.shape[-1]) or Q.F32
+        return (values if qtype == Q.F32 else quantize(values, qtype)), qtype
+
+    return _rewrite(src, dst, convert)
+
+
+def float32_twin(src: Path, dst: Path) -> None:
+    """``src`` with every tensor stored as the F32 values ``gguf``'s dequantizer decodes it to."""
+    _rewrite(src, dst, lambda _name, values: (values, Q.F32))
+
+
+# ---- tiny GGUF files written the way llama.cpp's converter writes them ---------------------------------
+
+_GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+TOKENS = SPECIALS + sorted(ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
+TINY_IDS = mx.array([[1, 40, 41, 260, 261, 70, 3, 90, 100, 2, 45, 46, 47, 48]])
+
+
+def gguf_name(key: str) -> str:
+    """mlx-lm parameter name -> llama.cpp tensor name."""
+    module, part = key.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        _, _, layer, rest = module.split(".", 3)
+        return f"blk.{layer}.{_GGUF_NAMES[rest]}.{part}"
+    return f"{_GGUF_NAMES[module]}.{part}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama Q/K rows (HF rotate-half -> interleaved)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_freq_factors(head_dim: int, base: float, s: dict) -> np.ndarray:
+    """llama.cpp's rope_freqs for Llama 3 rope scaling (divisors of each rotary frequency)."""
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    factors = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def tiny_config(arch: str, **overrides) -> dict:
+    config = {
+        "model_type": arch,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": len(TOKENS),
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": arch != "llama",
+    }
+    return config | overrides
+
+
+def tiny_model(arch: str, config: dict) -> nn.Module:
+    models = importlib.import_module(f"mlx_lm.models.{arch}")
+    model = models.Model(models.ModelArgs.from_dict(config))
+    mx.random.seed(7)
+    params = [
+        (k, 0.2 * mx.random.normal(v.shape) + (1.0 if "norm" in k else 0.0))
+        for k, v in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    return model
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str,
+    *,
+    qtypes: dict[str, Q] | Callable[[str], Q] | None = None,
+    rope_scaling: dict | None = None,
+    gguf_arch: str | None = None,
+    config: dict | None = None,
+) -> nn.Module:
+    """Write a tiny random ``arch`` model as llama.cpp would, and return the mlx-lm model whose logits
+    the loaded file must reproduce (its weights replaced by the values the file's blocks decode to, by
+    the ``gguf`` package's own dequantizer). ``qtypes`` maps GGUF tensor kinds ("attn_q", "output") to
+    a type, or is a function of the full tensor name; the rest stays F32. ``config`` overrides the
+    tiny config (``tiny_config``)."""
+    config = tiny_config(arch, **(config or {}))
+    if rope_scaling:
+        config["rope_scaling"] = rope_scaling
+    model = tiny_model(arch, config)
+    writer = gguf.GGUFWriter(str(path), arch=gguf_arch or arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in TOKENS])
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if rope_scaling:
+        factors = llama3_freq_factors(config["head_dim"], config["rope_theta"], rope_scaling)
+        writer.add_tensor("rope_freqs.weight", factors)
+
+    def type_of(name: str) -> Q:
+        if callable(qtypes):
+            return qtypes(name)
+        return (qtypes or {}).get(name.split(".")[-2], Q.F32)
+
+    decoded = []
+    for key, value in tree_flatten(model.parameters()):
+        name = gguf_name(key)
+        w = np.array(value, dtype=np.float32)
+        if arch == "gemma" and name.endswith("norm.weight"):
+            w = w + 1.0  # llama.cpp stores Gemma's norms with the +1 folded in
+        qtype = type_of(name)
+        if qtype != Q.F32:
+            # quantization works row by row, so it commutes with the row permutation below
+            w = dequantize(quantize(w, qtype), qtype)
+            decoded.append((key, mx.array(w)))
+        stored = w
+        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
+            stored = llama_cpp_permute(w, heads)
+        if qtype == Q.F32:
+            writer.add_tensor(name, stored)
+        else:
+            writer.add_tensor(name, quantize(stored, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.update(tree_unflatten(decoded))
+    mx.eval(model.parameters())
+    return model
