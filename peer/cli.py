@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the client imports MLX: only once peers are attached
     from peer.client import RemotePrefillSource
 
 MODES = ("auto", "always", "never")
+LINKS = ("tls", "trusted")  # peer.trust.tls.LINKS (not imported here: argparse only)
 DEFAULT_PORT = 7611
 AUTO_BROWSE_S = 5.0  # --peers auto: the longest wait for a paired machine's mDNS answer
 
@@ -48,6 +49,13 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
         metavar="IP",
         help="with --peers auto: look for peers on this interface address only (repeatable; "
         "default: every interface)",
+    )
+    p.add_argument(
+        "--peer-link",
+        choices=LINKS,
+        default="tls",
+        help="link to network peers: tls (the default) encrypts everything; trusted (the peer must "
+        "serve --link trusted too) authenticates every frame but does not encrypt, for a trusted link",
     )
     p.add_argument(
         "--remote-prefill",
@@ -95,8 +103,13 @@ def check_peer_args(args: argparse.Namespace) -> None:
     if remote_prefill_mode(args) != "never":
         from peer.trust.tls import tls_for_address
 
-        for host, _ in parse_peers(getattr(args, "peers", None)):
-            tls_for_address(host, "--peers")  # a network peer needs pairing first
+        link = getattr(args, "peer_link", "tls")
+        network = [h for h, _ in parse_peers(getattr(args, "peers", None)) if tls_for_address(h, "--peers")]
+        if link == "trusted" and not network and not peers_auto(args):
+            raise ConfigError(
+                "--peer-link trusted applies to peers on a network address (a loopback peer is plain TCP)",
+                "peer_link",
+            )
         if peers_auto(args):
             from peer.discovery import local_ip_for
             from peer.trust.keys import PairedPeers
@@ -131,7 +144,8 @@ def attach_peers(
     if peers_auto(args):
         targets += _discovered(args)
     for host, port, name in targets:
-        tls = tls_for_address(host, "--peers")  # a peer on a network: mutual TLS, paired only
+        # a peer on a network: mutual TLS, paired only (then a trusted link if asked for)
+        tls = tls_for_address(host, "--peers", link=getattr(args, "peer_link", "tls"))
         src = RemotePrefillSource(host, port, policy=mode, timeouts=timeouts, tls=tls, name=name)
         sources.append(src)
         engine.add_kv_source(src)  # the worker attaches it: HELLO from the pool, connecting
@@ -269,6 +283,14 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
         "the --host address when it is a network one; never every interface)",
     )
     s.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
+    s.add_argument(
+        "--link",
+        choices=LINKS,
+        default="tls",
+        help="on a network address: tls (the default) encrypts everything; trusted runs the same pinned "
+        "TLS handshake, then sends frames unencrypted but authenticated (a MAC per frame), for a link "
+        "you trust where TLS would cap the speed; decoders must ask for it too (--peer-link trusted)",
+    )
     s.set_defaults(func=cmd_peer_serve)
 
     from peer.commands import add_pairing_parsers
@@ -362,7 +384,13 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
     from peer.wire.protocol import ProtocolError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    tls = tls_for_address(args.host)  # not loopback: paired decoders only, over mutual TLS
+    tls = tls_for_address(args.host, link=args.link)  # not loopback: paired decoders only, mutual TLS
+    if tls is None and args.link != "tls":
+        raise ConfigError(
+            f"--link {args.link} applies to a network --host (loopback {args.host} is plain TCP to this "
+            "machine only)",
+            "link",
+        )
     if args.interface:
         from peer.discovery import local_ip_for
 
@@ -399,7 +427,12 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
         print(
             f"duet: prefill peer serving {engine.model_name} ({s.backend}, {s.weight_format} weights, "
             f"model {hello.model_fingerprint[:24]}) at {host}:{server.port}"
-            + (f", mutual TLS with paired machines only (this one is {tls.identity.name})" if tls else ""),
+            + (f", mutual TLS with paired machines only (this one is {tls.identity.name})" if tls else "")
+            + (
+                ", then a trusted link: frames authenticated, NOT encrypted"
+                if tls and tls.link == "trusted"
+                else ""
+            ),
             file=sys.stderr,
             flush=True,
         )

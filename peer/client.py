@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_engine.kv_cache.kv_source import LandedKV
 from peer.planner import Decision, Planner, PromptMemory
+from peer.wire.frame_mac import MacSocket
 from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, encode_prefill, send_frame
 from peer.wire.handshake import check_peer, inexact_reasons
 from peer.wire.kv_wire import KVFormat, decode_layer
@@ -119,7 +120,7 @@ class _Load:
 class _Conn:
     """One live connection: its socket, reader (recv_into a byte-capped pool) and sender thread."""
 
-    def __init__(self, sock: socket.socket, reader: FrameReader, remote: Hello):
+    def __init__(self, sock: socket.socket | MacSocket, reader: FrameReader, remote: Hello):
         self.sock, self.reader, self.remote = sock, reader, remote
         self.out: queue.Queue[list | None] = queue.Queue()
         self.closed = threading.Event()
@@ -257,7 +258,7 @@ class RemotePrefillSource:
 
     def _connect(self) -> None:
         assert self.local is not None and self.fmt is not None
-        sock = None
+        sock: socket.socket | MacSocket | None = None
         try:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self.timeouts.connect_s)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from mlx_engine.errors import ConfigError, QueueFullError, RequestError
+from peer.wire.frame_mac import MacSocket
 from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, send_frame
 from peer.wire.handshake import check_peer
 from peer.wire.kv_wire import KVFormat, encode_layer, to_wire
@@ -175,6 +176,10 @@ class ExportJob:
         self.frames = 0
         self.bytes = 0
         self.engine_handle: Any = None  # for the backend's own bookkeeping
+        # the server's send-after-prefill control (a benchmark's baseline): frames held until done
+        self.held: list[tuple[int, int, int, list[np.ndarray], int]] | None = (
+            [] if conn.server.send_after_prefill else None
+        )
         self._lock = threading.Lock()
 
     @property
@@ -214,6 +219,9 @@ class ExportJob:
         t0, t1 = lo, hi
         arrays = [to_wire(p) for p in parts]
         nbytes = sum(a.nbytes for a in arrays)
+        if self.held is not None:  # send-after-prefill: not counted against the cap, never paused
+            self.held.append((layer, t0, t1, arrays, nbytes))
+            return
         with self._lock:
             self.queued_bytes += nbytes
         self.conn.queue_layer(self, layer, t0, t1, arrays, nbytes)
@@ -225,6 +233,11 @@ class ExportJob:
         if compute_s is None:
             compute_s = time.monotonic() - self.t_start
         self.conn.server.observe_rate(tokens_computed, compute_s)
+        for layer, t0, t1, arrays, nbytes in self.held or ():  # send-after-prefill: everything now
+            with self._lock:
+                self.queued_bytes += nbytes
+            self.conn.queue_layer(self, layer, t0, t1, arrays, nbytes)
+        self.held = None
         log.info(
             "peer: prefilled %d tokens for %s (%s; the cache here held %d) in %.2f s",
             tokens_computed,
@@ -270,7 +283,7 @@ class Connection:
     """One decoder's connection: a reader (the thread that runs ``serve``) and a sender thread.
     Tests wrap ``send`` to inject faults on the real send path."""
 
-    def __init__(self, server: PeerServer, sock: socket.socket, addr: Any):
+    def __init__(self, server: PeerServer, sock: socket.socket | MacSocket, addr: Any):
         self.server, self.sock, self.addr = server, sock, addr
         self.name = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr or "unix")
         self.jobs: dict[tuple[str, int], ExportJob] = {}
@@ -517,8 +530,13 @@ class PeerServer:
         connection_class: type[Connection] = Connection,
         sock: socket.socket | None = None,
         tls: PeerTLS | None = None,
+        send_after_prefill: bool = False,
     ):
         self.backend, self.hello = backend, hello
+        # a benchmark control (bench/disagg.py), off by default: hold every export's frames until its
+        # whole prefill is done, then send them (exo's released design), instead of each layer as
+        # soon as it is computed
+        self.send_after_prefill = send_after_prefill
         self.tls = tls  # every connection mutual TLS 1.3 with a paired decoder (peer/tls.py)
         self.limits = limits or ServerLimits()
         self.connection_class = connection_class
@@ -531,7 +549,9 @@ class PeerServer:
         self.stats = ServerStats()
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
-        self.idle = threading.Condition(self._lock)  # notified when an export or connection ends
+        self.idle = threading.Condition(
+            self._lock
+        )  # notified when an export or connection ends, or a count moves
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> PeerServer:
@@ -584,7 +604,7 @@ class PeerServer:
     def _admit_tls(self, sock: socket.socket, addr: Any) -> None:
         """TLS handshake and pin check before anything of the peer protocol; an unpaired decoder is
         refused (both sides say why) and never reaches ``Connection``."""
-        from peer.trust.tls import PeerAuthError
+        from peer.trust.tls import LinkMismatchError, PeerAuthError
 
         assert self.tls is not None
         who = addr[0] if isinstance(addr, tuple) else str(addr)
@@ -592,15 +612,25 @@ class PeerServer:
             tls, peer = self.tls.wrap_server(sock)
         except PeerAuthError as e:
             log.warning("peer: %s (from %s)", e, who)
-            self.count("connections_unpaired")
+            self.count(
+                "connections_link_mismatch" if isinstance(e, LinkMismatchError) else "connections_unpaired"
+            )
             return
         if self._closing.is_set():
             tls.close()
             return
-        log.info("peer: %s is paired decoder %s (TLS 1.3)", who, peer.name)
+        if self.tls.link == "trusted":
+            log.info(
+                "peer: %s is paired decoder %s (TLS 1.3 handshake; trusted link: frames authenticated, "
+                "not encrypted)",
+                who,
+                peer.name,
+            )
+        else:
+            log.info("peer: %s is paired decoder %s (TLS 1.3)", who, peer.name)
         self._admit(tls, addr)
 
-    def _admit(self, sock: socket.socket, addr: Any) -> None:
+    def _admit(self, sock: socket.socket | MacSocket, addr: Any) -> None:
         conn = self.connection_class(self, sock, addr)
         with self._lock:
             full = len(self._conns) >= self.limits.max_connections
@@ -619,6 +649,7 @@ class PeerServer:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.stats.counts[name] = self.stats.counts.get(name, 0) + n
+            self.idle.notify_all()  # a waiter may be watching a count (tests)
 
     def reserve(self, job: ExportJob) -> bool:
         with self._lock:

@@ -42,6 +42,8 @@ class Pair:
         backoff: Backoff | None = None,
         buffer_cap_bytes: int = 64 << 20,
         policy: str = "always",
+        server_tls: Any = None,  # peer.trust.tls.PeerTLS: the connection over pinned TLS / a trusted link
+        client_tls: Any = None,
     ):
         self.ref = Engine(decoder_model, dec_cfg)
         self.ref.add_kv_source(NoPeer())
@@ -52,7 +54,7 @@ class Pair:
         if hello_change:
             hello = dataclasses.replace(hello, **hello_change)
         self.server = PeerServer(
-            self.backend, hello, limits=limits, connection_class=connection_class
+            self.backend, hello, limits=limits, connection_class=connection_class, tls=server_tls
         ).start()
         self.src = RemotePrefillSource(
             "127.0.0.1",
@@ -61,6 +63,7 @@ class Pair:
             backoff=backoff or Backoff(initial_s=300),  # no retry inside a test unless it says so
             buffer_cap_bytes=buffer_cap_bytes,
             policy=policy,
+            tls=client_tls,
         )
         self.dec.add_kv_source(self.src)  # attached on the decoder's worker
         self.dec.run_on_worker(lambda: None, WAIT)

@@ -19,24 +19,79 @@ In TLS 1.3 the client's handshake finishes before the server has checked the cli
 certificate, so the server sends one byte, ``ACCEPTED``, after its checks, and the client waits for
 it before sending anything: an unpaired client learns it was refused (from the server's TLS alert)
 without ever having sent application data.
+
+Then the link (``LINKS``): the client sends ``DUETLINK``, a version byte, the link it wants and 32
+fresh random bytes; the server answers the same with the link it serves. Different links refuse the
+connection on both sides with a clear message (never a silent downgrade). ``tls`` (the default)
+keeps the TLS connection for everything. ``trusted`` (``duet peer serve --link trusted`` and
+``--peer-link trusted`` on the decoder, both explicit) closes TLS (close_notify both ways) and
+continues on the same TCP connection without encryption, every frame authenticated with a MAC keyed
+from the two random secrets that crossed inside TLS (``peer/wire/frame_mac.py``): the handshake,
+pinning and refusals are exactly those of ``tls``.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import ssl
 from pathlib import Path
 
 from mlx_engine.errors import ConfigError, DuetError
 from peer.trust.keys import Identity, PairedPeer, PairedPeers, fingerprint, load_identity, short_id
+from peer.wire.frame_mac import SECRET_BYTES, MacSocket
 
 ACCEPTED = b"\x01"
 HANDSHAKE_TIMEOUT_S = 10.0
+LINKS = ("tls", "trusted")  # tls: everything encrypted; trusted: authenticated frames, not encrypted
+LINK_MAGIC = b"DUETLINK"
+LINK_VERSION = 1
+LINK_MSG_BYTES = len(LINK_MAGIC) + 2 + SECRET_BYTES
+_LINK_WORDS = {"tls": "a tls link (encrypted)", "trusted": "a trusted link (authenticated, not encrypted)"}
+_SAME_LINK = "choose the same link on both sides (duet peer serve --link, --peer-link on the decoder)"
+
+PeerSocket = ssl.SSLSocket | MacSocket  # what a connection runs on once the link is set up
 
 
 class PeerAuthError(DuetError):
     """A TLS peer was refused (unpaired, another certificate) or refused us."""
+
+
+class LinkMismatchError(PeerAuthError):
+    """Both sides are paired, but one asked for a trusted link and the other for TLS."""
+
+
+def _link_message(link: str, secret: bytes) -> bytes:
+    return LINK_MAGIC + bytes([LINK_VERSION, LINKS.index(link)]) + secret
+
+
+def _read_link(tls: ssl.SSLSocket, who: str) -> tuple[str, bytes]:
+    """The other side's link message (inside TLS): (its link, its secret)."""
+    data = bytearray()
+    while len(data) < LINK_MSG_BYTES:
+        chunk = tls.recv(LINK_MSG_BYTES - len(data))
+        if not chunk:
+            raise PeerAuthError(f"{who} closed the connection while choosing the link")
+        data += chunk
+    head = len(LINK_MAGIC)
+    if data[:head] != LINK_MAGIC or data[head] != LINK_VERSION or data[head + 1] >= len(LINKS):
+        raise PeerAuthError(f"{who} sent no link message this version knows (upgrade the older side)")
+    return LINKS[data[head + 1]], bytes(data[head + 2 :])
+
+
+def _bare_tcp(tls: ssl.SSLSocket) -> socket.socket:
+    """Close TLS on the connection (close_notify sent and received; the peer sends nothing inside
+    TLS after the link message) and return the TCP socket it ran on, blocking."""
+    plain = tls.unwrap()
+    sock = socket.socket(fileno=plain.detach())
+    sock.settimeout(None)
+    return sock
+
+
+def _check_link(link: str) -> None:
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {', '.join(LINKS)}, got {link!r}")
 
 
 def _context(purpose: int, identity: Identity, peers: list[PairedPeer]) -> ssl.SSLContext:
@@ -88,10 +143,19 @@ def _refusal(e: ssl.SSLError, who: str) -> PeerAuthError:
 
 
 def accept_tls(
-    sock: socket.socket, ctx: ssl.SSLContext, peers: PairedPeers, *, timeout: float = HANDSHAKE_TIMEOUT_S
-) -> tuple[ssl.SSLSocket, PairedPeer]:
-    """Server side: TLS handshake on an accepted socket, the pin check, then ``ACCEPTED``.
-    Returns the TLS socket and the paired peer; ``PeerAuthError`` (socket closed) if refused."""
+    sock: socket.socket,
+    ctx: ssl.SSLContext,
+    peers: PairedPeers,
+    *,
+    timeout: float = HANDSHAKE_TIMEOUT_S,
+    link: str | None = None,
+) -> tuple[PeerSocket, PairedPeer]:
+    """Server side: TLS handshake on an accepted socket, the pin check, then ``ACCEPTED``; with
+    ``link`` (a member of ``LINKS``) the link exchange follows. Returns the connection (the TLS
+    socket, or a ``MacSocket`` for a trusted link) and the paired peer; ``PeerAuthError`` (socket
+    closed) if refused (``LinkMismatchError`` when the client asked for another link)."""
+    if link is not None:
+        _check_link(link)
     sock.settimeout(timeout)
     try:
         tls = ctx.wrap_socket(sock, server_side=True)
@@ -101,14 +165,32 @@ def accept_tls(
     except OSError as e:
         sock.close()
         raise PeerAuthError(f"TLS handshake with a client failed: {e}") from None
+    name = "a client"
     try:
         peer = _pinned(tls, peers)
+        name = peer.name
         tls.sendall(ACCEPTED)
+        if link is None:
+            tls.settimeout(None)
+            return tls, peer
+        theirs, client_secret = _read_link(tls, peer.name)
+        server_secret = os.urandom(SECRET_BYTES)
+        tls.sendall(_link_message(link, server_secret))  # the client learns why, too
+        if theirs != link:
+            raise LinkMismatchError(
+                f"refused {peer.name}: it asked for {_LINK_WORDS[theirs]} and this peer serves "
+                f"{_LINK_WORDS[link]}; {_SAME_LINK}"
+            )
+        if link == "tls":
+            tls.settimeout(None)
+            return tls, peer
+        return MacSocket.server(_bare_tcp(tls), client_secret, server_secret), peer
+    except ssl.SSLError as e:
+        tls.close()
+        raise PeerAuthError(f"setting up the link with {name} failed: {e.reason or e}") from None
     except (PeerAuthError, OSError):
         tls.close()
         raise
-    tls.settimeout(None)
-    return tls, peer
 
 
 def connect_tls(
@@ -118,9 +200,13 @@ def connect_tls(
     *,
     who: str = "the peer",
     timeout: float = HANDSHAKE_TIMEOUT_S,
-) -> tuple[ssl.SSLSocket, PairedPeer]:
+    link: str | None = None,
+) -> tuple[PeerSocket, PairedPeer]:
     """Client side: TLS handshake on a connected socket, the pin check, then wait for the server's
-    ``ACCEPTED`` before any application byte. ``PeerAuthError`` (socket closed) if refused."""
+    ``ACCEPTED`` before any application byte; with ``link`` the link exchange follows (see
+    ``accept_tls``). ``PeerAuthError`` (socket closed) if refused."""
+    if link is not None:
+        _check_link(link)
     sock.settimeout(timeout)
     try:
         tls = ctx.wrap_socket(sock, server_side=False)
@@ -140,11 +226,27 @@ def connect_tls(
             raise PeerAuthError(
                 f"{who} closed the connection after the TLS handshake (it refused this machine)"
             )
+        if link is None:
+            tls.settimeout(None)
+            return tls, peer
+        client_secret = os.urandom(SECRET_BYTES)
+        tls.sendall(_link_message(link, client_secret))
+        theirs, server_secret = _read_link(tls, who)
+        if theirs != link:
+            raise LinkMismatchError(
+                f"{who} refused this machine: it serves {_LINK_WORDS[theirs]} and this machine asked "
+                f"for {_LINK_WORDS[link]}; {_SAME_LINK}"
+            )
+        if link == "tls":
+            tls.settimeout(None)
+            return tls, peer
+        return MacSocket.client(_bare_tcp(tls), client_secret, server_secret), peer
+    except ssl.SSLError as e:
+        tls.close()
+        raise PeerAuthError(f"setting up the link with {who} failed: {e.reason or e}") from None
     except (PeerAuthError, OSError):
         tls.close()
         raise
-    tls.settimeout(None)
-    return tls, peer
 
 
 class PeerTLS:
@@ -152,20 +254,23 @@ class PeerTLS:
     ``wrap_client`` on a connected socket. The paired set is re-read for every connection, so
     ``duet peer unpair`` takes effect for the next one."""
 
-    def __init__(self, identity: Identity, peers: PairedPeers):
-        self.identity, self.peers = identity, peers
+    def __init__(self, identity: Identity, peers: PairedPeers, link: str = "tls"):
+        _check_link(link)
+        self.identity, self.peers, self.link = identity, peers, link
 
     @classmethod
-    def load(cls, directory: Path | None = None) -> PeerTLS:
+    def load(cls, directory: Path | None = None, link: str = "tls") -> PeerTLS:
         """From the config directory (``DUET_CONFIG_DIR`` or platformdirs'); the identity is made on
-        first use."""
-        return cls(load_identity(directory), PairedPeers(directory))
+        first use. ``link``: ``tls`` or ``trusted`` (see the module docstring)."""
+        return cls(load_identity(directory), PairedPeers(directory), link)
 
-    def wrap_server(self, sock: socket.socket) -> tuple[ssl.SSLSocket, PairedPeer]:
-        return accept_tls(sock, server_context(self.identity, self.peers), self.peers)
+    def wrap_server(self, sock: socket.socket) -> tuple[PeerSocket, PairedPeer]:
+        return accept_tls(sock, server_context(self.identity, self.peers), self.peers, link=self.link)
 
-    def wrap_client(self, sock: socket.socket, who: str = "the peer") -> tuple[ssl.SSLSocket, PairedPeer]:
-        return connect_tls(sock, client_context(self.identity, self.peers), self.peers, who=who)
+    def wrap_client(self, sock: socket.socket, who: str = "the peer") -> tuple[PeerSocket, PairedPeer]:
+        return connect_tls(
+            sock, client_context(self.identity, self.peers), self.peers, who=who, link=self.link
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -179,7 +284,9 @@ def is_loopback(host: str) -> bool:
     return bool(addrs) and all(a.is_loopback for a in addrs)
 
 
-def tls_for_address(host: str, flag: str = "--host", directory: Path | None = None) -> PeerTLS | None:
+def tls_for_address(
+    host: str, flag: str = "--host", directory: Path | None = None, link: str = "tls"
+) -> PeerTLS | None:
     """The peer link's security for ``host``: loopback (this machine only) stays plain TCP; any
     other address is mutual TLS 1.3 with paired peers only, both for ``duet peer serve --host`` and
     for ``--peers HOST:PORT``. ``ConfigError`` (nothing made on disk) when this machine has paired
@@ -192,4 +299,4 @@ def tls_for_address(host: str, flag: str = "--host", directory: Path | None = No
             "(duet peer pair on the GPU box, then duet peer pair --code NNNN-NNNN HOST on the other)",
             flag.lstrip("-").replace("-", "_"),
         )
-    return PeerTLS.load(directory)
+    return PeerTLS.load(directory, link)

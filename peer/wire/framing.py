@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
+from peer.wire.frame_mac import TAG_BYTES, MacSocket
 from peer.wire.protocol import (
     MAX_HEADER_BYTES,
     U64,
@@ -79,10 +80,13 @@ def encode_prefill(msg: Prefill, tokens) -> list[memoryview | bytes]:
     return encode_message(msg, [ids])
 
 
-def send_frame(sock: socket.socket, buffers) -> None:
+def send_frame(sock: socket.socket | MacSocket, buffers) -> None:
     """Write every buffer, in order, with as few system calls as the kernel allows."""
     views = [_byte_view(b) for b in buffers]
     views = [v for v in views if v.nbytes]
+    if isinstance(sock, MacSocket):  # the trusted link: the frame's MAC follows it
+        sock.send_frame(views)
+        return
     if not hasattr(sock, "sendmsg") or isinstance(sock, ssl.SSLSocket):  # TLS refuses sendmsg
         for v in views:
             sock.sendall(v)
@@ -241,6 +245,8 @@ class FrameReader:
         self._len = bytearray(LEN_BYTES)
         self._selector: selectors.BaseSelector | None = None
         self._error: ProtocolError | None = None
+        self.mac = sock.recv_mac if isinstance(sock, MacSocket) else None  # trusted link: tags follow frames
+        self._head_tag, self._tag = bytearray(TAG_BYTES), bytearray(TAG_BYTES)
 
     def read(self, idle_timeout: float | None = None) -> Frame | None:
         """The next frame, or None when the peer closed the connection between frames."""
@@ -262,6 +268,8 @@ class FrameReader:
             raise bad_frame(f"header length {n} is outside 1..{MAX_HEADER_BYTES}")
         view = memoryview(self._header)[:n]
         self._recv_exact(view)
+        if self.mac is not None:  # trusted link: the header is authenticated before it is parsed
+            self._check_mac([self._len, view], self._head_tag)
         header = unpack_header(view)
         msg = decode_message(header)
         nbytes, digest = header.get("nbytes", 0), header.get("checksum")
@@ -277,12 +285,20 @@ class FrameReader:
         buf = self.buffers.acquire(nbytes)
         try:
             self._recv_exact(memoryview(buf.array.data))
+            if self.mac is not None:  # and the payload before it is checked or used
+                self._check_mac([self._head_tag, buf.array.data], self._tag)
             if checksum([buf.array]) != digest:
                 raise ProtocolError(ErrorCode.CHECKSUM, f"{msg.TYPE.value} payload checksum mismatch")
         except BaseException:
             buf.release()
             raise
         return Frame(msg, header, buf)
+
+    def _check_mac(self, parts: list[Any], tag: bytearray) -> None:
+        """Read the next tag into ``tag`` and check it over ``parts`` (trusted link)."""
+        assert self.mac is not None
+        self._recv_exact(memoryview(tag))
+        self.mac.verify(parts, tag)
 
     def _payload_size(self, msg: Message) -> int:
         if isinstance(msg, Prefill):

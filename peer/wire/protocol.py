@@ -54,6 +54,7 @@ class ErrorCode(StrEnum):
     BAD_FRAME = "bad_frame"  # malformed header, unknown type, wrong field, size not matching shapes
     TRUNCATED = "truncated"  # the connection closed inside a frame
     CHECKSUM = "checksum"
+    MAC = "mac"  # a frame failed its MAC on a trusted link (corrupted, replayed, reordered, injected)
     TIMEOUT = "timeout"  # no byte from the peer within the stall deadline
     DISCONNECTED = "disconnected"  # connection reset or refused
     CANCELLED = "cancelled"
