@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from typing import Literal
+
+from fastapi import FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
@@ -11,13 +13,14 @@ from mlx_engine import __version__
 from mlx_engine.engine import Engine
 from mlx_engine.sampling.constraints import GrammarFactory
 
-from . import anthropic, anthropic_errors, errors
+from . import anthropic, anthropic_errors, errors, responses
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .chat import chat_completions
 from .common import ServerState
 from .completions import completions
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses_protocol import ResponsesRequest
 from .security import SecurityMiddleware, SecurityPolicy
 
 
@@ -115,6 +118,37 @@ def create_app(
     @api("POST", "/v1/messages/count_tokens")
     async def anthropic_count_tokens(body: CountTokensRequest, request: Request) -> Response:
         return await anthropic.count_tokens(state, body, request)
+
+    store = responses.ResponseStore()
+
+    @api("POST", "/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(state, store, body, request)
+
+    @api("GET", "/v1/responses/{response_id}", slash=False)
+    async def get_response(response_id: str) -> JSONResponse:
+        stored = store.get(response_id)
+        if stored is None:
+            raise responses.not_found(response_id)
+        return JSONResponse(stored.response)
+
+    @api("DELETE", "/v1/responses/{response_id}", slash=False)
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not store.delete(response_id):
+            raise responses.not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @api("GET", "/v1/responses/{response_id}/input_items", slash=False)
+    async def response_input_items(
+        response_id: str,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> JSONResponse:
+        stored = store.get(response_id)
+        if stored is None:
+            raise responses.not_found(response_id)
+        return JSONResponse(responses.input_items_page(stored, limit, order, after))
 
     return app
 

@@ -1,0 +1,478 @@
+"""POST /v1/responses, GET/DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items:
+OpenAI's Responses API, as an adapter onto the chat call (``turns``).
+
+``input`` (a string, or message / ``function_call`` / ``function_call_output`` items) and
+``instructions`` become chat messages; ``previous_response_id`` puts the stored conversation
+(its inputs and outputs, not its instructions, as at OpenAI) before them, so the continued
+prompt begins with the earlier one and its KV comes from the prefix cache (``usage.
+input_tokens_details.cached_tokens``). Function ``tools`` and ``tool_choice`` are the chat's,
+``text.format`` (json_object / json_schema) the chat's ``response_format``, enforced by the
+same grammar engine; ``max_output_tokens`` is a cap. Hosted tools (web search, file search,
+computer use...), image, file and audio inputs are a 400.
+
+Responses are kept in memory (``ResponseStore``: the most recent ones, bounded by count and
+size; ``store: false`` keeps none) for retrieval, deletion, ``input_items`` and continuation.
+Streaming sends Responses events (``response.created``, ``response.in_progress``,
+``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
+/ ``.done``, ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``,
+``response.completed`` or ``response.incomplete``), each with its ``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mlx_engine.request import Usage
+
+from .chat import ChatCall
+from .common import SSE_HEADERS, ServerState
+from .errors import APIError, bad_request
+from .responses_protocol import InputItem, ResponsesRequest
+from .tool_calls import ParsedToolCall
+from .turns import TurnEnd, collect, prepare, start, turn_items
+
+_UNSUPPORTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+@dataclass
+class Stored:
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]  # this request's input, as items with ids
+    conversation: list[dict[str, Any]]  # chat messages: earlier turns, this input and the output
+    size: int
+
+
+class ResponseStore:
+    """The most recent responses, at most ``max_items`` of them and ``max_chars`` of JSON text
+    together; the oldest go first."""
+
+    def __init__(self, max_items: int = 512, max_chars: int = 64 * 2**20):
+        self.max_items, self.max_chars = max_items, max_chars
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._chars = 0
+
+    def put(self, response: dict, input_items: list[dict], conversation: list[dict]) -> None:
+        size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (response, input_items, conversation))
+        if size > self.max_chars:
+            return
+        self.delete(response["id"])
+        self._items[response["id"]] = Stored(response, input_items, conversation, size)
+        self._chars += size
+        while len(self._items) > self.max_items or self._chars > self.max_chars:
+            _, old = self._items.popitem(last=False)
+            self._chars -= old.size
+
+    def get(self, response_id: str) -> Stored | None:
+        s = self._items.get(response_id)
+        if s is not None:
+            self._items.move_to_end(response_id)
+        return s
+
+    def delete(self, response_id: str) -> bool:
+        s = self._items.pop(response_id, None)
+        if s is None:
+            return False
+        self._chars -= s.size
+        return True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(
+        404, f"No response found with id {response_id!r}.", type="invalid_request_error", code="not_found"
+    )
+
+
+# --- input -> chat messages -----------------------------------------------------------------
+
+
+def _parts_text(content: str | list | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, p in enumerate(content):
+        kind = _UNSUPPORTED_PARTS.get(p.type)
+        if kind is not None:
+            raise bad_request(
+                f"{kind} input ({p.type}) is not supported: the served model reads text only",
+                f"{where}.content[{j}].type",
+            )
+        texts.append((p.refusal if p.type == "refusal" else p.text) or "")
+    return "".join(texts)
+
+
+def _output_text(output: str | list | None) -> str:
+    if output is None or isinstance(output, str):
+        return output or ""
+    return "".join(str(p.get("text") or "") for p in output if p.get("type") in ("input_text", "output_text"))
+
+
+def input_items(body: ResponsesRequest) -> list[InputItem]:
+    if body.input is None:
+        return []
+    if isinstance(body.input, str):
+        return [InputItem(type="message", role="user", content=body.input)]
+    return body.input
+
+
+def to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Chat messages for input items; consecutive function calls join the assistant message
+    before them, as one turn's calls."""
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.type or "message"
+        if kind == "message":
+            if item.role is None:
+                raise bad_request("a message item needs a role", f"{where}.role")
+            out.append({"role": item.role, "content": _parts_text(item.content, where)})
+        elif kind == "function_call":
+            if not item.name or item.call_id is None:
+                raise bad_request("a function_call item needs a name and a call_id", where)
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments or "{}"},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if item.call_id is None:
+                raise bad_request("a function_call_output item needs a call_id", f"{where}.call_id")
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _output_text(item.output)})
+        elif kind == "reasoning":
+            continue  # an earlier turn's reasoning: not part of what the model reads
+        else:
+            raise bad_request(
+                f"input items of type {kind!r} are not supported by this server", f"{where}.type"
+            )
+    return out
+
+
+def _item_record(item: InputItem) -> dict[str, Any]:
+    """An input item as ``input_items`` lists it."""
+    d = item.model_dump(exclude_none=True, by_alias=True)
+    kind = d.setdefault("type", "message")
+    if kind == "message":
+        if isinstance(d.get("content"), str):
+            part = "output_text" if d.get("role") == "assistant" else "input_text"
+            d["content"] = [{"type": part, "text": d["content"]}]
+        d.setdefault("status", "completed")
+    d.setdefault("id", _id({"message": "msg", "function_call": "fc"}.get(kind, "item")))
+    return d
+
+
+# --- request -> chat fields -------------------------------------------------------------------
+
+
+def chat_fields(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    messages = [*earlier, *to_messages(input_items(body))]
+    if body.instructions:
+        messages.insert(0, {"role": "system", "content": body.instructions})
+    if not messages:
+        raise bad_request("input is required (or a previous_response_id to continue)", "input")
+    fields: dict[str, Any] = {"model": body.model, "messages": messages}
+    for name in ("temperature", "top_p", "top_k", "parallel_tool_calls"):
+        value = getattr(body, name)
+        if value is not None:
+            fields[name] = value
+    tools = []
+    for i, t in enumerate(body.tools or []):
+        if t.type != "function":
+            raise bad_request(
+                f"{t.type} tools are not supported by this server: declare function tools", f"tools[{i}].type"
+            )
+        if not t.name:
+            raise bad_request("a function tool needs a name", f"tools[{i}].name")
+        fn: dict[str, Any] = {
+            k: v
+            for k, v in (("name", t.name), ("description", t.description), ("parameters", t.parameters))
+            if v
+        }
+        if t.strict is not None:
+            fn["strict"] = t.strict
+        tools.append({"type": "function", "function": fn})
+    if tools:
+        fields["tools"] = tools
+    choice = body.tool_choice
+    if isinstance(choice, str):
+        if tools or choice != "auto":
+            fields["tool_choice"] = choice
+    elif choice is not None:
+        if choice.type != "function" or not choice.name:
+            raise bad_request(
+                "tool_choice must be none, auto, required or {'type': 'function', 'name': ...}", "tool_choice"
+            )
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise bad_request("text.format of type json_schema needs a schema", "text.format.schema")
+        spec: dict[str, Any] = {"name": fmt.name or "output", "schema": fmt.schema_}
+        fields["response_format"] = {"type": "json_schema", "json_schema": spec}
+    elif fmt is not None and fmt.type == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    return fields
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def _usage(u: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _call_item(item_id: str, call: ParsedToolCall, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if status == "completed" else "",
+        "status": status,
+    }
+
+
+class ResponseCall:
+    def __init__(
+        self, state: ServerState, store: ResponseStore, body: ResponsesRequest, call: ChatCall, earlier: list
+    ):
+        self.state, self.store, self.body, self.call = state, store, body, call
+        self.earlier = earlier
+        self.id = _id("resp")
+        self.created = int(time.time())
+
+    def envelope(self, status: str, output: list[dict], end: TurnEnd | None) -> dict[str, Any]:
+        b = self.body
+        fmt = b.text.format.model_dump(exclude_none=True, by_alias=True) if b.text and b.text.format else None
+        incomplete = end is not None and end.finish_reason == "length"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": self.state.model_id,
+            "output": output,
+            "parallel_tool_calls": b.parallel_tool_calls if b.parallel_tool_calls is not None else True,
+            "previous_response_id": b.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": b.store is not False,
+            "temperature": b.temperature,
+            "text": {"format": fmt or {"type": "text"}},
+            "tool_choice": b.tool_choice.model_dump()
+            if b.tool_choice is not None and not isinstance(b.tool_choice, str)
+            else (b.tool_choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+            "top_p": b.top_p,
+            "truncation": "disabled",
+            "usage": _usage(end.usage) if end is not None else None,
+            "metadata": b.metadata or {},
+            "user": None,
+        }
+
+    def _finish(self, output: list[dict], text: str, calls: list[ParsedToolCall], end: TurnEnd) -> dict:
+        status = "incomplete" if end.finish_reason == "length" else "completed"
+        response = self.envelope(status, output, end)
+        if self.body.store is not False:
+            reply: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                reply["tool_calls"] = [c.to_openai() for c in calls]
+            conversation = [*self.earlier, *to_messages(input_items(self.body)), reply]
+            records = [_item_record(x) for x in input_items(self.body)]
+            self.store.put(response, records, conversation)
+        return response
+
+    async def respond(self, request: Request) -> Response:
+        gen = await start(self.call)
+        turn = await collect(self.call, gen, request)
+        if turn is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        text, calls, end = turn
+        output: list[dict] = []
+        if text.strip() or not calls:
+            output.append(_message_item(_id("msg"), text))
+        output += [_call_item(_id("fc"), c) for c in calls]
+        return JSONResponse(self._finish(output, text, calls, end))
+
+    async def stream(self, request: Request) -> Response:
+        gen = await start(self.call)
+        seq = 0
+
+        def event(kind: str, **data: Any) -> str:
+            nonlocal seq
+            payload = {"type": kind, "sequence_number": seq, **data}
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            yield event("response.created", response=self.envelope("in_progress", [], None))
+            yield event("response.in_progress", response=self.envelope("in_progress", [], None))
+            output: list[dict] = []
+            texts: list[str] = []
+            calls: list[ParsedToolCall] = []
+            msg: tuple[int, str] | None = None  # (output index, id) of the open message item
+            msg_text: list[str] = []
+
+            def close_message() -> list[str]:
+                nonlocal msg
+                if msg is None:
+                    return []
+                index, item_id = msg
+                msg = None
+                whole = "".join(msg_text)
+                msg_text.clear()
+                part = {"type": "output_text", "text": whole, "annotations": [], "logprobs": []}
+                item = _message_item(item_id, whole)
+                output.append(item)
+                at = {"item_id": item_id, "output_index": index, "content_index": 0}
+                return [
+                    event("response.output_text.done", **at, text=whole, logprobs=[]),
+                    event("response.content_part.done", **at, part=part),
+                    event("response.output_item.done", output_index=index, item=item),
+                ]
+
+            try:
+                async for x in turn_items(self.call, gen, request):
+                    if isinstance(x, str):
+                        texts.append(x)
+                        if msg is None:
+                            if not x.strip() and calls:
+                                continue  # whitespace between calls
+                            msg = (len(output), _id("msg"))
+                            index, item_id = msg
+                            yield event(
+                                "response.output_item.added",
+                                output_index=index,
+                                item=_message_item(item_id, "", "in_progress") | {"content": []},
+                            )
+                            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                            yield event(
+                                "response.content_part.added",
+                                item_id=item_id,
+                                output_index=index,
+                                content_index=0,
+                                part=part,
+                            )
+                        msg_text.append(x)
+                        yield event(
+                            "response.output_text.delta",
+                            item_id=msg[1],
+                            output_index=msg[0],
+                            content_index=0,
+                            delta=x,
+                            logprobs=[],
+                        )
+                        continue
+                    for e in close_message():
+                        yield e
+                    if isinstance(x, TurnEnd):
+                        if not output:  # nothing at all was generated: an empty message, as create answers
+                            item = _message_item(_id("msg"), "")
+                            output.append(item)
+                            yield event("response.output_item.added", output_index=0, item=item)
+                            yield event("response.output_item.done", output_index=0, item=item)
+                        response = self._finish(output, "".join(texts), calls, x)
+                        kind = (
+                            "response.incomplete"
+                            if response["status"] == "incomplete"
+                            else "response.completed"
+                        )
+                        yield event(kind, response=response)
+                        return
+                    calls.append(x)
+                    index, item_id = len(output), _id("fc")
+                    yield event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item=_call_item(item_id, x, "in_progress"),
+                    )
+                    yield event(
+                        "response.function_call_arguments.delta",
+                        item_id=item_id,
+                        output_index=index,
+                        delta=x.arguments,
+                    )
+                    yield event(
+                        "response.function_call_arguments.done",
+                        item_id=item_id,
+                        output_index=index,
+                        name=x.name,
+                        arguments=x.arguments,
+                    )
+                    item = _call_item(item_id, x)
+                    output.append(item)
+                    yield event("response.output_item.done", output_index=index, item=item)
+            except APIError as e:
+                yield event("error", code=e.code or e.type, message=e.message, param=e.param)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def create(
+    state: ServerState, store: ResponseStore, body: ResponsesRequest, request: Request
+) -> Response:
+    if body.background:
+        raise bad_request("background responses are not supported by this server", "background")
+    earlier: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        prev = store.get(body.previous_response_id)
+        if prev is None:
+            raise bad_request(
+                f"Previous response with id {body.previous_response_id!r} not found.", "previous_response_id"
+            )
+        earlier = prev.conversation
+    call = await prepare(
+        state, chat_fields(body, earlier), request, "responses", max_tokens=body.max_output_tokens
+    )
+    rc = ResponseCall(state, store, body, call, earlier)
+    return await (rc.stream(request) if body.stream else rc.respond(request))
+
+
+def input_items_page(stored: Stored, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    items = list(stored.input_items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [x["id"] for x in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
