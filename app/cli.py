@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(s)
     add_peer_args(s)
-    from app.server.main import add_serve_args
+    from app.server.options import add_serve_args  # not app.server.main: no FastAPI here
 
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)

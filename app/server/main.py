@@ -23,97 +23,16 @@ import uvicorn
 
 from mlx_engine.errors import ConfigError
 
-from .security import CACHE_ISOLATION_MODES, DEFAULT_MAX_BODY_MB, SecurityPolicy
+from .options import API_KEY_ENV, DEFAULT_MAX_BODY_MB
+from .options import add_serve_args as add_serve_args  # where the CLI and tests found it
+from .security import SecurityPolicy
 
 if TYPE_CHECKING:
     from mlx_engine.engine import Engine
 
 log = logging.getLogger("duet.server")
 
-API_KEY_ENV = "DUET_API_KEY"
 LISTEN_BACKLOG = 2048
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """The `duet serve` options (the model and cache options come from the CLI's shared set)."""
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1: this machine only); any other address "
-        "needs an API key, or --insecure-no-key",
-    )
-    p.add_argument(
-        "--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)"
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health; a key given here "
-        f"shows in `ps`, so prefer --api-key-file or the {API_KEY_ENV} environment variable",
-    )
-    p.add_argument(
-        "--api-key-file",
-        default=None,
-        metavar="PATH",
-        help="read the API keys from this file, one per line (blank lines and lines starting "
-        "with # are ignored); any of them is accepted",
-    )
-    p.add_argument(
-        "--cache-isolation",
-        choices=CACHE_ISOLATION_MODES,
-        default="shared",
-        help="'shared' (default): all clients share the prefix cache, so a hit is fast for everyone "
-        "but a client can tell from usage.cached_tokens whether a prompt beginning was sent before; "
-        "'per-key': each API key gets its own prefix cache (needs a key; no hits across keys, and "
-        "nothing cached goes to the disk cache)",
-    )
-    p.add_argument(
-        "--allowed-hosts",
-        action="append",
-        default=[],
-        metavar="HOST[,HOST...]",
-        help="Host header names to serve besides IP addresses, localhost and *.localhost (protects "
-        "against DNS rebinding); '*.example.lan' for subdomains, '*' for any (repeatable)",
-    )
-    p.add_argument(
-        "--allowed-origins",
-        action="append",
-        default=[],
-        metavar="ORIGIN[,ORIGIN...]",
-        help="browser origins allowed to call the API, with CORS headers, e.g. http://localhost:3000 "
-        "for a web UI; '*' for any (repeatable; default: none but the server's own)",
-    )
-    p.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=DEFAULT_MAX_BODY_MB,
-        help=f"largest request body in MB; larger ones get 413 (default {DEFAULT_MAX_BODY_MB:g})",
-    )
-    p.add_argument(
-        "--docs",
-        action="store_true",
-        help="serve the API docs at /docs, /redoc and /openapi.json (off by default; /docs loads "
-        "scripts from a CDN; behind the API key when one is set)",
-    )
-    p.add_argument(
-        "--insecure-no-key",
-        action="store_true",
-        help="allow a non-loopback --host without an API key (anyone who can reach it can use the model)",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=None,
-        help="most requests waiting for a slot (default 256); more get 429, and one request "
-        "with more sequences than this gets 400",
-    )
-    p.add_argument(
-        "--max-running",
-        type=int,
-        default=None,
-        help="most sequences generated at once, the batch size (default 64); also the most "
-        "sequences (prompts x n) one request may ask for",
-    )
 
 
 def is_loopback(host: str) -> bool:

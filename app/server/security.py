@@ -37,8 +37,10 @@ import ipaddress
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
+
+from .options import CACHE_ISOLATION_MODES, DEFAULT_MAX_BODY_MB, CacheIsolation
 
 from .anthropic_errors import error_body as anthropic_error_body
 from .anthropic_errors import is_anthropic_path
@@ -50,13 +52,10 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})  # answer without the API key
-DEFAULT_MAX_BODY_MB = 8.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 KEY_ID_CHARS = 16  # hex digits of a key's sha256 that name it
-CacheIsolation = Literal["shared", "per-key"]
-CACHE_ISOLATION_MODES: tuple[CacheIsolation, ...] = ("shared", "per-key")
 KEY_ID_STATE = "duet_key_id"
 CACHE_SCOPE_STATE = "duet_cache_scope"
 

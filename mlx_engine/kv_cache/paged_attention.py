@@ -200,7 +200,9 @@ _SDPA_NAME = "scaled_dot_product_attention"  # the name each mlx-lm model module
 def install() -> None:
     """Point every loaded mlx-lm model module's ``scaled_dot_product_attention`` at the dispatcher."""
     global _ORIGINAL_SDPA
-    from mlx_lm.models import base
+    from mlx_engine import mlx_lm_lazy
+
+    base = mlx_lm_lazy.import_module("models.base")
 
     if _ORIGINAL_SDPA is None:
         _ORIGINAL_SDPA = base.scaled_dot_product_attention
