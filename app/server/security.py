@@ -40,10 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from .options import CACHE_ISOLATION_MODES, DEFAULT_MAX_BODY_MB, CacheIsolation
-
 from .anthropic_errors import error_body as anthropic_error_body
 from .anthropic_errors import is_anthropic_path
+from .options import CACHE_ISOLATION_MODES, DEFAULT_MAX_BODY_MB, CacheIsolation
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
