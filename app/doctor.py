@@ -202,7 +202,7 @@ def hf_cache_section(report: Report) -> None:
     report.sections["hf_cache"] = {
         "path": str(root),
         "exists": root.is_dir(),
-        "size_gib": _gib(_tree_bytes(root)) if root.is_dir() else 0.0,
+        "size_bytes": _tree_bytes(root) if root.is_dir() else 0,
         "models": cached_models() if root.is_dir() else [],
         "offline": bool(constants.HF_HUB_OFFLINE),
     }

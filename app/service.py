@@ -42,7 +42,7 @@ ROLE_DESCRIPTION = {
 }
 LABEL_PREFIX = "duet."
 APP_EXECUTABLE = "Contents/MacOS/Duet"
-APP_BUNDLE_ID = "app.duet.Duet"  # packaging/macos/app/Info.plist's CFBundleIdentifier
+APP_BUNDLE_ID = "org.duet-llm.duet"  # packaging/macos/app/Info.plist's CFBundleIdentifier
 PLIST_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 
 
@@ -356,7 +356,7 @@ def add_service_parser(sub: Any) -> None:
         help="change files only and print the launchctl/systemctl commands instead of running them",
     )
     common.add_argument("--json", action="store_true", help="print one JSON object")
-    actions = p.add_subparsers(dest="action", metavar="{install,uninstall,status}")
+    actions = p.add_subparsers(dest="action", metavar="{install,uninstall,status}", help="what to do")
     actions.required = True
     i = actions.add_parser(
         "install",
@@ -376,8 +376,18 @@ def add_service_parser(sub: Any) -> None:
         "--env", action="append", default=[], metavar="NAME=VALUE", help="set in the service's environment"
     )
     i.add_argument("extra", nargs="*", metavar="-- OPTION", help="options for the command the service runs")
-    actions.add_parser("uninstall", parents=[common], help="stop the service and remove its files")
-    actions.add_parser("status", parents=[common], help="is it installed, enabled, running; where it logs")
+    actions.add_parser(
+        "uninstall",
+        parents=[common],
+        help="stop the service and remove its files",
+        description="Stop the service, disable it and remove the files `duet service install` wrote.",
+    )
+    actions.add_parser(
+        "status",
+        parents=[common],
+        help="is it installed, enabled, running; where it logs",
+        description="Whether the service is installed, enabled and running, and where it logs.",
+    )
     p.set_defaults(func=cmd_service)
 
 

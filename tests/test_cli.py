@@ -374,7 +374,13 @@ def test_every_option_of_every_command_has_help():
         "peer serve",
         "peer pair",
         "peer unpair",
+        "peer plan",
         "peers",
+        "doctor",
+        "service",
+        "service install",
+        "service uninstall",
+        "service status",
     }
     missing = []
     for name, p in commands.items():
