@@ -273,3 +273,29 @@ def test_engines_over_a_trusted_link_match_local_prefill(tiny_dirs, tmp_path):
         assert_exact_remote(pr, p)
     finally:
         pr.close()
+
+
+def test_link_options_are_checked_before_anything_loads(tmp_path, monkeypatch, capsys):
+    from app import cli
+    from mlx_engine.engine import Engine
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(Engine, "load", refuse)
+    monkeypatch.setattr(cli, "_check_model", lambda args: None)
+    monkeypatch.setenv("DUET_CONFIG_DIR", str(tmp_path / "mac"))
+
+    def error(*argv: str) -> str:
+        assert cli.main(list(argv)) == cli.EXIT_ERROR
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("duet: error: ")
+        return err
+
+    assert "--link trusted applies to a network --host" in error("peer", "serve", "--link", "trusted")
+    assert "--peer-link trusted applies to peers on a network address" in error(
+        "generate", "-p", "hi", "--peers", "127.0.0.1:7611", "--peer-link", "trusted"
+    )
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        cli.main(["peer", "serve", "--link", "plain"])
+    assert "invalid choice: 'plain'" in capsys.readouterr().err

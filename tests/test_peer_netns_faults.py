@@ -159,3 +159,54 @@ def test_peer_killed_mid_stream_over_the_namespace_link(netns_pair, tmp_path, ti
     assert reason.startswith("gpu: ") and reason.split(": ")[1] in ("truncated", "disconnected"), reason
     assert sum(r["fallbacks"].values()) == 1 and r["blocks_used"] == 0
     assert "peer gpu: remote prefill of" in err and "prefilling the rest locally" in err
+
+
+@pytest.mark.slow
+def test_trusted_link_between_two_namespaces_needs_both_sides(netns_pair, tmp_path, tiny_dirs):
+    """`duet peer serve --link trusted` and `duet generate --peer-link trusted`: remote prefill with
+    the greedy tokens of local prefill; a decoder asking for TLS is refused on both sides (no silent
+    downgrade) and answers locally."""
+    ns_a, ip_a, ns_b, ip_b, _, _ = netns_pair
+    gpu_dir, mac_dir = tmp_path / "gpu", tmp_path / "mac"
+    _pair(ns_a, ip_a, ns_b, gpu_dir, mac_dir)
+    model = str(tiny_dirs("llama"))
+    serve = _in_ns(
+        ns_a, gpu_dir, *DUET, "peer", "serve", "--model", model, "--cache-gb", "0.05", "--host", ip_a,
+        "--port", "0", "--no-advertise", "--link", "trusted",
+    )  # fmt: skip
+    try:
+        assert serve.stderr is not None
+        port = None
+        for line in serve.stderr:
+            if m := re.search(
+                r"at [0-9.]+:(\d+), mutual TLS .*then a trusted link: frames authenticated", line
+            ):
+                port = int(m.group(1))
+                break
+        assert port is not None, "duet peer serve --link trusted did not come up"
+        common = ["generate", "--model", model, "--cache-gb", "0.05", "--raw", "--json", "--temperature", "0"]
+        common += ["--prompt", "The quick brown fox jumps over the lazy dog. " * 8, "--max-tokens", "6"]
+        common += ["--peers", f"{ip_a}:{port}"]
+
+        def generate(*extra: str) -> tuple[dict, str]:
+            p = _in_ns(ns_b, mac_dir, *DUET, *common, *extra)
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            return json.loads(out), err
+
+        trusted, _ = generate("--peer-link", "trusted", "--remote-prefill", "always")
+        local, _ = generate("--remote-prefill", "never")
+        refused, err = generate("--remote-prefill", "always")  # the default link: tls
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            _, serve_err = serve.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            _, serve_err = serve.communicate()
+    assert trusted["usage"]["prefill_location"] == f"remote:{ip_a}:{port}"
+    assert trusted["usage"]["remote_bytes"] > 0 and trusted["token_ids"] == local["token_ids"]
+    assert refused["usage"]["prefill_location"] == "local" and refused["token_ids"] == local["token_ids"]
+    assert "refused this machine: it serves a trusted link (authenticated, not encrypted)" in err
+    assert "refused mac: it asked for a tls link (encrypted)" in serve_err
+    assert "paired decoder mac (TLS 1.3 handshake; trusted link" in serve_err
