@@ -62,6 +62,7 @@ def test_serve_options_are_defined_once_with_help():
         "insecure_no_key",
         "max_queue",
         "max_running",
+        "embedding_model",
     }
     assert all(a.help for a in options.values())
     args = serve_args("--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "c.lan", "--docs")

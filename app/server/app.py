@@ -10,6 +10,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from mlx_engine import __version__
+from mlx_engine.embeddings import EmbeddingModel
 from mlx_engine.engine import Engine
 from mlx_engine.sampling.constraints import GrammarFactory
 
@@ -18,6 +19,7 @@ from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .chat import chat_completions
 from .common import ServerState
 from .completions import completions
+from .embeddings import EmbeddingBatcher, EmbeddingRequest, embeddings
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses_protocol import ResponsesRequest
@@ -31,13 +33,20 @@ def create_app(
     aliases: tuple[str, ...] = (),
     security: SecurityPolicy | None = None,
     docs: bool = False,
+    embedder: EmbeddingModel | None = None,
+    embedding_aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """``aliases``: other names clients may use for the served model (e.g. the --model path).
     ``security``: Host/Origin allowlists, API key and body limits (default: loopback only, no
-    key, unless ``api_key`` is given). ``docs``: serve /docs, /redoc and /openapi.json."""
+    key, unless ``api_key`` is given). ``docs``: serve /docs, /redoc and /openapi.json.
+    ``embedder``: an embedding model served at /v1/embeddings beside the chat model (its name,
+    then ``embedding_aliases``, are the ids clients use)."""
     policy = security if security is not None else SecurityPolicy.build(api_key=api_key)
     ids = tuple(dict.fromkeys([engine.model_name, *[a for a in aliases if a]]))
     state = ServerState(engine, Metrics(engine), GrammarFactory(engine.tokenizer), ids, policy.api_key)
+    if embedder is not None:
+        state.embedding_ids = tuple(dict.fromkeys([embedder.name, *[a for a in embedding_aliases if a]]))
+    batcher = EmbeddingBatcher(engine, embedder) if embedder is not None else None
     state.fingerprint  # noqa: B018  (hash the weights now, not during the first response)
     app = FastAPI(
         title="Duet",
@@ -48,6 +57,7 @@ def create_app(
         openapi_url="/openapi.json" if docs else None,
     )
     app.state.duet = state
+    app.state.embeddings = batcher
     errors.install(app)
     _anthropic_errors_on_messages_paths(app)
     # add_middleware puts the last one added outermost: the security checks run first, and the
@@ -68,8 +78,16 @@ def create_app(
         )
     app.add_middleware(SecurityMiddleware, policy=policy)
 
-    def model_card() -> dict:
-        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "duet"}
+    def model_card(embedding: bool = False) -> dict:
+        """A model and what it can do: chat (chat completions, completions, messages, responses)
+        or embeddings."""
+        return {
+            "id": state.embedding_ids[0] if embedding else state.model_id,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "duet",
+            "capabilities": ["embeddings"] if embedding else ["chat", "completions", "tools"],
+        }
 
     @app.get("/health")
     async def health() -> dict:
@@ -96,11 +114,17 @@ def create_app(
 
     @api("GET", "/v1/models")  # before /v1/models/{model}, which "/v1/models/" would match
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {
+            "object": "list",
+            "data": [model_card(), *([model_card(True)] if state.embedding_ids else [])],
+        }
 
     @api("GET", "/v1/models/{model:path}", slash=False)  # the path parameter takes any slash
     async def get_model(model: str) -> JSONResponse:
-        state.check_model(model.removesuffix("/"))
+        model = model.removesuffix("/")
+        if model in state.embedding_ids and model not in state.model_ids:
+            return JSONResponse(model_card(True))
+        state.check_model(model)
         return JSONResponse(model_card())
 
     @api("POST", "/v1/chat/completions")
@@ -118,6 +142,10 @@ def create_app(
     @api("POST", "/v1/messages/count_tokens")
     async def anthropic_count_tokens(body: CountTokensRequest, request: Request) -> Response:
         return await anthropic.count_tokens(state, body, request)
+
+    @api("POST", "/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest) -> JSONResponse:
+        return await embeddings(state, batcher, body)
 
     store = responses.ResponseStore()
 

@@ -39,6 +39,7 @@ class ServerState:
     model_ids: tuple[str, ...]  # the served id first, then accepted aliases
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    embedding_ids: tuple[str, ...] = ()  # the embedding model's id and aliases (--embedding-model)
 
     @property
     def model_id(self) -> str:
@@ -51,6 +52,14 @@ class ServerState:
         return "fp_" + short_hash(__version__, e.model_identity(), e.numerics_profile())[:10]
 
     def check_model(self, model: str) -> None:
+        if model in self.embedding_ids and model not in self.model_ids:
+            raise APIError(
+                400,
+                f"The model `{model}` is an embedding model: it serves /v1/embeddings only. "
+                f"Chat with `{self.model_id}`.",
+                param="model",
+                code="model_not_chat",
+            )
         if model not in self.model_ids:
             raise APIError(
                 404,

@@ -183,6 +183,22 @@ def _load(args) -> Engine:
     return _load_engine(args, config)  # with its --peers connected
 
 
+def _load_embedder(spec: str | None):
+    """The --embedding-model, loaded (a ModelLoadError is the CLI's one-line error)."""
+    if not spec:
+        return None
+    from mlx_engine.embeddings import EmbeddingModel
+    from mlx_engine.errors import ModelLoadError
+    from mlx_engine.loading.resolve import resolve_model
+
+    src = resolve_model(spec)
+    if src.kind != "hf_dir":
+        raise ModelLoadError(
+            f"--embedding-model {spec}: an embedding model is an HF model directory, not a {src.kind}"
+        )
+    return EmbeddingModel.load(src.path, name=src.name)
+
+
 def serve(args) -> int:
     from .app import create_app
     from .connections import connection_cap, protocol_class, raise_fd_limit, rate_limit_logs
@@ -192,13 +208,19 @@ def serve(args) -> int:
     fd_limit = raise_fd_limit()
     sock = listen(args.host, args.port)
     try:
+        embedder = _load_embedder(getattr(args, "embedding_model", None))
         engine = _load(args)
     except BaseException:
         sock.close()
         raise
     port = sock.getsockname()[1]
     app = create_app(
-        engine, aliases=model_aliases(args.model), security=policy, docs=bool(getattr(args, "docs", False))
+        engine,
+        aliases=model_aliases(args.model),
+        security=policy,
+        docs=bool(getattr(args, "docs", False)),
+        embedder=embedder,
+        embedding_aliases=model_aliases(args.embedding_model) if embedder is not None else (),
     )
     s = engine.stats()
     host = f"[{args.host.strip('[]')}]" if ":" in args.host else args.host

@@ -82,6 +82,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="allow a non-loopback --host without an API key (anyone who can reach it can use the model)",
     )
     p.add_argument(
+        "--embedding-model",
+        default=None,
+        metavar="PATH|REPO",
+        help="also serve this embedding model at /v1/embeddings (a BERT sentence-transformers "
+        "directory such as all-MiniLM-L6-v2, or a Qwen3-Embedding-style one; path or HF repo id)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=None,
