@@ -200,3 +200,22 @@ def test_auto_offloads_a_long_prompt_to_a_fast_peer_and_keeps_a_short_one_local(
     finally:
         _sources.pop(pair.dec, None)
         pair.close()
+
+
+def test_send_after_prefill_control_holds_every_frame_until_the_prefill_is_done(llama2):
+    """bench/disagg.py's control (PeerServer(send_after_prefill=True), exo's released design): the
+    result is the same, but no frame leaves before the peer's whole prefill is done, so the first
+    frame arrives after the peer's compute time (causally: frames are queued only at its DONE)."""
+    (p,) = prompts(llama2[0].tokenizer.vocab_size, [300], seed=22)
+    pair = Pair(*llama2, tiny_cfg())
+    pair.server.send_after_prefill = True
+    try:
+        ref, _ = run(pair.ref, p)
+        tokens, last = run(pair.dec, p)
+        assert last.usage.prefill_location == f"remote:{pair.peer_name}" and tokens == ref
+        (info,) = pair.src.loads_of(last.request_id)
+        assert info["frames"] == pair.dec.pool.num_layers * -(-299 // pair.chunk)
+        assert info["wait_s"] > info["compute_s"] > 0
+        pair.assert_no_leaks()
+    finally:
+        pair.close()
