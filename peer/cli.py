@@ -170,7 +170,10 @@ def _discovered(
         logging.getLogger("duet.peer").warning(
             "peer: --peers auto found no paired machine advertising within %g s; prefilling here", timeout
         )
-    return [(addr, p.port, paired[p.short_id]) for p in found if (addr := p.best_address())]
+    from peer.interfaces import list_nics
+
+    nics = list_nics()  # with several interfaces, a peer's address through the fastest one first
+    return [(addr, p.port, paired[p.short_id]) for p in found if (addr := p.best_address(nics))]
 
 
 def sources_of(engine: Any) -> list[RemotePrefillSource]:
@@ -450,8 +453,9 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
 
 
 def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine: Any) -> Any:
-    """Advertise this peer on ``--interface`` addresses (else ``--host`` when it names one
-    interface) with its public TXT record; None with ``--no-advertise`` or no such address."""
+    """Advertise this peer on ``--interface`` addresses, else on ``--host`` when it names one
+    address, else (``--host`` 0.0.0.0 or ::) on the addresses of the fastest interface that is up
+    (``peer.interfaces.fastest_nic``), with its public TXT record; None with ``--no-advertise``."""
     import ipaddress
 
     from peer.discovery import Advertiser, txt_for
@@ -459,12 +463,22 @@ def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine
     if args.no_advertise:
         return None
     interfaces = list(args.interface)
+    unspecified = False
     if not interfaces:
         try:
-            if not ipaddress.ip_address(args.host.strip("[]").split("%")[0]).is_unspecified:
+            unspecified = ipaddress.ip_address(args.host.strip("[]").split("%")[0]).is_unspecified
+            if not unspecified:
                 interfaces = [args.host.strip("[]")]
         except ValueError:  # a host name: the user names the interfaces
             pass
+    chosen = ""
+    if unspecified:  # every address: advertise the fastest interface that is up
+        from peer.interfaces import fastest_nic, list_nics
+
+        nic = fastest_nic(list_nics())
+        if nic is not None:
+            interfaces = list(nic.addresses)
+            chosen = f" (interface {nic.describe()}: the fastest link this machine reports)"
     if not interfaces:
         logging.getLogger("duet.peer").warning(
             "peer: not advertised over mDNS (give --interface IP to advertise on one interface)"
@@ -478,7 +492,7 @@ def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine
     adv = Advertiser(tls.identity.name, port, txt, interfaces)
     tps = f", prefill {rate:.0f} tok/s" if rate else ""
     print(
-        f"duet: advertised as {tls.identity.name} on {', '.join(interfaces)}{tps}",
+        f"duet: advertised as {tls.identity.name} on {', '.join(interfaces)}{chosen}{tps}",
         file=sys.stderr,
         flush=True,
     )

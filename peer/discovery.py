@@ -147,9 +147,25 @@ def _ip_version(addrs: list[str]) -> IPVersion:
     return IPVersion.V6Only if all(v6) else IPVersion.V4Only if not any(v6) else IPVersion.All
 
 
+def _scope_index(address: str) -> int | None:
+    """The interface index of a scoped IPv6 address (``fe80::1%eth0`` or ``fe80::1%3``)."""
+    _, sep, scope = address.partition("%")
+    if not sep:
+        return None
+    if scope.isdigit():
+        return int(scope)
+    try:
+        return socket.if_nametoindex(scope)
+    except OSError:
+        raise ConfigError(f"--interface {address!r}: no interface {scope!r} here", "interface") from None
+
+
 def _zeroconf(interfaces: list[str]) -> Zeroconf:
     addrs = _addresses(interfaces)
-    return Zeroconf(interfaces=addrs, ip_version=_ip_version(addrs))
+    # IPv6 multicast joins by interface index: a scoped address (link-local) names its interface by
+    # its scope, which zeroconf would drop (it looks the bare address up on every interface)
+    choice: list[str | int] = [i if (i := _scope_index(a)) is not None else a for a in addrs]
+    return Zeroconf(interfaces=choice, ip_version=_ip_version(addrs))
 
 
 class Advertiser:
@@ -194,9 +210,11 @@ class DiscoveredPeer:
     def short_id(self) -> str:
         return self.txt.get("id", "")
 
-    def best_address(self) -> str | None:
+    def best_address(self, nics: list[Any] | None = None) -> str | None:
         """The address to connect to: IPv4 first, then global IPv6, then IPv6 link-local with its
-        scope id kept (``fe80::1%eth0``: without it the address is ambiguous)."""
+        scope id kept (``fe80::1%eth0``: without it the address is ambiguous). With ``nics`` (this
+        machine's, ``peer.interfaces.list_nics()``) an address reached through the fastest
+        interface comes first (``peer.interfaces.rank_addresses``)."""
 
         def rank(a: str) -> int:
             ip = ipaddress.ip_address(a.split("%")[0])
@@ -207,6 +225,10 @@ class DiscoveredPeer:
             return "%" in a or not (ip.version == 6 and ip.is_link_local)
 
         usable = [a for a in self.addresses if scoped_or_routable(a)]
+        if usable and nics:
+            from peer.interfaces import rank_addresses
+
+            return rank_addresses(usable, nics)[0]
         return min(usable, key=rank) if usable else None
 
     def as_dict(self, paired: bool) -> dict[str, Any]:
@@ -337,14 +359,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def local_ip_for(interface: str) -> str:
     """``interface`` as given (an address), checked to be one of this machine's."""
     addr = interface.split("%")[0]
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.bind((addr, 0))
-        except OSError:
-            raise ConfigError(
-                f"--interface {interface!r} is not an address of this machine", "interface"
-            ) from None
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        raise ConfigError(f"--interface {interface!r} is not an IP address", "interface") from None
+    if ip.version == 6 and ip.is_link_local and "%" not in interface:
+        raise ConfigError(
+            f"--interface {interface!r} is link-local: give its interface too (e.g. {addr}%eth0)", "interface"
+        )
+    try:  # getaddrinfo keeps a scope id (fe80::1%eth0), which binding a link-local address needs
+        family, _, _, _, sockaddr = socket.getaddrinfo(interface, 0, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind(sockaddr)
+    except OSError:
+        raise ConfigError(
+            f"--interface {interface!r} is not an address of this machine", "interface"
+        ) from None
     return interface
 
 
