@@ -21,14 +21,16 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar, Static
 
+from mlx_engine.errors import DuetError
 from mlx_engine.loading.resolve import BUNDLED_NAME, cached_models
 from mlx_engine.request import RequestError, Usage
 
 from .backends import Backend, BackendError
+from .peers import PeerDirectory, PeerRow
 from .screens import ErrorScreen, HelpScreen, ModelPicker, SettingsScreen, SystemPromptEditor
 from .settings import ALIASES, FIELDS
 from .store import NO_HISTORY_ENV, Conversation, Message, Store, history_off_by_env
-from .widgets import MessageView, PromptInput, StatusBar, usage_line
+from .widgets import MessageView, PeersPanel, PromptInput, StatusBar, usage_line
 
 SLASH_COMMANDS = {
     "/model [name]": "switch model (no name: open the model picker)",
@@ -40,6 +42,9 @@ SLASH_COMMANDS = {
     "/new": "start a new chat",
     "/regen": "regenerate the last reply",
     "/copy": "copy the last reply",
+    "/peers": "show or hide the peers panel (prefill peers, paired and discovered machines)",
+    "/peers pair <code> <host[:port]>": "pair with the machine showing `duet peer pair`'s code",
+    "/peers unpair <name>": "forget a paired machine",
     "/clear-history": "delete the saved input history (input_history.json) and forget it",
     "/history on|off": f"save the input history between runs or not (saved; {NO_HISTORY_ENV}=1 also turns it off)",
     "/help": "show this help",
@@ -105,6 +110,7 @@ class ChatApp(App):
         load_backend: Callable[[str | None], object],
         store: Store | None = None,
         remote: bool = False,
+        peers: PeerDirectory | None = None,
     ):
         super().__init__()
         self.model_spec = model
@@ -115,6 +121,10 @@ class ChatApp(App):
         self.conv = Conversation()
         self.generating = False
         self.last_usage: Usage | None = None
+        self.last_prefill: dict = {}  # the backend's prefill report of the last reply (remote split, planner)
+        self.peer_dir = peers or PeerDirectory()
+        self.peer_rows: list[PeerRow] = []
+        self.peers_shown: bool | None = None  # None: the panel shows once a peer exists; /peers sets it
         self.context_used: int | None = None
         self.live_tps: float | None = None
         self.recent_models: list[str] = []
@@ -132,6 +142,7 @@ class ChatApp(App):
                     yield Static("", id="loading-label", markup=False)
                     yield ProgressBar(total=None, show_eta=False, show_percentage=False)
                 yield VerticalScroll(id="log")
+                yield PeersPanel("", id="peers")
                 yield PromptInput(self.sent, id="input", placeholder="Message (Enter sends, /help)")
         yield StatusBar("", id="status", markup=False)
         yield Footer()
@@ -145,12 +156,24 @@ class ChatApp(App):
         self.conversation_list = self.query_one("#conversations", ListView)
         self.sidebar = self.query_one("#sidebar", Vertical)
         self.loading_row = self.query_one("#loading", Horizontal)
+        self.peers_panel = self.query_one("#peers", PeersPanel)
         self.log_view.anchor()
         self.prompt.focus()
         self.refresh_conversations()
         self.refresh_status()
         self.set_interval(0.5, self.refresh_status)
         self.load_model(self.model_spec)
+        if self.peer_dir.browse_on is not None:
+            self._browse_worker()
+
+    @work(thread=True, group="browse")
+    def _browse_worker(self) -> None:
+        try:
+            self.peer_dir.start_browsing()
+        except (DuetError, OSError) as e:
+            self.call_from_thread(
+                self.notify, f"Cannot look for peers over mDNS: {e}", title="Peers", severity="warning"
+            )
 
     # --- model loading --------------------------------------------------------------
     def load_model(self, spec: str | None) -> None:
@@ -185,6 +208,7 @@ class ChatApp(App):
         self.sub_title = backend.name
         self.conv.model = backend.name
         self.last_usage = None
+        self.last_prefill = {}
         self._count_context()
         self.refresh_status()
 
@@ -277,6 +301,9 @@ class ChatApp(App):
         finally:
             if final is not None:
                 self.last_usage = final.usage
+                self.last_prefill = (
+                    backend.prefill_report(final.usage, final.request_id) if final.usage else {}
+                )
                 meta = usage_line(final.usage) if final.usage else ""
                 if final.finish_reason == "error":
                     meta = f"error: {final.error or 'generation failed'}"
@@ -370,6 +397,7 @@ class ChatApp(App):
         )
         self.log_view.anchor()
         self.last_usage = None
+        self.last_prefill = {}
         self._count_context()
         self.refresh_conversations()
         self.refresh_status()
@@ -487,12 +515,80 @@ class ChatApp(App):
             self.clear_history()
         elif name == "history":
             self.set_history_saving(arg.lower())
+        elif name == "peers":
+            self.peers_command(arg)
         elif name == "help":
             self.action_help()
         elif name in ("quit", "exit"):
             self.exit()
         else:
             self.notify(f"Unknown command /{name}; /help lists them", severity="error")
+
+    # --- peers ----------------------------------------------------------------------------------
+    def peers_command(self, arg: str) -> None:
+        """``/peers`` (show or hide the panel), ``/peers pair CODE HOST[:PORT]``, ``/peers unpair NAME``."""
+        words = arg.split()
+        what = words[0].lower() if words else ""
+        if what in ("", "show", "hide"):
+            self.peers_shown = {"show": True, "hide": False}.get(what, not self.peers_panel.display)
+            self.refresh_peers()
+            if self.peers_shown and not self.peer_rows:
+                self.notify(
+                    "No peers yet: start `duet peer serve` and chat with --peers HOST:PORT, "
+                    "or pair with /peers pair CODE HOST",
+                    title="Peers",
+                    timeout=6,
+                )
+        elif what == "pair":
+            if len(words) != 3:
+                self.notify(
+                    "Usage: /peers pair NNNN-NNNN HOST[:PORT] (the code `duet peer pair` shows there)",
+                    title="Peers",
+                    severity="error",
+                )
+                return
+            self.notify(f"Pairing with {words[2]}…", title="Peers", timeout=3)
+            self._pair_worker(words[1], words[2])
+        elif what == "unpair":
+            if len(words) != 2:
+                self.notify(
+                    "Usage: /peers unpair NAME (the panel lists the names)", title="Peers", severity="error"
+                )
+                return
+            try:
+                gone = self.peer_dir.unpair(words[1])
+            except DuetError as e:
+                self.notify(f"Cannot unpair: {e}", title="Peers", severity="error")
+                return
+            self.notify(f"Unpaired {gone.name} (id {gone.short_id})", title="Peers", timeout=4)
+            self.refresh_peers()
+        else:
+            self.notify(
+                f"Unknown /peers {what}: /peers, /peers pair CODE HOST[:PORT] or /peers unpair NAME",
+                title="Peers",
+                severity="error",
+            )
+
+    @work(thread=True, exclusive=True, group="pair")
+    def _pair_worker(self, code: str, target: str) -> None:
+        try:
+            peer = self.peer_dir.pair(code, target)
+        except (DuetError, OSError) as e:
+            self.call_from_thread(self.notify, f"Pairing failed: {e}", title="Peers", severity="error")
+            return
+        self.call_from_thread(self._paired, peer.name, peer.short_id)
+
+    def _paired(self, name: str, short_id: str) -> None:
+        self.notify(f"Paired with {name} (id {short_id})", title="Peers", timeout=6)
+        self.refresh_peers()
+
+    def refresh_peers(self) -> None:
+        """The panel shows once a peer exists (or when /peers asked), with fresh states."""
+        self.peer_rows = self.peer_dir.rows(self.backend.peer_sources() if self.backend else ())
+        shown = bool(self.peer_rows) if self.peers_shown is None else self.peers_shown
+        if shown:
+            self.peers_panel.show_rows(self.peer_rows)
+        self.peers_panel.display = shown
 
     # --- input history ----------------------------------------------------------------------
     @property
@@ -536,7 +632,9 @@ class ChatApp(App):
             self.last_usage,
             b.resources() if b else None,
             self.live_tps,
+            self.last_prefill,
         )
+        self.refresh_peers()
 
     def close_backend(self) -> None:
         if self.backend is not None:
@@ -550,3 +648,4 @@ class ChatApp(App):
         if self.saves_history and self.sent:
             self.store.save_history(self.sent)
         self.close_backend()
+        self.peer_dir.close()

@@ -87,6 +87,22 @@ class LocalBackend:
         for rid in list(self._live):
             self.engine.cancel(rid)
 
+    def peer_sources(self) -> list[Any]:
+        """The engine's prefill peers (``--peers``): ``RemotePrefillSource`` objects."""
+        from peer.cli import sources_of
+
+        return sources_of(self.engine)
+
+    def prefill_report(self, usage: Usage, request_id: str) -> dict[str, Any]:
+        """Where a finished request's prefill ran and how long its parts took: the remote-prefill
+        block of ``duet generate --json``'s usage (remote loads with their wait and transfer times,
+        the fallback reason, the offload planner's prediction when it made one); empty without peers."""
+        if not self.peer_sources():
+            return {}
+        from peer.cli import peer_usage
+
+        return peer_usage(usage, self.engine, request_id)
+
     def resources(self) -> Resources:
         s = self.engine.stats()
         per_block = s.kv_bytes / max(1, s.kv_blocks_total)
@@ -198,6 +214,12 @@ class RemoteBackend:
 
     def resources(self) -> Resources:
         return Resources(detail=f"server {self.url}")
+
+    def peer_sources(self) -> list[Any]:
+        return []  # the server's own peers are its business (its /metrics shows them)
+
+    def prefill_report(self, usage: Usage, request_id: str) -> dict[str, Any]:
+        return {}
 
     def stop(self) -> None:
         """Nothing to do at once: closing ``stream`` (the app cancels its task) closes the HTTP

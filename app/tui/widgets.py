@@ -1,9 +1,11 @@
-"""The chat's widgets: messages, the prompt editor, the status bar."""
+"""The chat's widgets: messages, the prompt editor, the status bar, the peers panel."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
+from rich.console import RenderableType
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message as TMessage
@@ -14,6 +16,7 @@ from textual.widgets.markdown import MarkdownStream
 from mlx_engine.request import Usage
 
 from .backends import Resources
+from .peers import PeerRow
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 FLUSH_S = 0.1  # streamed text is rendered at most 10 times a second
@@ -204,8 +207,88 @@ class PromptInput(TextArea):
         self._recalled = None
 
 
+def seconds(s: float) -> str:
+    """0.052 -> "52ms", 1.234 -> "1.23s"."""
+    return f"{s * 1000:.0f}ms" if s < 1 else f"{s:.2f}s"
+
+
+def plan_of(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The offload planner's decision for the request (``plan`` in the prefill report: one dict, or
+    a list with one per peer, of which the one for the peer that prefilled, else the first)."""
+    plan = report.get("plan")
+    if isinstance(plan, list):
+        taken = [p for p in plan if isinstance(p, dict) and p.get("offload")]
+        plan = (taken or plan or [None])[0]
+    return plan if isinstance(plan, dict) else None
+
+
+def planned(plan: dict[str, Any], where: str) -> tuple[float | None, list[str]]:
+    """The planner's predicted time to first token for the path taken (``where`` the prefill ran),
+    and tooltip lines: its choice and reason, both predictions and the measured time."""
+    side = "remote" if where.startswith("remote:") else "local"
+    num = (int, float)
+    predicted = plan.get(f"predicted_{side}_ttft_s")
+    lines = [f"planner: {'offload' if plan.get('offload') else 'prefill here'} ({plan.get('reason') or '-'})"]
+    guesses = [
+        f"{name} {seconds(v)}"
+        for name in ("local", "remote")
+        if isinstance(v := plan.get(f"predicted_{name}_ttft_s"), num)
+    ]
+    if guesses:
+        measured = plan.get("measured_ttft_s")
+        lines.append(
+            "predicted TTFT: "
+            + ", ".join(guesses)
+            + (f"; measured {seconds(measured)}" if isinstance(measured, num) else "")
+        )
+    return (float(predicted) if isinstance(predicted, num) else None), lines
+
+
+def prefill_summary(usage: Usage, report: dict[str, Any] | None = None) -> tuple[str, list[str]]:
+    """Where the last prefill ran and its timings, for the status bar: a short part
+    (``prefill remote:gpu 310ms (wait 120ms, xfer 180ms, plan 300ms)``) and detail lines for its tooltip.
+    ``report``: the backend's prefill report (``duet generate --json``'s remote-prefill usage)."""
+    report = report or {}
+    where = usage.prefill_location
+    short = f"prefill {where}"
+    detail = [f"prefill ran on: {where}"]
+    if usage.ttft_s:
+        short += f" {seconds(usage.ttft_s)}"
+        detail.append(f"time to first token: {seconds(usage.ttft_s)}")
+    if usage.prefill_tps and where == "local":
+        detail.append(f"local prefill: {usage.prefill_tps:,.0f} tok/s")
+    split = []
+    loads = [x for x in report.get("remote_loads") or () if x.get("outcome") == "done"]
+    if where.startswith("remote:"):
+        wait = sum(x.get("wait_s") or 0.0 for x in loads) if loads else usage.remote_wait_s
+        xfer = sum(x.get("transfer_s") or 0.0 for x in loads)
+        split.append(f"wait {seconds(wait)}")
+        if loads:
+            split.append(f"xfer {seconds(xfer)}")
+        detail.append(
+            f"remote: {usage.remote_tokens:,} tokens, {human_bytes(usage.remote_bytes)} of KV; waited "
+            f"{seconds(wait)} for the first layer"
+            + (f", then {seconds(xfer)} of streaming" if loads else "")
+            + (f"; the peer computed for {seconds(usage.remote_compute_s)}" if usage.remote_compute_s else "")
+        )
+    plan = plan_of(report)
+    if plan is not None:
+        predicted, lines = planned(plan, where)
+        if predicted is not None:
+            split.append(f"plan {seconds(predicted)}")
+        detail += lines
+    fallback = report.get("fallback_reason") or usage.fallback_reason
+    if fallback:
+        split.append("fell back")
+        detail.append(f"fallback: {fallback}")
+    if split:
+        short += f" ({', '.join(split)})"
+    return short, detail
+
+
 class StatusBar(Static):
-    """model · context used/max · TTFT · tok/s · prefix-cache hits · KV memory · where prefill ran."""
+    """model · context used/max · where the last prefill ran and its timings · tok/s · prefix-cache
+    hits · KV memory. Its tooltip has the details (backend, prefill split, fallback reason)."""
 
     def show(
         self,
@@ -215,20 +298,55 @@ class StatusBar(Static):
         usage: Usage | None,
         res: Resources | None,
         live_tps: float | None = None,
+        prefill_report: dict[str, Any] | None = None,
     ) -> None:
         parts = [model or "no model"]
         ctx_max = f"{context_max:,}" if context_max else "?"
         parts.append(f"ctx {context_used if context_used is not None else '-'}/{ctx_max}")
-        if usage is not None and usage.ttft_s:
-            parts.append(f"TTFT {usage.ttft_s * 1000:.0f}ms")
+        detail = [res.detail] if res is not None and res.detail else []
+        if usage is not None:
+            short, lines = prefill_summary(usage, prefill_report)
+            parts.append(short)
+            detail += lines
         tps = live_tps if live_tps is not None else (usage.decode_tps if usage else 0.0)
         if tps:
             parts.append(f"{tps:.1f} tok/s")
-        if usage is not None:
-            parts.append(f"prefill {usage.prefill_location}")
         if res is not None and res.prefix_hit_rate is not None:
             parts.append(f"cache {res.prefix_hit_rate * 100:.0f}%")
         if res is not None and res.kv_total_bytes:
             parts.append(f"KV {human_bytes(res.kv_used_bytes or 0)}/{human_bytes(res.kv_total_bytes)}")
         self.update(" │ ".join(parts))
-        self.tooltip = res.detail if res is not None else None
+        self.tooltip = "\n".join(detail) or None
+
+
+class PeersPanel(Static):
+    """The peers panel: one line per machine (name, address, backend, state, pairing, prefill rate).
+    Hidden until a peer exists; ``/peers`` shows or hides it."""
+
+    body: RenderableType = ""  # what it shows now (a rich Table, or a line when there are no peers)
+
+    def show_rows(self, rows: list[PeerRow]) -> None:
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(box=None, show_header=True, header_style="bold", padding=(0, 2, 0, 0), expand=True)
+        for col in ("peer", "address", "backend", "state", "pairing", "prefill"):
+            table.add_column(col, no_wrap=True, overflow="ellipsis")
+        for r in rows:
+            state = Text(
+                ("● " if r.healthy else "○ ") + r.state,
+                style="green" if r.healthy else "red" if r.attached else "",
+            )
+            if r.prefill_tps:
+                rate = f"{r.prefill_tps:,.0f} tok/s" + ("" if r.measured else " (adv.)")
+            else:
+                rate = "-"
+            table.add_row(
+                Text(r.name), Text(r.address or "-"), Text(r.backend or "-"), state, r.pairing, rate
+            )
+        self.body = table if rows else Text("No peers yet: `duet peer serve` there, then --peers HOST:PORT")
+        self.update(self.body)
+        self.border_title = "Peers"
+        self.border_subtitle = "/peers hides · /peers pair CODE HOST · /peers unpair NAME"
+        errors = [f"{r.name}: {r.error}" for r in rows if r.error]
+        self.tooltip = "\n".join(errors) or None
