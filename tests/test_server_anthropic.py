@@ -21,6 +21,7 @@ from app.server.app import create_app
 from app.server.security import SecurityPolicy
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine import Engine
+from tests.route_fuzz import fuzz_route, sse_data
 from tests.test_server_harness import ServerProcess, tiny_model
 
 MODEL = "tiny-tools"
@@ -425,3 +426,33 @@ def test_bundled_model_answers_and_calls_a_tool(tmp_path):
         assert answer.stop_reason == "end_turn" and answer.content[0].type == "text"
     finally:
         srv.stop()
+
+
+# --- fuzz -------------------------------------------------------------------------------------
+
+
+def test_fuzz_messages_routes(engine):
+    """Schema-driven and broken bodies: no 5xx, every error in Anthropic's shape, every stream
+    ends with message_stop."""
+
+    def bound(body: dict) -> dict:
+        if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] > 6:
+            body["max_tokens"] = 4
+        return body
+
+    def check(status: int, ctype: str, text: str) -> None:
+        if status >= 400:
+            body = json.loads(text)
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, text
+        elif ctype.startswith("text/event-stream"):
+            events = sse_data(text)
+            assert events[-1]["type"] == "message_stop", text[-500:]
+            assert all(e["type"] != "error" for e in events), text
+        else:
+            body = json.loads(text)
+            assert body.get("type") == "message" or "input_tokens" in body, text
+
+    app = create_app(engine)
+    base = {"model": MODEL, "max_tokens": 3, "messages": HELLO}
+    fuzz_route(app, "/v1/messages", MODEL, base, bound, check)
+    fuzz_route(app, "/v1/messages/count_tokens", MODEL, {"model": MODEL, "messages": HELLO}, bound, check)

@@ -30,6 +30,7 @@ from app.server.app import create_app
 from mlx_engine.config import EngineConfig
 from mlx_engine.embeddings import BertConfig, BertEncoder, EmbeddingModel
 from mlx_engine.engine import Engine
+from tests.route_fuzz import fuzz_route
 from tests.test_server_harness import ServerProcess, tiny_model
 from tests.tiny_models import make_tiny_model_dir, tokenizer_json
 
@@ -303,3 +304,16 @@ def test_a_bad_embedding_model_is_a_one_line_error(models, tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("duet: error:") and r.stderr.count("\n") == 1, (
             r.stderr
         )
+
+
+def test_fuzz_embeddings_route(app):
+    """Schema-driven and broken bodies: no 5xx, every error an OpenAI error object."""
+
+    def check(status: int, ctype: str, text: str) -> None:
+        body = json.loads(text)
+        if status >= 400:
+            assert set(body["error"]) == {"message", "type", "param", "code"}, text
+        else:
+            assert body["object"] == "list" and body["data"], text
+
+    fuzz_route(app, "/v1/embeddings", EMB, {"model": EMB, "input": "hi"}, lambda b: b, check)

@@ -17,6 +17,7 @@ from app.server.app import create_app
 from app.server.responses import ResponseStore
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine import Engine
+from tests.route_fuzz import fuzz_route, sse_data
 from tests.test_server_harness import ServerProcess, tiny_model
 
 MODEL = "tiny-tools"
@@ -287,3 +288,31 @@ def test_duet_serve_speaks_responses(served):
     c.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(r.id)
+
+
+# --- fuzz -------------------------------------------------------------------------------------
+
+
+def test_fuzz_responses_route(engine):
+    """Schema-driven and broken bodies: no 5xx, every error an OpenAI error object, every
+    stream ends with response.completed or response.incomplete."""
+
+    def bound(body: dict) -> dict:
+        if not isinstance(body.get("max_output_tokens"), int) or body["max_output_tokens"] > 6:
+            body["max_output_tokens"] = 4
+        return body
+
+    def check(status: int, ctype: str, text: str) -> None:
+        if status >= 400:
+            assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, text
+        elif ctype.startswith("text/event-stream"):
+            events = sse_data(text)
+            assert events[-1]["type"] in ("response.completed", "response.incomplete"), text[-500:]
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        else:
+            assert json.loads(text)["object"] == "response", text
+
+    app = create_app(engine)
+    fuzz_route(
+        app, "/v1/responses", MODEL, {"model": MODEL, "input": "hi", "max_output_tokens": 3}, bound, check
+    )
