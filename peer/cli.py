@@ -476,8 +476,9 @@ def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine
         from peer.interfaces import fastest_nic, list_nics
 
         nic = fastest_nic(list_nics())
-        if nic is not None:
-            interfaces = list(nic.addresses)
+        if nic is not None:  # 0.0.0.0 listens on IPv4 only; :: on both (dual-stack)
+            v4_only = ":" not in args.host
+            interfaces = [a for a in nic.addresses if not (v4_only and ":" in a)]
             chosen = f" (interface {nic.describe()}: the fastest link this machine reports)"
     if not interfaces:
         logging.getLogger("duet.peer").warning(

@@ -33,6 +33,10 @@ class Nic:
     networks: tuple[str, ...]  # the addresses' networks (CIDR), in the same order
     speed_mbps: int | None  # link speed the kernel reports; None when unknown
     up: bool
+    index: int | None = None  # the interface index (a numeric scope id names it)
+
+    def has_scope(self, scope: str) -> bool:
+        return scope == self.name or (scope.isdigit() and int(scope) == self.index)
 
     def describe(self) -> str:
         speed = f"{self.speed_mbps} Mb/s" if self.speed_mbps else "speed unknown"
@@ -44,7 +48,7 @@ class Nic:
         bare, _, scope = address.partition("%")
         ip = ipaddress.ip_address(bare)
         if ip.version == 6 and ip.is_link_local:
-            return scope == self.name
+            return self.has_scope(scope)
         return any(ip in ipaddress.ip_network(n, strict=False) for n in self.networks)
 
 
@@ -98,6 +102,7 @@ def list_nics(adapters: Iterable[Any] | None = None, sys_net: Path = SYS_NET) ->
                 tuple(p[1] for p in pairs),
                 link_speed(a.name, sys_net),
                 is_up(a.name, sys_net),
+                getattr(a, "index", None),
             )
         )
     return nics
@@ -120,8 +125,7 @@ def nic_of(address: str, nics: Iterable[Nic]) -> Nic | None:
     ip = ipaddress.ip_address(bare)
     for n in nics:
         for a in n.addresses:
-            b, _, s = a.partition("%")
-            if ipaddress.ip_address(b) == ip and (not scope or not s or s == scope):
+            if ipaddress.ip_address(a.partition("%")[0]) == ip and (not scope or n.has_scope(scope)):
                 return n
     return None
 

@@ -405,3 +405,61 @@ def test_best_address_prefers_ipv4_and_keeps_a_link_local_scope():
     assert best("fe80::1%eth0", "2001:db8::5") == "2001:db8::5"
     assert best("fe80::1%eth0") == "fe80::1%eth0"
     assert best("fe80::1") is None  # link-local without a scope: ambiguous, not used
+
+
+@pytest.mark.slow
+def test_serve_on_every_address_advertises_its_fastest_interface_with_link_local_scope(
+    netns_pair, tmp_path, tiny_dirs
+):
+    """`duet peer serve --host ::` names no interface: it advertises the addresses of its fastest
+    interface that is up (the veth: loopback never), IPv6 link-local included; the decoder browsing
+    over its own link-local address sees the peer's link-local address with a scope and prefills
+    there."""
+    ns_a, ip_a, ns_b, ip_b, veth_a, veth_b = netns_pair
+    gpu_dir, mac_dir = tmp_path / "gpu", tmp_path / "mac"
+    _pair(ns_a, ip_a, ns_b, gpu_dir, mac_dir)
+    ll_a, ll_b = "fe80::d:a", "fe80::d:b"
+    for ns, dev, ll in ((ns_a, veth_a, ll_a), (ns_b, veth_b, ll_b)):
+        _ip("-n", ns, "addr", "add", f"{ll}/64", "dev", dev, "nodad")
+    model = str(tiny_dirs("llama"))
+    serve = _in_ns(
+        ns_a, gpu_dir, *DUET, "peer", "serve", "--model", model, "--cache-gb", "0.05", "--host", "::",
+        "--port", "0",
+    )  # fmt: skip
+    try:
+        assert serve.stderr is not None
+        advertised = ""
+        for line in serve.stderr:
+            if line.startswith("duet: advertised as gpu on "):
+                advertised = line
+                break
+        assert advertised, "duet peer serve --host :: did not advertise"
+        browse = _in_ns(
+            ns_b, mac_dir, *DUET, "peers", "--interface", f"{ll_b}%{veth_b}", "--wait-for", "gpu", "--json"
+        )
+        out, err = browse.communicate(timeout=WAIT + 10)
+        assert browse.returncode == 0, err
+        (peer,) = json.loads(out)["peers"]
+        gen = _in_ns(
+            ns_b, mac_dir, *DUET, "generate", "--model", model, "--cache-gb", "0.05", "--raw", "--json",
+            "--temperature", "0", "--prompt", "The quick brown fox " * 10, "--max-tokens", "4",
+            "--peers", "auto", "--interface", f"{ll_b}%{veth_b}", "--remote-prefill", "always",
+        )  # fmt: skip
+        gen_out, gen_err = gen.communicate(timeout=120)
+        assert gen.returncode == 0, gen_err
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.communicate()
+    assert (
+        f"{ip_a}, " in advertised
+        and f"{ll_a}%{veth_a}" in advertised
+        and f"interface {veth_a} (" in advertised
+    )
+    assert "127.0.0.1" not in advertised and "::1" not in advertised
+    scoped = [a for a in peer["addresses"] if a.split("%")[0] == ll_a]
+    assert ip_a in peer["addresses"] and scoped and all("%" in a for a in scoped), peer["addresses"]
+    assert json.loads(gen_out)["usage"]["prefill_location"] == "remote:gpu"

@@ -24,6 +24,7 @@ class IP:
 class Adapter:
     name: str
     ips: list[IP] = field(default_factory=list)
+    index: int | None = None
 
 
 def sysfs(tmp_path, **links):
@@ -42,7 +43,7 @@ ADAPTERS = [
     Adapter("lo", [IP("127.0.0.1", 8), IP(("::1", 0, 0), 128)]),
     Adapter("wlan0", [IP("192.168.1.10", 24), IP(("fe80::aa", 0, 3), 64)]),
     Adapter("eth0", [IP("192.168.1.11", 24)]),
-    Adapter("enp1s0", [IP("10.0.0.5", 24), IP(("2001:db8::5", 0, 0), 64), IP(("fe80::5", 0, 4), 64)]),
+    Adapter("enp1s0", [IP("10.0.0.5", 24), IP(("2001:db8::5", 0, 0), 64), IP(("fe80::5", 0, 4), 64)], 4),
     Adapter("eth1", [IP("172.16.0.5", 16)]),
     Adapter("tun0", [IP("10.8.0.2", 24)]),
     Adapter("noaddr", []),
@@ -74,6 +75,7 @@ def test_nics_list_addresses_speeds_and_keep_link_local_scopes(tmp_path):
     assert fastest_nic([nics["eth1"]]) is None
     assert nic_of("fe80::5%enp1s0", nics.values()) == nics["enp1s0"]
     assert nic_of("fe80::5%wlan0", nics.values()) is None  # another interface's scope
+    assert nic_of("fe80::5%4", nics.values()) == nics["enp1s0"]  # a numeric scope: the index
     assert nics["enp1s0"].describe() == "enp1s0 (10000 Mb/s)" and "unknown" in nics["wlan0"].describe()
 
 
@@ -91,6 +93,7 @@ def test_a_decoder_reaches_a_peer_through_its_fastest_interface(tmp_path):
     assert DiscoveredPeer("gpu", peer, 7611).best_address(slow) == "192.168.1.20"  # now the LAN is faster
     # an unscoped link-local address is never chosen; a scoped one on the fast link is
     assert DiscoveredPeer("gpu", ["fe80::7", "fe80::7%enp1s0"], 7611).best_address(nics) == "fe80::7%enp1s0"
+    assert rank_addresses(["192.168.1.20", "fe80::7%4"], nics) == ["fe80::7%4", "192.168.1.20"]
 
 
 def test_interface_addresses_are_checked_with_their_scope():
