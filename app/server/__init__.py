@@ -5,7 +5,11 @@ Modules: ``main`` (options, the port, start-up, uvicorn, shutdown), ``app`` (rou
 ``connections`` (fd limit, header timeout, connection cap, rate-limited logs), ``protocol``
 (request models = the OpenAPI schema), ``chat`` / ``completions`` (the two generation
 endpoints), ``generation`` (the n engine requests of one call, fan-out bound), ``tool_calls``
-(Hermes/Qwen parser), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects), ``common``.
+(Hermes/Qwen parser), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects), ``common``;
+the other APIs, as adapters onto the chat call (``turns``): ``anthropic`` (Messages, with
+``anthropic_protocol`` and ``anthropic_errors``), ``responses`` (OpenAI Responses, with
+``responses_protocol`` and the in-memory ``ResponseStore``), and ``embeddings`` (/v1/embeddings,
+batched onto the engine worker).
 
 Behaviour worth knowing (decisions where OpenAI's API leaves room):
 - Model names: the served id (the GGUF's name, or the model directory's name) and, as aliases,
