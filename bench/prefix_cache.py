@@ -7,7 +7,8 @@
 A 10-turn conversation grows its history each turn (a user message of ``--user-words`` random
 words, the model's greedy reply of ``--reply-tokens`` tokens). Each turn re-sends the whole
 history through the chat template, as every chat client does; with the prefix cache only what
-is not cached yet is prefilled (the new user message, and the tail of the last reply). The
+is not cached yet is prefilled (the new user message, and the tail of the last reply). Replies
+may not end early: control tokens are banned, so each reply is ``--reply-tokens`` of text. The
 same prompts are then sent to an engine without the prefix cache, for their first token only.
 """
 
@@ -35,11 +36,14 @@ WORDS = (
 
 def ask(engine: Engine, history: list[dict], max_tokens: int) -> tuple[str, object]:
     async def go():
+        # replies of a fixed length, as a client would see them: the model may not end its turn
+        # (or write any other control token) before max_tokens
+        no_end = {i: -100.0 for i in engine.tokenizer.special_ids | engine.tokenizer.eos_token_ids}
         req = GenerationRequest(
             messages=list(history),
             max_tokens=max_tokens,
             ignore_eos=True,
-            sampling=SamplingParams(temperature=0),
+            sampling=SamplingParams(temperature=0, logit_bias=no_end),
         )
         text, usage = [], None
         async for ev in engine.generate(req):
@@ -58,7 +62,9 @@ def conversation(engine: Engine, turns: int, seed: int, user_words: int, reply_t
     for _ in range(turns):
         history.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(user_words))})
         reply, usage = ask(engine, history, reply_tokens)
-        out.append((list(history), usage.prompt_tokens, usage.cached_tokens, usage.ttft_s))
+        out.append(
+            (list(history), usage.prompt_tokens, usage.cached_tokens, usage.ttft_s, usage.completion_tokens)
+        )
         history.append({"role": "assistant", "content": reply})
     return out
 
@@ -87,15 +93,18 @@ def main() -> None:
         f"conversations, ~{args.user_words}-word user messages, {args.reply_tokens}-token replies\n"
     )
     print(
-        "| turn | prompt tokens | cached tokens | TTFT with prefix cache (ms) | TTFT without (ms) | speed-up |"
+        "| turn | prompt tokens | cached tokens | hit of last turn's prompt + reply "
+        "| TTFT with prefix cache (ms) | TTFT without (ms) | speed-up |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for t in range(args.turns):
         p = convs[0][t][1]
         c = statistics.median(conv[t][2] for conv in convs)
         on = statistics.median(conv[t][3] for conv in convs)
         o = statistics.median(r[t] for r in off)
-        print(f"| {t + 1} | {p} | {c:.0f} | {on * 1000:.0f} | {o * 1000:.0f} | {o / on:.1f}x |")
+        prev = convs[0][t - 1][1] + convs[0][t - 1][4] if t else 0
+        hit = f"{100 * c / prev:.0f}%" if prev else "–"
+        print(f"| {t + 1} | {p} | {c:.0f} | {hit} | {on * 1000:.0f} | {o * 1000:.0f} | {o / on:.1f}x |")
 
 
 if __name__ == "__main__":
