@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The one place command-line arguments become an ``EngineConfig`` (generate, chat, serve),
     checked: a bad option raises ``ConfigError`` naming its flag."""
+    from app.doctor import check_mlx_install
+
+    check_mlx_install()  # before anything imports MLX: a missing Linux backend is one line
     from mlx_engine.config import EngineConfig
 
     check_peer_args(args)

@@ -29,6 +29,7 @@ from typing import Any
 
 EXIT_PROBLEMS = 1
 MLX_BACKEND_PACKAGES = ("mlx-metal", "mlx-cuda-13", "mlx-cuda-12", "mlx-cpu")
+LINUX_BACKENDS = ("mlx-cpu", "mlx-cuda-13", "mlx-cuda-12", "mlx-cuda")  # each ships mlx/lib/libmlx.so
 CUDA_DRIVERS = {"mlx-cuda-13": ">= 580", "mlx-cuda-12": ">= 550.54.14"}
 MDNS_GROUP, MDNS_PORT = "224.0.0.251", 5353
 
@@ -51,6 +52,34 @@ def _version(dist: str) -> str | None:
 
 def _gib(n: float) -> float:
     return round(n / 2**30, 2)
+
+
+def mlx_install_problem(platform: str = sys.platform) -> str | None:
+    """On Linux, MLX's backend is a separate wheel chosen by duet-llm's extra: none installed, or
+    several (they overwrite each other's libmlx.so), is a broken install. None when it is sound."""
+    if platform != "linux":
+        return None
+    present = [p for p in LINUX_BACKENDS if _version(p)]
+    if not present:
+        return (
+            "MLX has no backend installed: pip install 'duet-llm[cpu]' (CPU) or 'duet-llm[cuda]' "
+            "(NVIDIA GPU; docs/install.md)"
+        )
+    if len(present) > 1:
+        return (
+            f"several MLX backends are installed ({', '.join(present)}) and overwrite each other's "
+            "libmlx.so: pip uninstall all of them, then install duet-llm with one extra ([cpu] or [cuda])"
+        )
+    return None
+
+
+def check_mlx_install() -> None:
+    """Raise ``ConfigError`` (one line, before MLX is imported) when MLX's install is broken."""
+    from mlx_engine.errors import ConfigError
+
+    problem = mlx_install_problem()
+    if problem is not None:
+        raise ConfigError(problem, "mlx")
 
 
 # --- sections -------------------------------------------------------------------------------------
@@ -76,6 +105,10 @@ def mlx_section(report: Report) -> str | None:
         "packages": {p: v for p in MLX_BACKEND_PACKAGES if (v := _version(p))},
     }
     report.sections["mlx"] = section
+    problem = mlx_install_problem()
+    if problem is not None:
+        report.problems.append(problem)
+        return None
     try:
         import mlx.core as mx
 

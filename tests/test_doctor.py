@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 
 import pytest
 
@@ -93,8 +94,10 @@ def test_the_reference_blas_on_cpu_is_a_problem_with_its_fix(dirs, capsys, monke
 def test_a_cuda_mlx_without_a_usable_gpu_names_the_driver(dirs, capsys, monkeypatch):
     if backend_name() == "cuda":
         pytest.skip("a CUDA GPU is usable here")
-    real = doctor._version
-    monkeypatch.setattr(doctor, "_version", lambda d: "0.32.4" if d == "mlx-cuda-13" else real(d))
+    real = doctor._version  # MLX's CUDA backend in place of the CPU one, on a machine without a GPU
+    monkeypatch.setattr(
+        doctor, "_version", lambda d: "0.32.4" if d == "mlx-cuda-13" else None if d == "mlx-cpu" else real(d)
+    )
     rc, report, err = doctor_json(capsys)
     assert rc == 1 and report["mlx"]["packages"]["mlx-cuda-13"] == "0.32.4"
     assert len(err) == 1 and "mlx-cuda-13" in err[0] and "driver >= 580" in err[0]
@@ -164,3 +167,33 @@ def test_local_network_probe_reads_no_route_to_host_as_denied(error, blocked):
     assert sock.closed
     if error is None:
         assert sock.sent[0][1] == ("224.0.0.251", 5353) and b"\x05_duet\x04_tcp\x05local" in sock.sent[0][0]
+
+
+def _hide_backends(monkeypatch, keep: tuple[str, ...] = ()) -> None:
+    real = doctor._version
+    monkeypatch.setattr(
+        doctor, "_version", lambda d: real(d) if d in keep or d not in doctor.LINUX_BACKENDS else None
+    )
+
+
+def test_a_linux_install_without_an_mlx_backend_says_which_extra_to_install(monkeypatch):
+    _hide_backends(monkeypatch)
+    problem = doctor.mlx_install_problem("linux")
+    assert problem is not None and "pip install 'duet-llm[cpu]'" in problem and "'duet-llm[cuda]'" in problem
+    assert doctor.mlx_install_problem("darwin") is None  # mlx-metal comes with mlx there
+
+
+def test_two_linux_backends_are_a_problem_they_share_libmlx(monkeypatch):
+    monkeypatch.setattr(doctor, "_version", lambda d: "0.32.4" if d in ("mlx-cpu", "mlx-cuda-13") else None)
+    problem = doctor.mlx_install_problem("linux")
+    assert problem is not None and "mlx-cpu, mlx-cuda-13" in problem
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux installs choose MLX's backend by extra")
+def test_commands_refuse_a_missing_backend_in_one_line_before_loading(dirs, capsys, monkeypatch):
+    _hide_backends(monkeypatch)
+    rc = main(["generate", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("duet: error: MLX has no backend installed")
+    rc, report, lines = doctor_json(capsys)
+    assert rc == 1 and report["problems"] == [doctor.mlx_install_problem()] and len(lines) == 1
