@@ -325,11 +325,10 @@ async def test_slash_commands_and_settings(tiny_dirs, data_dir):
             "/clear-history",
             "/history",
             "/peers",
-            "/peers pair",
-            "/peers unpair",
             "/help",
         ):
             assert f"\n{cmd}" in text
+        assert "/peers pair <code> <host[:port]>" in text and "/peers unpair <name>" in text
         assert "input_history.json" in text and f"{NO_HISTORY_ENV}=1" in text, (
             "the saved input history is told"
         )

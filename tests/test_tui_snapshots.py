@@ -123,6 +123,21 @@ def test_main_screen_light_theme(snap_compare, chat_app):
     assert snap_compare(chat_app(), terminal_size=(100, 28), run_before=light)
 
 
+def test_main_screen_with_peers_panel(snap_compare, chat_app, tmp_path, monkeypatch):
+    """A paired machine (not advertising now): the peers panel appears above the input."""
+    from peer.trust.keys import PairedPeers, load_identity
+
+    monkeypatch.setenv("DUET_CONFIG_DIR", str(tmp_path / "duet_config"))
+    PairedPeers().add("gpu-box", load_identity(tmp_path / "box", name="gpu-box").cert_pem)
+
+    async def panel(pilot):
+        await with_conversation(pilot)
+        await until(pilot, lambda: pilot.app.peers_panel.display)
+        await still(pilot)
+
+    assert snap_compare(chat_app(), terminal_size=(100, 28), run_before=panel)
+
+
 def test_help_screen(snap_compare, chat_app):
     async def help_(pilot):
         await ready(pilot)

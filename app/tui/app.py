@@ -42,9 +42,9 @@ SLASH_COMMANDS = {
     "/new": "start a new chat",
     "/regen": "regenerate the last reply",
     "/copy": "copy the last reply",
-    "/peers": "show or hide the peers panel (prefill peers, paired and discovered machines)",
-    "/peers pair <code> <host[:port]>": "pair with the machine showing `duet peer pair`'s code",
-    "/peers unpair <name>": "forget a paired machine",
+    "/peers": "show or hide the peers panel (prefill peers, paired and discovered machines); "
+    "/peers pair <code> <host[:port]> pairs with the machine showing `duet peer pair`'s code, "
+    "/peers unpair <name> forgets one",
     "/clear-history": "delete the saved input history (input_history.json) and forget it",
     "/history on|off": f"save the input history between runs or not (saved; {NO_HISTORY_ENV}=1 also turns it off)",
     "/help": "show this help",
