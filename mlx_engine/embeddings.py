@@ -273,23 +273,29 @@ class EmbeddingModel:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestError(f"token ids must be inside the vocabulary (0..{self.vocab_size - 1})", param)
 
-    def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """One normalized float32 vector per input (N, dim); inputs are checked token id lists."""
-        out = np.zeros((len(inputs), self.dim), dtype=np.float32)
+    def batches(self, inputs: list[list[int]]) -> list[list[int]]:
+        """The inputs' indices in forward-pass batches: sorted by length (little padding), at
+        most ``max_batch_tokens`` padded tokens a batch."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        out = []
         start = 0
         while start < len(order):
             end = start + 1  # sorted by length: the batch is as long as its last input
             while end < len(order) and (end + 1 - start) * len(inputs[order[end]]) <= self.max_batch_tokens:
                 end += 1
-            batch = [inputs[i] for i in order[start:end]]
-            vectors = self._embed_batch(batch)
-            for j, i in enumerate(order[start:end]):
-                out[i] = vectors[j]
+            out.append(order[start:end])
             start = end
         return out
 
-    def _embed_batch(self, batch: list[list[int]]) -> np.ndarray:
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One normalized float32 vector per input (N, dim); inputs are checked token id lists."""
+        out = np.zeros((len(inputs), self.dim), dtype=np.float32)
+        for batch in self.batches(inputs):
+            out[batch] = self.embed_batch([inputs[i] for i in batch])
+        return out
+
+    def embed_batch(self, batch: list[list[int]]) -> np.ndarray:
+        """One forward pass: a normalized vector per input, in order."""
         self.forward_passes += 1
         n = max(len(x) for x in batch)
         ids = mx.array([x + [0] * (n - len(x)) for x in batch], dtype=mx.int32)

@@ -167,7 +167,7 @@ async def test_concurrent_requests_share_batches_on_the_engine_worker(app, engin
 
     blocker = asyncio.create_task(asyncio.to_thread(engine.run_on_worker, block))
     assert await asyncio.to_thread(entered.wait, 60)
-    before = batcher.batches
+    before = batcher.rounds
     async with sdk(app) as c:
         tasks = [
             asyncio.create_task(c.embeddings.create(model=EMB, input=[s, s + "!"], encoding_format="float"))
@@ -181,7 +181,7 @@ async def test_concurrent_requests_share_batches_on_the_engine_worker(app, engin
         release.set()
         results = await asyncio.gather(*tasks)
     await blocker
-    assert batcher.batches - before <= 2  # the first request's batch, then all the others in one
+    assert batcher.rounds - before <= 2  # the first request's batch, then all the others in one
     assert all(len(r.data) == 2 for r in results)
 
 
@@ -317,3 +317,19 @@ def test_fuzz_embeddings_route(app):
             assert body["object"] == "list" and body["data"], text
 
     fuzz_route(app, "/v1/embeddings", EMB, {"model": EMB, "input": "hi"}, lambda b: b, check)
+
+
+def test_batches_are_bounded_in_padded_tokens(models):
+    m = EmbeddingModel.load(models["bert"])
+    m.max_batch_tokens = 40
+    inputs = [[5] * n for n in (30, 3, 12, 9, 9, 1, 20, 4)]
+    groups = m.batches(inputs)
+    assert sorted(i for g in groups for i in g) == list(range(len(inputs)))
+    for g in groups:  # sorted by length inside a batch; padded size within the bound (or one input)
+        lengths = [len(inputs[i]) for i in g]
+        assert lengths == sorted(lengths) and (len(g) == 1 or len(g) * max(lengths) <= 40)
+    before = m.forward_passes
+    whole = m.embed(inputs)
+    assert m.forward_passes - before == len(groups) > 1
+    for i, x in enumerate(inputs):
+        assert np.allclose(whole[i], m.embed([x])[0], atol=1e-5)

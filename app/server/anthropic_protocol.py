@@ -29,19 +29,9 @@ class _Body(_Open):
 class ContentBlock(_Open):
     """Any content block; the fields that matter depend on ``type``."""
 
-    type: Literal[
-        "text",
-        "image",
-        "document",
-        "tool_use",
-        "tool_result",
-        "thinking",
-        "redacted_thinking",
-        "server_tool_use",
-        "web_search_tool_result",
-        "search_result",
-        "container_upload",
-    ]
+    # text, tool_use, tool_result, thinking are read; image, document and the server-tool
+    # blocks are refused by the adapter with a message that names them
+    type: Annotated[str, Field(min_length=1, max_length=64)]
     text: str | None = None
     id: str | None = None  # tool_use
     name: str | None = None  # tool_use

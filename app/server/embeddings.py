@@ -7,9 +7,10 @@ OpenAI sends it); ``dimensions`` cuts a Matryoshka model's vectors short (normal
 is a 400 for models not trained for it. Vectors are L2-normalized.
 
 Batching: every input of every waiting request goes into one queue; one batcher task takes
-whatever is queued and runs it as one call on the engine's worker thread (between two
-generation steps, where MLX work belongs), so requests that arrive while a batch runs share the
-next one instead of running one at a time.
+whatever is queued and runs it in forward passes of at most ``max_batch_tokens`` on the
+engine's worker thread (between two generation steps, where MLX work belongs: a big batch
+stalls the streams for one pass at a time), so requests that arrive while a batch runs share
+the next one instead of running one at a time.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class EmbeddingBatcher:
         self._queue: list[_Job] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.batches = 0  # calls onto the worker
+        self.rounds = 0  # times the queue was taken (each is one or more forward passes)
         self.running = 0  # inputs in the batch being computed
 
     @property
@@ -88,6 +89,15 @@ class EmbeddingBatcher:
         self._wake.set()
         return await job.done
 
+    async def _forward(self, inputs: list[list[int]]) -> np.ndarray:
+        """One worker call per forward pass, so generation steps run between them."""
+        out = np.zeros((len(inputs), self.model.dim), dtype=np.float32)
+        for batch in self.model.batches(inputs):
+            part = [inputs[i] for i in batch]
+            run = functools.partial(self.model.embed_batch, part)
+            out[batch] = await asyncio.to_thread(self.engine.run_on_worker, run)
+        return out
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
@@ -97,12 +107,10 @@ class EmbeddingBatcher:
             if not jobs:
                 continue
             flat = [x for j in jobs for x in j.inputs]
-            self.batches += 1
+            self.rounds += 1
             self.running = len(flat)
             try:
-                vectors = await asyncio.to_thread(
-                    self.engine.run_on_worker, functools.partial(self.model.embed, flat)
-                )
+                vectors = await self._forward(flat)
             except Exception as e:  # every waiting request gets the failure
                 for j in jobs:
                     if not j.done.done():
