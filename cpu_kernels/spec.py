@@ -1,0 +1,155 @@
+"""Kernel specs, the extension loader and the one backend switch shared by the CPU kernels.
+
+A :class:`KernelSpec` names a function of the C++ extension ``cpu_kernels._ext`` and what it
+supports. Each public kernel function takes ``backend``: ``"native"`` (the extension), or
+``"reference"`` (MLX's own ops, identical semantics); ``None`` picks the extension when it is built
+and supports the call, else the reference. A missing or stale extension is reported once (one log
+line) and every call then takes the reference path.
+
+Threads: the extension's pool defaults to the machine's physical cores (``DUET_CPU_THREADS``
+overrides); ``DUET_CPU_KERNELS=0`` turns the extension off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+
+log = logging.getLogger("duet.cpu_kernels")
+
+BACKENDS: tuple[str, ...] = ("native", "reference")
+STAMP = Path(__file__).resolve().parent / "_ext.stamp"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str  # the function in cpu_kernels._ext
+    bits: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+
+    def supports(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
+        return (
+            bits in self.bits
+            and group_size in self.group_sizes
+            and dtype in (mx.float32, mx.float16, mx.bfloat16)
+        )
+
+
+_state: dict[str, Any] = {"loaded": False, "ext": None, "reason": None}
+
+
+def _import_extension() -> ModuleType:
+    return importlib.import_module("cpu_kernels._ext")
+
+
+def _stamp_mismatch() -> str | None:
+    """Why the built extension does not fit this mlx, or None when it does (or has no stamp)."""
+    if not STAMP.exists():
+        return None
+    built_for = STAMP.read_text().split()[0] if STAMP.read_text().strip() else ""
+    if built_for and built_for != mx.__version__:
+        return f"built for mlx {built_for}, running mlx {mx.__version__}"
+    return None
+
+
+def extension() -> ModuleType | None:
+    """The loaded extension, or None (the reason logged once at WARNING and kept for
+    :func:`unavailable_reason`)."""
+    if not _state["loaded"]:
+        _state["loaded"] = True
+        reason = None
+        ext = None
+        if os.environ.get("DUET_CPU_KERNELS", "1") == "0":
+            reason = "turned off by DUET_CPU_KERNELS=0"
+        else:
+            reason = _stamp_mismatch()
+            if reason is None:
+                try:
+                    ext = _import_extension()
+                except ImportError as e:
+                    reason = f"cannot import cpu_kernels._ext ({e})"
+        if ext is not None:
+            ext.set_num_threads(default_threads())
+        else:
+            log.warning(
+                "CPU kernels unavailable: %s; quantized weights use the slower dequantized path (run `make setup`)",
+                reason,
+            )
+        _state["ext"], _state["reason"] = ext, reason
+    return _state["ext"]
+
+
+def available() -> bool:
+    return extension() is not None
+
+
+def unavailable_reason() -> str | None:
+    extension()
+    return _state["reason"]
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads of one core count once)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return max(1, (os.cpu_count() or 2) // 1)
+    cores = set()
+    for cpu in cpus:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            cores.add(siblings.read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def default_threads() -> int:
+    env = os.environ.get("DUET_CPU_THREADS")
+    if env:
+        try:
+            return max(1, min(255, int(env)))
+        except ValueError:
+            log.warning("DUET_CPU_THREADS=%r is not a number; using the physical core count", env)
+    return min(255, physical_cores())
+
+
+def set_threads(threads: int | None = None) -> int:
+    """Set the kernels' thread count (None: the default); returns it."""
+    n = default_threads() if threads is None else threads
+    ext = extension()
+    if ext is not None:
+        ext.set_num_threads(n)
+    return n
+
+
+def resolve_backend(
+    backend: str | None, spec: KernelSpec, *, bits: int, group_size: int, dtype: mx.Dtype
+) -> str:
+    if backend is None:
+        native = available() and spec.supports(bits=bits, group_size=group_size, dtype=dtype)
+        return "native" if native else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "native":
+        if not available():
+            raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+        if not spec.supports(bits=bits, group_size=group_size, dtype=dtype):
+            raise ValueError(
+                f"{spec.name} supports bits {spec.bits}, group sizes {spec.group_sizes} and float dtypes"
+            )
+    return backend
+
+
+def run(spec: KernelSpec, *args: Any, **kwargs: Any) -> mx.array:
+    ext = extension()
+    if ext is None:
+        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+    return getattr(ext, spec.name)(*args, **kwargs)

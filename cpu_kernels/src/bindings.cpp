@@ -1,0 +1,30 @@
+// Python bindings: cpu_kernels._ext (import mlx.core first; NB_DOMAIN mlx shares its array type).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "pool.h"
+#include "qmm.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "Duet's CPU kernels: quantized matrix products over MLX's affine layout";
+  m.def(
+      "quantized_matmul",
+      &duet_cpu::quantized_matmul,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x @ dequantize(w, scales, biases).T for MLX's affine layout (w packed as mx.quantize packs it).");
+  m.def("set_num_threads", &duet_cpu::set_num_threads, "threads"_a, "Threads the kernels use (1..255).");
+  m.def("num_threads", &duet_cpu::num_threads);
+  m.def("isa", &duet_cpu::isa, "The instruction set the kernels run with: avx512, avx2 or base.");
+  m.def("set_isa", &duet_cpu::set_isa, "name"_a, "Force a kernel variant ('' = best); for tests.");
+}

@@ -1,0 +1,139 @@
+#include "pool.h"
+
+#include <pthread.h>
+
+#include <chrono>
+#include <new>
+#include <stdexcept>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define DUET_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define DUET_PAUSE() asm volatile("yield")
+#else
+#define DUET_PAUSE() ((void)0)
+#endif
+
+namespace duet_cpu {
+
+namespace {
+constexpr auto kSpin = std::chrono::microseconds(200);
+constexpr uint64_t kTaskMask = 0xff;
+} // namespace
+
+ThreadPool::ThreadPool(int threads) : size_(threads < 1 ? 1 : threads) {
+  if (size_ > 255) {
+    size_ = 255;
+  }
+  for (int id = 1; id < size_; ++id) {
+    workers_.emplace_back([this, id] { work(id); });
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  stop_.store(true);
+  {
+    std::lock_guard<std::mutex> lock(sleep_mu_);
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) {
+    t.join();
+  }
+}
+
+void ThreadPool::work(int id) {
+  uint64_t seen = 0; // the generation before the first job, whenever this thread starts
+  while (true) {
+    uint64_t job = job_.load();
+    if ((job >> 8) == seen && !stop_.load()) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      int spins = 0;
+      while ((job = job_.load()) >> 8 == seen && !stop_.load()) {
+        DUET_PAUSE();
+        if (++spins % 256 == 0 && std::chrono::steady_clock::now() > until) {
+          std::unique_lock<std::mutex> lock(sleep_mu_);
+          sleeping_.fetch_add(1);
+          wake_.wait(lock, [&] { return (job_.load() >> 8) != seen || stop_.load(); });
+          sleeping_.fetch_sub(1);
+        }
+      }
+    }
+    if (stop_.load()) {
+      return;
+    }
+    seen = job >> 8;
+    if (id < int(job & kTaskMask)) {
+      (*fn_)(id);
+      pending_.fetch_sub(1);
+    }
+  }
+}
+
+void ThreadPool::run(int n_tasks, const std::function<void(int)>& fn) {
+  if (n_tasks <= 1 || size_ == 1) {
+    for (int i = 0; i < n_tasks; ++i) {
+      fn(i);
+    }
+    return;
+  }
+  if (n_tasks > size_) {
+    throw std::invalid_argument("ThreadPool::run: more tasks than threads");
+  }
+  std::lock_guard<std::mutex> serial(run_mu_);
+  fn_ = &fn;
+  pending_.store(n_tasks - 1);
+  const uint64_t generation = (job_.load() >> 8) + 1;
+  job_.store((generation << 8) | uint64_t(n_tasks));
+  if (sleeping_.load() > 0) {
+    {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+    }
+    wake_.notify_all();
+  }
+  fn(0);
+  int spins = 0;
+  while (pending_.load() != 0) {
+    DUET_PAUSE();
+    if (++spins > 4096) {
+      std::this_thread::yield();
+    }
+  }
+}
+
+namespace {
+std::mutex g_mu;
+// Leaked in a forked child, whose copy has no threads behind it (joining them would hang).
+alignas(std::shared_ptr<ThreadPool>) unsigned char g_pool_storage[sizeof(std::shared_ptr<ThreadPool>)];
+std::shared_ptr<ThreadPool>& g_pool = *new (g_pool_storage) std::shared_ptr<ThreadPool>();
+int g_threads = 1;
+std::once_flag g_atfork;
+
+void after_fork_in_child() {
+  new (g_pool_storage) std::shared_ptr<ThreadPool>();
+}
+} // namespace
+
+std::shared_ptr<ThreadPool> shared_pool() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::call_once(g_atfork, [] { pthread_atfork(nullptr, nullptr, after_fork_in_child); });
+  if (g_pool == nullptr || g_pool->size() != g_threads) {
+    g_pool = std::make_shared<ThreadPool>(g_threads);
+  }
+  return g_pool;
+}
+
+void set_num_threads(int threads) {
+  if (threads < 1 || threads > 255) {
+    throw std::invalid_argument("threads must be between 1 and 255");
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_threads = threads;
+}
+
+int num_threads() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_threads;
+}
+
+} // namespace duet_cpu

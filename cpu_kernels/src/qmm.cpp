@@ -1,0 +1,341 @@
+#include "qmm.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "pool.h"
+
+namespace duet_cpu {
+
+namespace {
+
+using RowsFn = void (*)(const QmmArgs&, int, int);
+
+struct Variant {
+  const char* name;
+  RowsFn fn;
+};
+
+Variant best_variant() {
+#if defined(DUET_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    return {"avx512", avx512::qmm_rows};
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    return {"avx2", avx2::qmm_rows};
+  }
+#endif
+  return {"base", base::qmm_rows};
+}
+
+std::atomic<RowsFn> g_rows{nullptr};
+std::atomic<const char*> g_isa{""};
+
+RowsFn rows_fn() {
+  RowsFn fn = g_rows.load();
+  if (fn == nullptr) {
+    const Variant v = best_variant();
+    g_isa.store(v.name);
+    g_rows.store(v.fn);
+    fn = v.fn;
+  }
+  return fn;
+}
+
+bool supported_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+template <typename T>
+float as_float(const void* p, size_t i) {
+  return static_cast<float>(static_cast<const T*>(p)[i]);
+}
+
+float load_float(const void* p, size_t i, mx::Dtype t) {
+  if (t == mx::float32) {
+    return as_float<float>(p, i);
+  }
+  if (t == mx::float16) {
+    return as_float<mx::float16_t>(p, i);
+  }
+  return as_float<mx::bfloat16_t>(p, i);
+}
+
+// Offsets (in elements) of each element of a, in row-major order.
+std::vector<int64_t> element_offsets(const mx::array& a) {
+  std::vector<int64_t> offsets(a.size());
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = a.ndim();
+  std::vector<int> idx(nd, 0);
+  int64_t off = 0;
+  for (size_t e = 0; e < a.size(); ++e) {
+    offsets[e] = off;
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        off += strides[d];
+        break;
+      }
+      off -= int64_t(strides[d]) * (shape[d] - 1);
+      idx[d] = 0;
+    }
+  }
+  return offsets;
+}
+
+// A row-major copy of a's bytes when a is not row contiguous (rare: parameters and activations are).
+struct Dense {
+  const void* data;
+  std::vector<uint8_t> copy;
+};
+
+Dense dense_bytes(const mx::array& a) {
+  if (a.flags().row_contiguous) {
+    return {a.data<void>(), {}};
+  }
+  Dense d{nullptr, std::vector<uint8_t>(a.nbytes())};
+  const size_t item = a.itemsize();
+  const auto offsets = element_offsets(a);
+  const auto* src = static_cast<const uint8_t*>(a.data<void>());
+  for (size_t e = 0; e < offsets.size(); ++e) {
+    std::memcpy(d.copy.data() + e * item, src + offsets[e] * int64_t(item), item);
+  }
+  d.data = d.copy.data();
+  return d;
+}
+
+int scale_type(mx::Dtype t) {
+  return t == mx::float32 ? kF32 : (t == mx::float16 ? kF16 : kBF16);
+}
+
+// Splits N rows over the pool so that each task reads at least ~16 KB of weights.
+int task_count(size_t weight_bytes, int M, int threads) {
+  const size_t per_task = M > 1 ? 8192 : 16384;
+  const size_t wanted = std::max<size_t>(1, weight_bytes / per_task);
+  return int(std::min<size_t>(wanted, size_t(threads)));
+}
+
+void run_qmm(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    mx::array& out,
+    int group_size,
+    int bits) {
+  const int K = x.shape(-1);
+  const int M = int(x.size() / std::max(K, 1));
+  const int N = w.shape(0);
+  const int G = K / group_size;
+  if (M == 0 || N == 0) {
+    return;
+  }
+
+  // x in float32, 4-bit runs of 32 permuted to (evens, odds) to match the nibble unpacking.
+  const Dense xd = dense_bytes(x);
+  std::vector<float> xf(size_t(M) * K);
+  std::vector<float> xsum(size_t(M) * G);
+  for (int m = 0; m < M; ++m) {
+    float* row = xf.data() + size_t(m) * K;
+    for (int k = 0; k < K; ++k) {
+      const float v = load_float(xd.data, size_t(m) * K + k, x.dtype());
+      if (bits == 4) {
+        const int base = k & ~31;
+        const int j = k & 31;
+        row[base + (j & 1) * 16 + (j >> 1)] = v;
+      } else {
+        row[k] = v;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
+        s += row[k];
+      }
+      xsum[size_t(m) * G + g] = s;
+    }
+  }
+
+  const Dense wd = dense_bytes(w);
+  const Dense sd = dense_bytes(scales);
+  const Dense bd = dense_bytes(biases);
+  std::vector<float> yf;
+  float* y = nullptr;
+  if (out.dtype() == mx::float32) {
+    y = out.data<float>();
+  } else {
+    yf.resize(size_t(M) * N);
+    y = yf.data();
+  }
+
+  QmmArgs a{
+      xf.data(),
+      xsum.data(),
+      static_cast<const uint8_t*>(wd.data),
+      sd.data,
+      bd.data,
+      y,
+      M,
+      N,
+      K,
+      group_size,
+      bits,
+      scale_type(scales.dtype())};
+  const RowsFn fn = rows_fn();
+  auto pool = shared_pool();
+  const int tasks = task_count(w.nbytes(), M, pool->size());
+  if (tasks <= 1) {
+    fn(a, 0, N);
+  } else {
+    // Chunks of whole 8-row blocks, spread evenly.
+    const int blocks = (N + 7) / 8;
+    pool->run(tasks, [&](int t) {
+      const int b0 = int(int64_t(blocks) * t / tasks);
+      const int b1 = int(int64_t(blocks) * (t + 1) / tasks);
+      const int n0 = std::min(N, b0 * 8);
+      const int n1 = std::min(N, b1 * 8);
+      if (n0 < n1) {
+        fn(a, n0, n1);
+      }
+    });
+  }
+
+  if (out.dtype() == mx::float16) {
+    auto* o = out.data<mx::float16_t>();
+    for (size_t i = 0; i < yf.size(); ++i) {
+      o[i] = static_cast<mx::float16_t>(yf[i]);
+    }
+  } else if (out.dtype() == mx::bfloat16) {
+    auto* o = out.data<mx::bfloat16_t>();
+    for (size_t i = 0; i < yf.size(); ++i) {
+      o[i] = static_cast<mx::bfloat16_t>(yf[i]);
+    }
+  }
+}
+
+} // namespace
+
+std::string isa() {
+  rows_fn();
+  return g_isa.load();
+}
+
+void set_isa(const std::string& name) {
+  if (name.empty()) {
+    const Variant v = best_variant();
+    g_isa.store(v.name);
+    g_rows.store(v.fn);
+    return;
+  }
+  const Variant best = best_variant();
+  const std::vector<std::string> order = {"avx512", "avx2", "base"};
+  auto rank = [&](const std::string& n) {
+    return std::find(order.begin(), order.end(), n) - order.begin();
+  };
+  if (rank(name) == long(order.size())) {
+    throw std::invalid_argument("unknown kernel variant '" + name + "'");
+  }
+  if (rank(name) < rank(best.name)) {
+    throw std::invalid_argument("this CPU cannot run the '" + name + "' kernels (best: " + best.name + ")");
+  }
+#if defined(DUET_X86)
+  if (name == "avx512") {
+    g_rows.store(avx512::qmm_rows);
+    g_isa.store("avx512");
+    return;
+  }
+  if (name == "avx2") {
+    g_rows.store(avx2::qmm_rows);
+    g_isa.store("avx2");
+    return;
+  }
+#endif
+  g_rows.store(base::qmm_rows);
+  g_isa.store("base");
+}
+
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument("quantized_matmul: bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument(
+        "quantized_matmul: group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument("quantized_matmul: w must be a 2-D uint32 array (N, K * bits / 32)");
+  }
+  if (x.ndim() < 1 || !supported_float(x.dtype())) {
+    throw std::invalid_argument("quantized_matmul: x must be float32, float16 or bfloat16 with at least 1 dim");
+  }
+  if (!supported_float(scales.dtype()) || biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument("quantized_matmul: scales and biases must share one float dtype");
+  }
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  if (int64_t(w.shape(1)) * 32 != int64_t(K) * bits) {
+    throw std::invalid_argument(
+        "quantized_matmul: x has K=" + std::to_string(K) + " but w packs " +
+        std::to_string(int64_t(w.shape(1)) * 32 / bits) + " values per row");
+  }
+  if (K % group_size != 0) {
+    throw std::invalid_argument("quantized_matmul: K must be a multiple of group_size");
+  }
+  const mx::Shape sshape = {N, K / group_size};
+  if (scales.shape() != sshape || biases.shape() != sshape) {
+    throw std::invalid_argument("quantized_matmul: scales and biases must be (N, K / group_size)");
+  }
+  auto out_shape = x.shape();
+  out_shape.back() = N;
+  const auto dtype = mx::promote_types(x.dtype(), scales.dtype());
+  return mx::array(
+      out_shape,
+      dtype,
+      std::make_shared<QuantizedMatmulCPU>(mx::to_stream(s, mx::Device::cpu), group_size, bits),
+      {x, w, scales, biases});
+}
+
+void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3], out,
+                    group_size = group_size_, bits = bits_]() mutable {
+    run_qmm(x, w, scales, biases, out, group_size, bits);
+  });
+}
+
+void QuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DuetQuantizedMatmulCPU runs on the CPU stream only");
+}
+
+bool QuantizedMatmulCPU::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedMatmulCPU&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> QuantizedMatmulCPU::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+} // namespace duet_cpu
