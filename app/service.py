@@ -276,7 +276,12 @@ def install(
         _write(service.env_path, env_file(service, extra, env).encode(), 0o600)
         _write(service.unit_path, systemd_user_unit(service, argv).encode())
         files.append(str(service.env_path))
-    commands = _apply(_commands(service, "start"), run, must=True)
+    try:
+        commands = _apply(_commands(service, "start"), run, must=True)
+    except ConfigError as e:  # not started: leave nothing behind that looks installed
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+        raise _fail(f"{e} (nothing installed)") from None
     return {"installed": files, "commands": commands, "started": run is not None, "logs": service.logs}
 
 
