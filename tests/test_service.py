@@ -170,9 +170,10 @@ def test_a_failing_service_manager_is_one_line(home):
     svc = service.Service("systemd", "peer")
     with pytest.raises(ConfigError) as e:
         service.install(svc, [], run=Recorder(1, stderr="noise\nFailed to connect to bus: No medium found\n"))
-    assert (
-        str(e.value) == "`systemctl --user daemon-reload` failed: Failed to connect to bus: No medium found"
+    assert str(e.value) == (
+        "`systemctl --user daemon-reload` failed: Failed to connect to bus: No medium found (nothing installed)"
     )
+    assert not svc.unit_path.exists() and svc.env_path is not None and not svc.env_path.exists()
 
 
 def test_status_of_an_uninstalled_service_runs_nothing(home, capsys):
