@@ -247,6 +247,7 @@ def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model
         meta = z.read(f"duet_llm-{__version__}.dist-info/METADATA").decode()
     assert "app/tui/chat.tcss" in names and any(n.endswith(".metal") or "metal_kernels/" in n for n in names)
     assert not any(n.startswith(("tests/", "bench/", "packaging/")) for n in names)
+    assert f"duet_llm-{__version__}.dist-info/licenses/LICENSE" in names  # Apache-2.0, for PyPI
     requires = [
         line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")
     ]
