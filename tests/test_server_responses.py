@@ -15,6 +15,7 @@ import pytest
 
 from app.server.app import create_app
 from app.server.responses import ResponseStore
+from app.server.security import SecurityPolicy
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine import Engine
 from tests.route_fuzz import fuzz_route, sse_data
@@ -246,6 +247,33 @@ async def test_refusals_are_clear_400s(client):
         await client.responses.create(model=MODEL)
 
 
+async def test_a_stored_response_belongs_to_the_key_that_made_it(engine):
+    app = create_app(engine, security=SecurityPolicy.build(api_keys=["sk-alice", "sk-bob"]))
+
+    def as_key(key: str) -> openai.AsyncOpenAI:
+        http = httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=120
+        )
+        return openai.AsyncOpenAI(
+            base_url="http://127.0.0.1/v1", api_key=key, http_client=http, max_retries=0
+        )
+
+    async with as_key("sk-alice") as alice, as_key("sk-bob") as bob:
+        r = await alice.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.retrieve(r.id)
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.input_items.list(r.id)
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.delete(r.id)
+        with pytest.raises(openai.BadRequestError, match="not found"):
+            await bob.responses.create(
+                model=MODEL, input="Hi", previous_response_id=r.id, max_output_tokens=2
+            )
+        assert (await alice.responses.retrieve(r.id)).id == r.id  # still there for its owner
+        await alice.responses.delete(r.id)
+
+
 def test_store_is_bounded():
     store = ResponseStore(max_items=3, max_chars=10_000)
     for i in range(5):
@@ -288,6 +316,39 @@ def test_duet_serve_speaks_responses(served):
     c.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(r.id)
+
+
+@pytest.mark.slow
+def test_bundled_model_json_schema_and_function_call(tmp_path):
+    srv = ServerProcess(None, tmp_path / "server.log", "--cache-gb", "0.1")
+    try:
+        c = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, timeout=300)
+        r = c.responses.create(
+            model="default", input="What is the capital of France?", max_output_tokens=16, temperature=0
+        )
+        assert "Paris" in r.output_text and r.status == "completed"
+        ask = "What is the weather in Paris?"
+        t = c.responses.create(
+            model="default",
+            input=ask,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_output_tokens=40,
+            temperature=0,
+        )
+        (call,) = t.output
+        assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
+        answer = c.responses.create(
+            model="default",
+            previous_response_id=t.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}],
+            tools=[WEATHER],
+            max_output_tokens=40,
+            temperature=0,
+        )
+        assert answer.status == "completed" and answer.usage.input_tokens_details.cached_tokens > 0
+    finally:
+        srv.stop()
 
 
 # --- fuzz -------------------------------------------------------------------------------------

@@ -154,26 +154,27 @@ def create_app(
         return await responses.create(state, store, body, request)
 
     @api("GET", "/v1/responses/{response_id}", slash=False)
-    async def get_response(response_id: str) -> JSONResponse:
-        stored = store.get(response_id)
+    async def get_response(response_id: str, request: Request) -> JSONResponse:
+        stored = store.get(response_id, responses.owner_of(request))
         if stored is None:
             raise responses.not_found(response_id)
         return JSONResponse(stored.response)
 
     @api("DELETE", "/v1/responses/{response_id}", slash=False)
-    async def delete_response(response_id: str) -> JSONResponse:
-        if not store.delete(response_id):
+    async def delete_response(response_id: str, request: Request) -> JSONResponse:
+        if not store.delete(response_id, responses.owner_of(request)):
             raise responses.not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @api("GET", "/v1/responses/{response_id}/input_items", slash=False)
     async def response_input_items(
         response_id: str,
+        request: Request,
         limit: int = Query(20, ge=1, le=100),
         order: Literal["asc", "desc"] = "desc",
         after: str | None = None,
     ) -> JSONResponse:
-        stored = store.get(response_id)
+        stored = store.get(response_id, responses.owner_of(request))
         if stored is None:
             raise responses.not_found(response_id)
         return JSONResponse(responses.input_items_page(stored, limit, order, after))

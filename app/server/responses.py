@@ -11,7 +11,8 @@ same grammar engine; ``max_output_tokens`` is a cap. Hosted tools (web search, f
 computer use...), image, file and audio inputs are a 400.
 
 Responses are kept in memory (``ResponseStore``: the most recent ones, bounded by count and
-size; ``store: false`` keeps none) for retrieval, deletion, ``input_items`` and continuation.
+size; ``store: false`` keeps none) for retrieval, deletion, ``input_items`` and continuation,
+each visible only to the API key that created it.
 Streaming sends Responses events (``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
 / ``.done``, ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``,
@@ -37,6 +38,7 @@ from .chat import ChatCall
 from .common import SSE_HEADERS, ServerState
 from .errors import APIError, bad_request
 from .responses_protocol import InputItem, ResponsesRequest
+from .security import KEY_ID_STATE
 from .tool_calls import ParsedToolCall
 from .turns import TurnEnd, collect, prepare, start, turn_items
 
@@ -53,6 +55,13 @@ class Stored:
     input_items: list[dict[str, Any]]  # this request's input, as items with ids
     conversation: list[dict[str, Any]]  # chat messages: earlier turns, this input and the output
     size: int
+    owner: str | None  # the API key (its id) that created it: only that key sees it
+
+
+def owner_of(request: Request) -> str | None:
+    """The id of the API key that authenticated the request (None: the server has no keys)."""
+    state = request.scope.get("state") or {}
+    return state.get(KEY_ID_STATE)
 
 
 class ResponseStore:
@@ -64,27 +73,31 @@ class ResponseStore:
         self._items: OrderedDict[str, Stored] = OrderedDict()
         self._chars = 0
 
-    def put(self, response: dict, input_items: list[dict], conversation: list[dict]) -> None:
+    def put(
+        self, response: dict, input_items: list[dict], conversation: list[dict], owner: str | None = None
+    ) -> None:
         size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (response, input_items, conversation))
         if size > self.max_chars:
             return
-        self.delete(response["id"])
-        self._items[response["id"]] = Stored(response, input_items, conversation, size)
+        self.delete(response["id"], owner)
+        self._items[response["id"]] = Stored(response, input_items, conversation, size, owner)
         self._chars += size
         while len(self._items) > self.max_items or self._chars > self.max_chars:
             _, old = self._items.popitem(last=False)
             self._chars -= old.size
 
-    def get(self, response_id: str) -> Stored | None:
+    def get(self, response_id: str, owner: str | None = None) -> Stored | None:
+        """The stored response, if ``owner`` (the caller's key id) created it."""
         s = self._items.get(response_id)
-        if s is not None:
-            self._items.move_to_end(response_id)
+        if s is None or s.owner != owner:
+            return None
+        self._items.move_to_end(response_id)
         return s
 
-    def delete(self, response_id: str) -> bool:
-        s = self._items.pop(response_id, None)
-        if s is None:
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        if self.get(response_id, owner) is None:
             return False
+        s = self._items.pop(response_id)
         self._chars -= s.size
         return True
 
@@ -264,10 +277,16 @@ def _call_item(item_id: str, call: ParsedToolCall, status: str = "completed") ->
 
 class ResponseCall:
     def __init__(
-        self, state: ServerState, store: ResponseStore, body: ResponsesRequest, call: ChatCall, earlier: list
+        self,
+        state: ServerState,
+        store: ResponseStore,
+        body: ResponsesRequest,
+        call: ChatCall,
+        earlier: list,
+        owner: str | None,
     ):
         self.state, self.store, self.body, self.call = state, store, body, call
-        self.earlier = earlier
+        self.earlier, self.owner = earlier, owner
         self.id = _id("resp")
         self.created = int(time.time())
 
@@ -312,7 +331,7 @@ class ResponseCall:
                 reply["tool_calls"] = [c.to_openai() for c in calls]
             conversation = [*self.earlier, *to_messages(input_items(self.body)), reply]
             records = [_item_record(x) for x in input_items(self.body)]
-            self.store.put(response, records, conversation)
+            self.store.put(response, records, conversation, self.owner)
         return response
 
     async def respond(self, request: Request) -> Response:
@@ -448,7 +467,7 @@ async def create(
         raise bad_request("background responses are not supported by this server", "background")
     earlier: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        prev = store.get(body.previous_response_id)
+        prev = store.get(body.previous_response_id, owner_of(request))
         if prev is None:
             raise bad_request(
                 f"Previous response with id {body.previous_response_id!r} not found.", "previous_response_id"
@@ -457,7 +476,7 @@ async def create(
     call = await prepare(
         state, chat_fields(body, earlier), request, "responses", max_tokens=body.max_output_tokens
     )
-    rc = ResponseCall(state, store, body, call, earlier)
+    rc = ResponseCall(state, store, body, call, earlier, owner_of(request))
     return await (rc.stream(request) if body.stream else rc.respond(request))
 
 
