@@ -275,3 +275,21 @@ async def test_panel_lists_peers_advertised_over_mdns(tiny_dirs, tmp_path):
         for ad in ads:
             await asyncio.to_thread(ad.close)
     assert directory.browser is None, "the browser outlived the chat"
+
+
+async def test_an_unreadable_paired_peers_file_is_one_warning(tiny_dirs, tmp_path, notes):
+    from peer.trust.keys import PEERS_FILE
+
+    store = tmp_path / "duet_config" / PEERS_FILE  # the chat_dirs fixture's config dir
+    store.parent.mkdir(parents=True)
+    store.write_text("{not json")
+    app = peer_app(tiny_dirs("llama"), [], None)
+    async with app.run_test() as pilot:
+        await loaded(pilot)
+        await until(pilot, lambda: said(notes, "is unreadable", "warning"), what="the warning")
+        app.refresh_status()
+        assert app.peer_rows == [] and not app.peers_panel.display
+        (warning,) = [m for m, _ in notes if "is unreadable" in m]  # once, not at every refresh
+        assert warning.startswith(f"Peers: paired peers file {store} is unreadable: ") and "\n" not in warning
+        await chat_once(pilot, "Still chatting")
+        assert "reply tok" in app.conv.messages[-1].meta, "the chat stopped working"

@@ -163,17 +163,15 @@ class ChatApp(App):
         self.refresh_status()
         self.set_interval(0.5, self.refresh_status)
         self.load_model(self.model_spec)
-        if self.peer_dir.browse_on is not None:
-            self._browse_worker()
+        self._peers_worker()
 
-    @work(thread=True, group="browse")
-    def _browse_worker(self) -> None:
+    @work(thread=True, group="peers")
+    def _peers_worker(self) -> None:
         try:
-            self.peer_dir.start_browsing()
+            self.peer_dir.prepare()  # the paired peers, and the mDNS browser with --peers auto
         except (DuetError, OSError) as e:
-            self.call_from_thread(
-                self.notify, f"Cannot look for peers over mDNS: {e}", title="Peers", severity="warning"
-            )
+            self.call_from_thread(self.notify, f"Peers: {e}", title="Peers", severity="warning")
+        self.call_from_thread(self.refresh_peers)
 
     # --- model loading --------------------------------------------------------------
     def load_model(self, spec: str | None) -> None:

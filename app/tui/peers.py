@@ -64,13 +64,23 @@ class PeerDirectory:
     def __init__(self, browse_on: list[str] | None = None):
         self.browse_on = browse_on
         self.browser: Browser | None = None
-        self._paired: tuple[float, dict[str, PairedPeer]] | None = None  # (file mtime, peers)
+        self.ready = False  # prepare() ran: until then rows() reads no paired-peers store
+        self._paired: tuple[tuple[int, ...], dict[str, PairedPeer]] | None = None  # (file stamp, peers)
         self._lock = threading.Lock()
         self._closed = False
 
+    def prepare(self) -> None:
+        """Blocking, for a thread: import the key store (``cryptography``, ~0.1 s, kept off the UI's
+        first paint), read the paired peers, and start the mDNS browser when asked (raises OSError,
+        or ConfigError for a bad --interface)."""
+        try:
+            self.paired()
+        finally:
+            self.ready = True
+            self.start_browsing()
+
     # --- discovery -----------------------------------------------------------------------------
     def start_browsing(self) -> None:
-        """Start the mDNS browser (raises OSError, or ConfigError for a bad --interface)."""
         if self.browse_on is None:
             return
         from peer.discovery import Browser, local_ip_for
@@ -103,11 +113,13 @@ class PeerDirectory:
 
         store = PairedPeers()
         try:
-            mtime = store.path.stat().st_mtime_ns
+            st = store.path.stat()
         except OSError:
             return {}
-        if self._paired is None or self._paired[0] != mtime:
-            self._paired = (mtime, store.load())
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)  # the store rewrites the file on a change
+        if self._paired is None or self._paired[0] != stamp:
+            self._paired = (stamp, {})  # an unreadable file raises once, then reads as empty
+            self._paired = (stamp, store.load())
         return self._paired[1]
 
     def pair(self, code: str, target: str) -> PairedPeer:
@@ -129,11 +141,12 @@ class PeerDirectory:
     # --- rows ----------------------------------------------------------------------------------
     def rows(self, sources: Iterable[Any] = ()) -> list[PeerRow]:
         """One row per machine: the chat's prefill peers first, then the others by name."""
-        try:
-            paired = self.paired()
-        except DuetError as e:  # an unreadable paired-peers file: shown once in the log
-            log.warning("chat: %s", e)
-            paired = {}
+        paired: dict[str, PairedPeer] = {}
+        if self.ready:
+            try:
+                paired = self.paired()
+            except DuetError as e:  # an unreadable paired-peers file
+                log.warning("chat: %s", e)
         by_id = {p.short_id: p.name for p in paired.values()}
         rows: dict[str, PeerRow] = {}
         for src in sources:
