@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import anthropic
+import httpx
 import httpx2
 import jsonschema
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.server.anthropic import chat_fields
 from app.server.anthropic_protocol import MessagesRequest
@@ -124,8 +127,11 @@ async def test_stream_text_matches_create_and_events_are_in_order(engine, client
 async def test_stop_sequences_end_the_reply_and_are_reported(client):
     kw = dict(model=MODEL, max_tokens=24, messages=HELLO, extra_body=GREEDY)
     text = (await client.messages.create(**kw)).content[0].text
-    stop = text[8:11]  # greedy decoding writes the same text again, so it reaches this
-    assert stop.strip() and stop not in text[:8]
+    # a stop string first seen after a few characters: greedy decoding writes the same text again
+    at = next(
+        i for i in range(4, len(text) - 3) if text[i : i + 3].strip() and text[i : i + 3] not in text[: i + 2]
+    )
+    stop = text[at : at + 3]
     m = await client.messages.create(**kw, stop_sequences=[stop])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == text[: text.index(stop)]
@@ -351,7 +357,7 @@ async def test_x_api_key_and_bearer_both_authenticate(engine):
     assert e.value.body["error"]["type"] == "authentication_error"
 
 
-async def test_concurrent_streams_and_a_client_that_leaves(engine, client):
+async def test_concurrent_streams(engine, client):
     async def one(i: int) -> str:
         async with client.messages.stream(
             model=MODEL, max_tokens=6, messages=[{"role": "user", "content": f"Story {i}"}], extra_body=GREEDY
@@ -387,6 +393,35 @@ def test_duet_serve_speaks_messages(served):
     )
     with pytest.raises(anthropic.NotFoundError):
         c.messages.create(model="claude-opus", max_tokens=5, messages=HELLO)
+
+
+def cancelled(server, endpoint: str) -> float:
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "duet_requests_total" and s.labels == {
+                "endpoint": endpoint,
+                "finish_reason": "cancelled",
+            }:
+                return s.value
+    return 0.0
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(served):
+    before = cancelled(served, "messages")
+    body = {"model": MODEL, "max_tokens": 1500, "messages": HELLO, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", served.base + "/v1/messages", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("event: content_block_delta") for _ in range(12))
+        assert served.metrics()["duet_kv_blocks_used"] > 0
+    deadline = time.monotonic() + 30  # only against a hang
+    while time.monotonic() < deadline:
+        m = served.metrics()
+        if m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0
+    assert cancelled(served, "messages") == before + 1
 
 
 @pytest.mark.slow

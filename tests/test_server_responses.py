@@ -7,11 +7,14 @@ valid JSON only the grammar can have made it so.
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import httpx2
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.server.app import create_app
 from app.server.responses import ResponseStore
@@ -316,6 +319,27 @@ def test_duet_serve_speaks_responses(served):
     c.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(r.id)
+
+
+def test_a_client_that_stops_waiting_frees_its_blocks(served):
+    def cancelled() -> float:
+        text = httpx.get(served.base + "/metrics", timeout=10).text
+        labels = {"endpoint": "responses", "finish_reason": "cancelled"}
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        return sum(s.value for s in samples if s.name == "duet_requests_total" and s.labels == labels)
+
+    before = cancelled()
+    body = {"model": MODEL, "input": STORY, "max_output_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.base + "/v1/responses", json=body, timeout=1.0)
+    deadline = time.monotonic() + 30  # only against a hang
+    while time.monotonic() < deadline:
+        m = served.metrics()
+        if m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["duet_kv_blocks_used"] == 0 and m["duet_requests_running"] == 0
+    assert cancelled() == before + 1
 
 
 @pytest.mark.slow

@@ -162,7 +162,7 @@ def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
     """The chat request a Messages (or count_tokens) request is."""
     fields: dict[str, Any] = {"model": body.model, "messages": _messages(body), **_tool_fields(body)}
     if isinstance(body, MessagesRequest):
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "ignore_eos"):
             value = getattr(body, name)
             if value is not None:
                 fields[name] = value

@@ -91,5 +91,6 @@ class MessagesRequest(CountTokensRequest):
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None  # extension, as on the chat endpoint
     metadata: dict[str, Any] | None = None  # user_id: accepted and ignored
     output_config: OutputConfig | None = None

@@ -203,7 +203,7 @@ def chat_fields(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> dict[s
     if not messages:
         raise bad_request("input is required (or a previous_response_id to continue)", "input")
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
-    for name in ("temperature", "top_p", "top_k", "parallel_tool_calls"):
+    for name in ("temperature", "top_p", "top_k", "ignore_eos", "parallel_tool_calls"):
         value = getattr(body, name)
         if value is not None:
             fields[name] = value

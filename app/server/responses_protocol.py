@@ -111,7 +111,8 @@ class ResponsesRequest(_Open):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None  # extension, as on the chat endpoint
+    top_k: Annotated[int, Field(ge=0)] | None = None  # extensions, as on the chat endpoint
+    ignore_eos: bool | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool | None = None
