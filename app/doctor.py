@@ -136,15 +136,29 @@ def mlx_section(report: Report) -> str | None:
     return backend
 
 
-def cpu_kernels_status() -> str:
-    """Whether the C++ CPU kernels extension (``cpu_kernels``) is there and imports."""
+def cpu_kernels_status() -> tuple[str, str | None]:
+    """The C++ CPU kernels extension (``cpu_kernels``): (status, problem or None). Not built is a
+    state (the dequantized path runs), a built one that does not load is a problem."""
     if importlib.util.find_spec("cpu_kernels") is None:
-        return "not installed"
+        return "not installed", None
+    import logging
+
+    quiet = logging.getLogger("duet.cpu_kernels")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its one-line warning is this report's business here
     try:
-        importlib.import_module("cpu_kernels")
-    except Exception as e:
-        return f"present but fails to import ({type(e).__name__}: {e})"
-    return "available"
+        spec = importlib.import_module("cpu_kernels.spec")  # optional: may be absent or older
+        if spec.available():
+            return f"available ({spec.default_threads()} threads)", None
+        reason = spec.unavailable_reason() or "unknown reason"
+    except Exception as e:  # an older or broken package
+        return f"unusable ({type(e).__name__}: {e})", f"the CPU kernels package does not load: {e}"
+    finally:
+        quiet.setLevel(level)
+    built = importlib.util.find_spec("cpu_kernels._ext") is not None
+    if built and "DUET_CPU_KERNELS" not in reason:
+        return f"built but unavailable: {reason}", f"the CPU kernels extension does not load: {reason}"
+    return f"not used: {reason}", None
 
 
 def kernels_section(report: Report, backend: str | None) -> None:
@@ -152,27 +166,33 @@ def kernels_section(report: Report, backend: str | None) -> None:
     if backend is None:
         report.sections["kernels"] = {}
         return
+    from mlx_engine.loading.weight_policy import keep_quantized
+
     if backend == "metal":
         decode = "custom Metal paged-attention kernel (metal_kernels/paged_attention.py)"
-        matmul = "quantized weights, MLX's Metal quantized matmul"
     else:
         decode = (
             "reference path: MLX gather + fused attention on the "
             f"{backend.upper()} backend (the same semantics the Metal kernel is verified against "
             "by the CPU emulator in the tests; custom kernels run on Metal only)"
         )
+    if not keep_quantized(backend):
         matmul = (
-            "quantized weights, MLX's CUDA quantized matmul"
-            if backend == "cuda"
-            else "dense float32 weights through MLX's CPU backend and BLAS (weights=auto)"
+            f"dense float32 weights (quantized ones expanded at load) through MLX's {backend.upper()} matmul"
         )
+    elif backend == "cpu":
+        matmul = "quantized weights, Duet's CPU kernels (cpu_kernels) where they apply, else MLX's"
+    else:
+        matmul = f"quantized weights, MLX's {'Metal' if backend == 'metal' else 'CUDA'} quantized matmul"
     section: dict[str, Any] = {
         "decode_attention": decode,
         "prefill_attention": f"MLX fused scaled_dot_product_attention ({backend})",
         "matmul": matmul,
     }
     if backend == "cpu":
-        section["cpu_kernels"] = cpu_kernels_status()
+        section["cpu_kernels"], problem = cpu_kernels_status()
+        if problem:
+            report.problems.append(problem)
     report.sections["kernels"] = section
 
 

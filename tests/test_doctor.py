@@ -197,3 +197,39 @@ def test_commands_refuse_a_missing_backend_in_one_line_before_loading(dirs, caps
     assert rc == 2 and err.count("\n") == 1 and err.startswith("duet: error: MLX has no backend installed")
     rc, report, lines = doctor_json(capsys)
     assert rc == 1 and report["problems"] == [doctor.mlx_install_problem()] and len(lines) == 1
+
+
+def _fake_cpu_kernels(monkeypatch, *, available: bool, reason: str | None, ext_built: bool) -> None:
+    import importlib
+    import importlib.util
+    import types
+
+    fake = types.SimpleNamespace(
+        available=lambda: available, unavailable_reason=lambda: reason, default_threads=lambda: 2
+    )
+    present = {"cpu_kernels": True, "cpu_kernels._ext": ext_built}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if present.get(name) else None)
+    monkeypatch.setattr(importlib, "import_module", lambda name: fake)
+
+
+@pytest.mark.parametrize(
+    "available, reason, built, status, problem",
+    [
+        (True, None, True, "available (2 threads)", None),
+        (False, "cannot import cpu_kernels._ext (no module)", False, "not used: cannot import", None),
+        (False, "turned off by DUET_CPU_KERNELS=0", True, "not used: turned off", None),
+        (
+            False,
+            "built for mlx 0.0.1, running mlx 0.32.4",
+            True,
+            "built but unavailable",
+            "the CPU kernels extension does not load: built for mlx 0.0.1, running mlx 0.32.4",
+        ),
+    ],
+)
+def test_cpu_kernels_status_is_a_problem_only_when_a_built_extension_fails(
+    monkeypatch, available, reason, built, status, problem
+):
+    _fake_cpu_kernels(monkeypatch, available=available, reason=reason, ext_built=built)
+    got_status, got_problem = doctor.cpu_kernels_status()
+    assert got_status.startswith(status) and got_problem == problem
