@@ -293,3 +293,45 @@ async def test_an_unreadable_paired_peers_file_is_one_warning(tiny_dirs, tmp_pat
         assert warning.startswith(f"Peers: paired peers file {store} is unreadable: ") and "\n" not in warning
         await chat_once(pilot, "Still chatting")
         assert "reply tok" in app.conv.messages[-1].meta, "the chat stopped working"
+
+
+def test_duet_chat_passes_its_peer_options_to_the_chat(tiny_dirs, tmp_path, prefill_peer):
+    """`duet chat --peers HOST:PORT --remote-prefill always` gives the chat's engine that peer with
+    that policy; `--peers auto --interface IP` makes the panel browse mDNS on that interface only."""
+    from app import cli
+    from app.tui.main import build_app
+    from peer.cli import sources_of
+
+    model = str(tiny_dirs("llama"))
+    parse = cli.build_parser().parse_args
+    app = build_app(parse(["chat", "--model", model, "--peers", prefill_peer, "--remote-prefill", "always"]))
+    assert app.peer_dir.browse_on is None
+    backend = app.load_backend(model)
+    try:
+        (src,) = sources_of(backend.engine)
+        assert (src.name, src.policy, src.healthy) == (prefill_peer, "always", True)
+    finally:
+        backend.close()
+
+    PairedPeers().add("gpu-box", load_identity(tmp_path / "box", name="gpu-box").cert_pem)
+    auto = build_app(parse(["chat", "--model", model, "--peers", "auto", "--interface", "127.0.0.1"]))
+    assert auto.peer_dir.browse_on == ["127.0.0.1"]
+
+
+async def test_an_unreachable_peer_shows_as_not_connected_and_prefill_falls_back(tiny_dirs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        where = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    app = peer_app(tiny_dirs("llama"), [where], "always")
+    async with app.run_test(size=(160, 40)) as pilot:
+        await loaded(pilot)
+        await until(pilot, lambda: app.peers_panel.display, what="the peers panel")
+        (row,) = app.peer_rows
+        assert (row.name, row.attached, row.connected, row.healthy) == (where, True, False, False)
+        assert row.state == "not connected" and "cannot connect" in row.error
+        assert "○ not connected" in panel_text(app) and "cannot connect" in app.peers_panel.tooltip
+        await chat_once(pilot, "Anyone there?")
+        status = str(app.status_bar.render())
+        assert app.last_usage.prefill_location == "local"
+        assert "prefill local " in status and "(fell back)" in status, status
+        assert f"fallback: {where}: " in app.status_bar.tooltip
