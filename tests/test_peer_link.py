@@ -299,3 +299,38 @@ def test_link_options_are_checked_before_anything_loads(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         cli.main(["peer", "serve", "--link", "plain"])
     assert "invalid choice: 'plain'" in capsys.readouterr().err
+
+
+def test_a_partner_silent_after_the_handshake_is_refused_within_the_deadline(tmp_path):
+    """A client that completes TLS but never sends its link message (or a server that never
+    answers it) ends in PeerAuthError at the handshake deadline, never a bare socket error that
+    would leave the connecting thread dead."""
+    from peer.trust.tls import accept_tls, client_context, connect_tls, server_context
+
+    gpu, mac = machine(tmp_path, "gpu"), machine(tmp_path, "mac")
+    pair(gpu, mac)
+    for server_link, client_link in (("tls", None), (None, "tls")):
+        a, b = socket.socketpair()
+        out: dict[str, object] = {}
+
+        def srv(link=server_link, sock=b, out=out) -> None:
+            try:
+                out["s"] = accept_tls(sock, server_context(*gpu), gpu[1], timeout=1.0, link=link)[0]
+            except PeerAuthError as e:
+                out["s"] = e
+
+        t = threading.Thread(target=srv)
+        t.start()
+        try:
+            out["c"] = connect_tls(a, client_context(*mac), mac[1], who="gpu", timeout=1.0, link=client_link)[
+                0
+            ]
+        except PeerAuthError as e:
+            out["c"] = e
+        t.join(WAIT)
+        silent = out["s"] if server_link else out["c"]
+        assert isinstance(silent, PeerAuthError) and "setting up the link with" in str(silent)
+        assert "timed out" in str(silent)
+        for x in (a, b, out["s"], out["c"]):
+            if hasattr(x, "close"):
+                x.close()

@@ -185,12 +185,15 @@ def accept_tls(
             tls.settimeout(None)
             return tls, peer
         return MacSocket.server(_bare_tcp(tls), client_secret, server_secret), peer
+    except PeerAuthError:
+        tls.close()
+        raise
     except ssl.SSLError as e:
         tls.close()
         raise PeerAuthError(f"setting up the link with {name} failed: {e.reason or e}") from None
-    except (PeerAuthError, OSError):
+    except OSError as e:  # a timeout or reset after the handshake: refused like any other failure
         tls.close()
-        raise
+        raise PeerAuthError(f"setting up the link with {name} failed: {e.strerror or e}") from None
 
 
 def connect_tls(
@@ -241,12 +244,15 @@ def connect_tls(
             tls.settimeout(None)
             return tls, peer
         return MacSocket.client(_bare_tcp(tls), client_secret, server_secret), peer
+    except PeerAuthError:
+        tls.close()
+        raise
     except ssl.SSLError as e:
         tls.close()
         raise PeerAuthError(f"setting up the link with {who} failed: {e.reason or e}") from None
-    except (PeerAuthError, OSError):
+    except OSError as e:  # a timeout or reset after the handshake: refused like any other failure
         tls.close()
-        raise
+        raise PeerAuthError(f"setting up the link with {who} failed: {e.strerror or e}") from None
 
 
 class PeerTLS:
