@@ -115,13 +115,18 @@ class Service:
 
 def duet_executable(explicit: str | None = None) -> Path:
     """The ``duet`` script of this installation: next to the running Python (venv, pipx, Homebrew's
-    libexec), else on PATH."""
+    libexec), named by the link on PATH that leads to it when there is one (``/opt/homebrew/bin/duet``
+    outlives a ``brew upgrade``, the versioned Cellar path does not), else on PATH."""
     if explicit:
         path = Path(explicit).expanduser()
     else:
         beside = Path(sys.executable).parent / "duet"
         found = shutil.which("duet")
-        path = beside if beside.is_file() else Path(found) if found else beside
+        if beside.is_file():
+            same = found is not None and Path(found).resolve() == beside.resolve()
+            path = Path(found) if same and found is not None else beside
+        else:
+            path = Path(found) if found else beside
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise _fail(f"no duet executable at {path}; pass --executable PATH")
     return path.absolute()

@@ -5,6 +5,7 @@ one-line errors. Nothing is ever enabled on the machine running the tests."""
 from __future__ import annotations
 
 import configparser
+import os
 import plistlib
 import shutil
 import stat
@@ -203,3 +204,17 @@ def test_a_foreign_service_manager_needs_dry_run(home, capsys):
     rc, out, err = run(capsys, "install", "--manager", foreign)
     assert rc == 2 and "is not this machine's service manager" in err
     assert not (home / "Library").exists() and not (home / ".config").exists()
+
+
+def test_the_service_runs_this_duet_through_its_stable_link_on_path(home, tmp_path, monkeypatch):
+    bindir = tmp_path / "homebrew-bin"
+    bindir.mkdir()
+    (bindir / "duet").symlink_to(DUET)  # like /opt/homebrew/bin/duet -> Cellar/duet/X/libexec/bin/duet
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    assert service.duet_executable() == bindir / "duet"
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    (other / "duet").write_text("#!/bin/sh\n")
+    (other / "duet").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}:{os.environ['PATH']}")
+    assert service.duet_executable() == DUET  # another install's duet first on PATH: not that one
