@@ -10,8 +10,8 @@
 - ``q4_k_m_type``: the tensor type llama.cpp's Q4_K_M mix gives a llama tensor (llama.cpp's
   ``src/llama-quant.cpp``: Q6_K for the tied embedding/output and for attn_v/ffn_down of the "more bits"
   layers, Q4_K elsewhere, and Q5_0/Q8_0 in place of Q4_K/Q6_K where rows are not multiples of 256).
-- ``requantize(src, dst, type_for)`` and ``float32_twin(src, dst)``: rewrite a real GGUF (the bundled
-  SmolLM2) with other tensor types, or with every tensor as the F32 values ``gguf`` decodes it to.
+- ``requantize(src, dst, type_for, twin=...)``: rewrite a real GGUF (the bundled SmolLM2) with other
+  tensor types, and its float32 twin: every tensor as the F32 values ``gguf`` decodes the new file's to.
 """
 
 from __future__ import annotations
@@ -120,19 +120,7 @@ _K_QUANTIZERS: dict[Q, Callable[[np.ndarray], np.ndarray]] = {
 def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     """Float rows (..., cols) -> ggml blocks (..., bytes per row) of ``qtype``, checked with ``gguf``'s
     dequantizer: every weight decodes to within ``_MAX_ERROR`` of its value."""
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    if qtype in (Q.F32, Q.F16, Q.BF16):
-        return gguf.quants.quantize(w, qtype)
-    if qtype in _K_QUANTIZERS:
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        assert w.shape[-1] % block == 0, f"{qtype.name} needs rows of multiples of {block} weights"
-        raw = _K_QUANTIZERS[qtype](w.reshape(-1, block)).reshape(*w.shape[:-1], w.shape[-1] // block * size)
-    else:
-        raw = gguf.quants.quantize(w, qtype)
-    back = gguf.quants.dequantize(raw, qtype)
-    bound = _MAX_ERROR[qtype] * np.abs(w).max(axis=-1, keepdims=True) + 1e-7
-    assert back.shape == w.shape and np.all(np.abs(back - w) <= bound), qtype.name
-    return raw
+    return quantize_and_decode(w, qtype)[0]
 
 
 def dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
@@ -141,8 +129,22 @@ def dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def quantize_and_decode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
-    raw = quantize(w, qtype)
-    return raw, dequantize(raw, qtype)
+    """(``quantize(w, qtype)``, the float32 values ``gguf``'s dequantizer decodes it to)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        raw = gguf.quants.quantize(w, qtype)
+        return raw, dequantize(raw, qtype)
+    if qtype in _K_QUANTIZERS:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        assert w.shape[-1] % block == 0, f"{qtype.name} needs rows of multiples of {block} weights"
+        raw = _K_QUANTIZERS[qtype](w.reshape(-1, block)).reshape(*w.shape[:-1], w.shape[-1] // block * size)
+    else:
+        raw = gguf.quants.quantize(w, qtype)
+    back = dequantize(raw, qtype)
+    # (5% more for the fp16 rounding of the scales and mins)
+    bound = 1.05 * _MAX_ERROR[qtype] * np.abs(w).max(axis=-1, keepdims=True) + 1e-7
+    assert back.shape == w.shape and np.all(np.abs(back - w) <= bound), qtype.name
+    return raw, back
 
 
 # ---- llama.cpp's Q4_K_M mix ---------------------------------------------------------------------------
@@ -173,47 +175,54 @@ def q4_k_m_type(name: str, cols: int, n_layers: int, tied: bool) -> Q | None:
 # ---- rewriting real GGUF files ------------------------------------------------------------------------
 
 
-def _rewrite(
-    src: Path, dst: Path, convert: Callable[[str, np.ndarray], tuple[np.ndarray, Q]]
-) -> dict[str, Q]:
-    """Copy ``src``'s metadata to ``dst`` and write each tensor as ``convert(name, float32 values)``
-    returns it; returns the type of every tensor written."""
-    reader = gguf.GGUFReader(str(src))
-    arch = reader.get_field("general.architecture").contents()
-    writer = gguf.GGUFWriter(str(dst), arch=arch)
+def _copy_metadata(reader: gguf.GGUFReader, dst: Path) -> gguf.GGUFWriter:
+    writer = gguf.GGUFWriter(str(dst), arch=reader.get_field("general.architecture").contents())
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.alignment"):
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-    types = {}
-    for t in reader.tensors:
-        values = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        data, qtype = convert(t.name, values)
-        writer.add_tensor(t.name, data, raw_dtype=None if qtype == Q.F32 else qtype)
-        types[t.name] = qtype
+    return writer
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def requantize(
+    src: Path, dst: Path, type_for: Callable[[str, int], Q | None], *, twin: Path | None = None
+) -> dict[str, Q]:
+    """Write ``src`` re-quantized to ``dst``: tensor ``name`` with rows of ``cols`` weights becomes
+    ``type_for(name, cols)`` (None: F32), from the values ``gguf`` decodes it to. ``twin``, if given,
+    gets the float32 twin of ``dst``: the same metadata, every tensor as the F32 values ``gguf``'s
+    dequantizer decodes ``dst``'s to. Returns the type of every tensor of ``dst``."""
+    reader = gguf.GGUFReader(str(src))
+    writers = [_copy_metadata(reader, dst)] + ([_copy_metadata(reader, twin)] if twin else [])
+    types = {}
+    for t in reader.tensors:
+        values = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        qtype = type_for(t.name, values.shape[-1]) or Q.F32
+        if qtype == Q.F32:
+            raw = back = values
+        else:
+            raw, back = quantize_and_decode(values, qtype)
+        writers[0].add_tensor(t.name, raw, raw_dtype=None if qtype == Q.F32 else qtype)
+        if twin:
+            writers[1].add_tensor(t.name, back)
+        types[t.name] = qtype
+    for w in writers:
+        _finish(w)
     return types
 
 
-def requantize(src: Path, dst: Path, type_for: Callable[[str, int], Q | None]) -> dict[str, Q]:
-    """``src`` re-quantized: tensor ``name`` with rows of ``cols`` weights becomes ``type_for(name,
-    cols)`` (None: F32), from the values ``gguf`` decodes it to. Returns the types written."""
-
-    def convert(name: str, values: np.ndarray) -> tuple[np.ndarray, Q]:
-        qtype = type_for(name, values.shape[-1]) or Q.F32
-        return (values if qtype == Q.F32 else quantize(values, qtype)), qtype
-
-    return _rewrite(src, dst, convert)
-
-
 def float32_twin(src: Path, dst: Path) -> None:
-    """``src`` with every tensor stored as the F32 values ``gguf``'s dequantizer decodes it to."""
-    _rewrite(src, dst, lambda _name, values: (values, Q.F32))
+    """Write ``src``'s float32 twin to ``dst``: its metadata, every tensor as the F32 values ``gguf``'s
+    dequantizer decodes it to."""
+    requantize(src, dst, lambda _name, _cols: None)
 
 
 # ---- tiny GGUF files written the way llama.cpp's converter writes them ---------------------------------
@@ -359,18 +368,15 @@ def write_tiny_gguf(
         if arch == "gemma" and name.endswith("norm.weight"):
             w = w + 1.0  # llama.cpp stores Gemma's norms with the +1 folded in
         qtype = type_of(name)
+        stored = w
         if qtype != Q.F32:
             # quantization works row by row, so it commutes with the row permutation below
-            w = dequantize(quantize(w, qtype), qtype)
+            stored, w = quantize_and_decode(w, qtype)
             decoded.append((key, mx.array(w)))
-        stored = w
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
-            stored = llama_cpp_permute(w, heads)
-        if qtype == Q.F32:
-            writer.add_tensor(name, stored)
-        else:
-            writer.add_tensor(name, quantize(stored, qtype), raw_dtype=qtype)
+            stored = llama_cpp_permute(stored, heads)
+        writer.add_tensor(name, stored, raw_dtype=None if qtype == Q.F32 else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -13,7 +13,7 @@ most 8), and ``Codes.pack()`` writes the codes in MLX's packed affine layout: a 
 stream of ``bits``-wide fields in uint32 words, which is what ``mx.quantize`` produces for every bit
 width. MLX's group size starts at 32, so the types whose groups are 32 weights (all but Q6_K) map to
 MLX exactly: ``mx.dequantize`` of the packed form gives the same float32 values. Q6_K has 16-weight
-groups; the loader re-quantizes its float values (``mlx_engine/loading/gguf_loader.py``).
+groups; ``to_8bit_groups_of_32`` re-codes it for MLX, exactly where it can (see there).
 
 Block layouts: llama.cpp's ``ggml/src/ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``); K-quants
 pack 256 weights in a super-block with an fp16 ``d`` (and ``dmin``) and 6-bit or int8 sub-scales.
@@ -206,3 +206,41 @@ def decode(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Codes:
         c.group,
         c.zero,
     )
+
+
+def to_8bit_groups_of_32(codes: Codes) -> Codes:
+    """Q6_K (16-weight groups) as MLX's 8-bit affine form with groups of 32, exact where it can be.
+
+    A group of 32 is two sub-blocks with steps ``s1``, ``s2`` (``d * sc``) and codes ``k`` in [-32, 31].
+    With ``b`` the larger of ``|s1|``, ``|s2|``, an 8-bit step ``S = b / m`` holds the larger sub-block
+    exactly (its levels are ``m * k``, 64m of them: m <= 4 fits 256 codes), and the other one exactly
+    when ``m * s_small / b`` is a whole number (e.g. equal sub-scales); otherwise its values round to
+    the nearest level, off by at most ``S / 2``. Per group we take the largest m of 4, 2, 1 that is
+    exact, else m = 4 (it always fits unless the two sub-scales are opposite and equal in size, and
+    then m = 2 is exact). So every weight is exact (to float32 rounding: ``S * q + bias`` rounds where
+    ``d * sc * k`` did not) or within 1/8 of its group's larger Q6_K step ``b``.
+    """
+    assert codes.group == 16 and codes.zero is not None
+    rows, cols = codes.q.shape
+    steps = codes.scales.reshape(rows, cols // 32, 2, 1)
+    values = steps * (codes.q.reshape(rows, cols // 32, 2, 16).astype(np.float32) - np.float32(codes.zero))
+    big = np.abs(steps).max(axis=(2, 3))  # (rows, groups)
+    chosen_q = np.zeros(values.shape, np.float32)
+    chosen_step, chosen_low = np.zeros_like(big), np.zeros_like(big)
+    done = big == 0  # an all-zero group: step 0, codes 0
+    for exact_only in (True, False):
+        for m in (4, 2, 1):
+            step = big / np.float32(m)  # exact: m is a power of two
+            with np.errstate(divide="ignore", invalid="ignore"):
+                levels = np.where(step[..., None, None] > 0, values / step[..., None, None], 0)
+            rounded = np.rint(levels)
+            low, high = rounded.min(axis=(2, 3)), rounded.max(axis=(2, 3))
+            ok = ~done & (high - low <= 255)
+            if exact_only:
+                ok &= np.all(rounded == levels, axis=(2, 3))
+            chosen_q[ok] = rounded[ok] - low[ok][:, None, None]
+            chosen_step[ok], chosen_low[ok] = step[ok], low[ok]
+            done |= ok
+    assert done.all()
+    q = chosen_q.reshape(rows, cols).astype(np.uint8)
+    return Codes(q, chosen_step, chosen_step * chosen_low, 8, 32, None)

@@ -5,8 +5,9 @@ each tensor's bytes from a memory map: F32/F16/BF16 as float arrays, quantized b
 ``ggml_blocks``. With ``dense=False`` a quantized 2-D weight becomes MLX's affine quantization
 (``name.weight`` packed uint32, ``name.scales``, ``name.biases``, groups of 32 along each row):
 Q4_0/Q4_1/Q4_K at 4 bits, Q5_0/Q5_1/Q5_K at 5, Q8_0 at 8, all exact (``mx.dequantize`` gives the
-values llama.cpp computes, bit for bit); Q6_K, whose 16-weight groups MLX cannot hold, is re-quantized
-to 8 bits in groups of 32 (error measured in docs/kernels.md). With ``dense=True`` every tensor is
+values llama.cpp computes, bit for bit); Q6_K, whose 16-weight groups MLX cannot hold, is re-coded
+at 8 bits in groups of 32, exactly where it can be and otherwise within 1/8 of a Q6_K step
+(``ggml_blocks.to_8bit_groups_of_32``; errors measured in docs/gguf.md). With ``dense=True`` every tensor is
 the exact float values. Quantization is per tensor (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K and Q8_0),
 so each layer gets its own bits. The rest is renaming llama.cpp's tensors and metadata to mlx-lm's,
 and undoing what llama.cpp's converter changed:
@@ -33,7 +34,7 @@ import numpy as np
 from mlx_engine import mlx_lm_lazy
 from mlx_engine.loading import weight_cache
 from mlx_engine.loading.dequantize import dequantize_model
-from mlx_engine.loading.ggml_blocks import decode
+from mlx_engine.loading.ggml_blocks import decode, to_8bit_groups_of_32
 from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_gguf
 from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
 from mlx_engine.tokenization.tokenizer import Tokenizer
@@ -41,7 +42,7 @@ from mlx_engine.tokenization.tokenizer import Tokenizer
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf"]
 
 GROUP_SIZE = 32  # MLX's group size for every quantized GGUF tensor (the smallest MLX has)
-REQUANTIZED_BITS = 8  # Q6_K's 16-weight groups, re-quantized to 8 bits in groups of 32
+REQUANTIZED_BITS = 8  # Q6_K's 16-weight groups, re-coded at 8 bits in groups of 32
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,9 @@ def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dty
 _FLOAT_TYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
+_CHUNK_WEIGHTS = 1 << 22  # quantized tensors are decoded this many weights (whole rows) at a time
+
+
 def _tensor_arrays(t: TensorInfo, data: np.ndarray, dense: bool) -> dict[str, mx.array]:
     """One GGUF tensor as MLX arrays: ``{name: values}``, or for a quantized weight kept quantized
     ``{name: packed, base.scales: ..., base.biases: ...}``."""
@@ -235,17 +239,24 @@ def _tensor_arrays(t: TensorInfo, data: np.ndarray, dense: bool) -> dict[str, mx
         values = mx.array(data.view(_FLOAT_TYPES[t.ggml_type]).reshape(shape))
         return {t.name: values.view(mx.bfloat16) if t.ggml_type == "BF16" else values}
     rows, cols = t.rows_cols
-    codes = decode(data, t.ggml_type, rows, cols)
-    if dense or len(shape) != 2 or not t.name.endswith(".weight"):
-        return {t.name: mx.array(codes.to_float().reshape(shape))}
+    row_bytes = t.nbytes // rows
+    as_float = dense or len(shape) != 2 or not t.name.endswith(".weight")
+    parts: list[tuple[np.ndarray, ...]] = []
+    # rows decode independently: in chunks, the NumPy temporaries stay small for any tensor size
+    for r0 in range(0, rows, max(1, _CHUNK_WEIGHTS // cols)):
+        r1 = min(rows, r0 + max(1, _CHUNK_WEIGHTS // cols))
+        codes = decode(data[r0 * row_bytes : r1 * row_bytes], t.ggml_type, r1 - r0, cols)
+        if as_float:
+            parts.append((codes.to_float(),))
+            continue
+        if codes.group != GROUP_SIZE:  # Q6_K: 16-weight groups
+            codes = to_8bit_groups_of_32(codes)
+        parts.append((codes.pack(), codes.scales, codes.biases))
+    arrays = [mx.array(np.concatenate(p) if len(p) > 1 else p[0]) for p in zip(*parts, strict=True)]
+    if as_float:
+        return {t.name: arrays[0].reshape(shape)}
     base = t.name.removesuffix(".weight")
-    if codes.group == GROUP_SIZE:
-        packed, scales, biases = mx.array(codes.pack()), mx.array(codes.scales), mx.array(codes.biases)
-    else:  # Q6_K: 16-weight groups
-        packed, scales, biases = mx.quantize(
-            mx.array(codes.to_float()), group_size=GROUP_SIZE, bits=REQUANTIZED_BITS
-        )
-    return {t.name: packed, f"{base}.scales": scales, f"{base}.biases": biases}
+    return {t.name: arrays[0], f"{base}.scales": arrays[1], f"{base}.biases": arrays[2]}
 
 
 def _read_tensors(path: Path, tensors: list[TensorInfo], dense: bool) -> dict[str, mx.array]:
