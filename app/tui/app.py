@@ -577,7 +577,11 @@ class ChatApp(App):
         self.call_from_thread(self._paired, peer.name, peer.short_id)
 
     def _paired(self, name: str, short_id: str) -> None:
-        self.notify(f"Paired with {name} (id {short_id})", title="Peers", timeout=6)
+        self.notify(
+            f"Paired with {name} (id {short_id}); `duet chat --peers auto` prefills there when it serves",
+            title="Peers",
+            timeout=8,
+        )
         self.refresh_peers()
 
     def refresh_peers(self) -> None:
