@@ -151,6 +151,38 @@ def _in_ns(ns: str, config: Path, *argv: str, **kw) -> subprocess.Popen:
 
 
 DUET = [sys.executable, "-m", "app.cli"]
+CAPTURE = """
+import socket, sys
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(3))  # every frame (ETH_P_ALL)
+s.bind((sys.argv[1], 0))
+s.settimeout(0.2)
+print("ready", flush=True)
+with open(sys.argv[2], "ab") as out:
+    while True:
+        try:
+            out.write(s.recv(65536))
+        except TimeoutError:
+            out.flush()
+"""
+
+
+class VethCapture:
+    """Every frame seen on one interface of a namespace (an AF_PACKET socket in a process run there,
+    appending the raw frames to a file): ``stop()`` returns the bytes."""
+
+    def __init__(self, ns: str, ifname: str, path: Path):
+        self.path = path
+        path.write_bytes(b"")
+        self.proc = _in_ns(ns, path.parent, sys.executable, "-c", CAPTURE, ifname, str(path))
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def stop(self) -> bytes:
+        self.proc.send_signal(signal.SIGINT)  # ends the loop; the file is flushed at every frame batch
+        self.proc.wait(WAIT)
+        return self.path.read_bytes()
+
+
+TLS_CLIENT_HELLO = b"\x16\x03\x01"  # handshake record, legacy version 3.1: the TLS ClientHello
 ADVERTISE = """
 import sys
 from peer.discovery import Advertiser, txt_record
@@ -313,7 +345,11 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
 
         browse = _in_ns(ns_b, mac_dir, *DUET, "peers", "--interface", ip_b, "--wait-for", "gpu", "--json")
         seen = json.loads(browse.communicate(timeout=WAIT + 10)[0])["peers"]
-        remote, _ = generate(mac_dir, "always", "--peers", "auto", "--interface", ip_b)  # found over mDNS
+        capture = VethCapture(ns_b, veth_b, tmp_path / "veth.cap")  # the decoder's side of the link
+        try:
+            remote, _ = generate(mac_dir, "always", "--peers", "auto", "--interface", ip_b)  # found over mDNS
+        finally:
+            wire = capture.stop()
         local, _ = generate(mac_dir, "never")
         refused, err = generate(stranger_dir, "always")
     finally:
@@ -333,6 +369,9 @@ def test_remote_prefill_over_tls_between_two_namespaces(netns_pair, tmp_path, ti
     assert remote["token_ids"] == local["token_ids"]
     assert refused["usage"]["prefill_location"] == "local" and refused["token_ids"] == local["token_ids"]
     assert f"{where} refused this machine: it has not paired with this machine's certificate" in err
+    # on the veth itself: the TLS handshake, and none of the peer protocol (HELLO, KV frame headers)
+    assert TLS_CLIENT_HELLO in wire and len(wire) > remote["usage"]["remote_bytes"]
+    assert b"model_fingerprint" not in wire and b"layer_kv" not in wire
     assert "refused a client: its certificate is not one this machine has paired with" in serve_err
     assert "paired decoder mac" in serve_err
 

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from tests.test_peer_discovery import DUET, WAIT, _in_ns, _pair
+from tests.test_peer_discovery import DUET, TLS_CLIENT_HELLO, WAIT, VethCapture, _in_ns, _pair
 from tests.test_peer_discovery import netns_pair as netns_pair  # the fixture
 
 PROMPT_TOKENS = 1800  # ~0.9 MB of KV on the tiny model: far more than the shrunken TCP buffers hold
@@ -166,7 +166,7 @@ def test_trusted_link_between_two_namespaces_needs_both_sides(netns_pair, tmp_pa
     """`duet peer serve --link trusted` and `duet generate --peer-link trusted`: remote prefill with
     the greedy tokens of local prefill; a decoder asking for TLS is refused on both sides (no silent
     downgrade) and answers locally."""
-    ns_a, ip_a, ns_b, ip_b, _, _ = netns_pair
+    ns_a, ip_a, ns_b, ip_b, _, veth_b = netns_pair
     gpu_dir, mac_dir = tmp_path / "gpu", tmp_path / "mac"
     _pair(ns_a, ip_a, ns_b, gpu_dir, mac_dir)
     model = str(tiny_dirs("llama"))
@@ -194,7 +194,11 @@ def test_trusted_link_between_two_namespaces_needs_both_sides(netns_pair, tmp_pa
             assert p.returncode == 0, err
             return json.loads(out), err
 
-        trusted, _ = generate("--peer-link", "trusted", "--remote-prefill", "always")
+        capture = VethCapture(ns_b, veth_b, tmp_path / "veth.cap")
+        try:
+            trusted, _ = generate("--peer-link", "trusted", "--remote-prefill", "always")
+        finally:
+            wire = capture.stop()
         local, _ = generate("--remote-prefill", "never")
         refused, err = generate("--remote-prefill", "always")  # the default link: tls
     finally:
@@ -210,3 +214,6 @@ def test_trusted_link_between_two_namespaces_needs_both_sides(netns_pair, tmp_pa
     assert "refused this machine: it serves a trusted link (authenticated, not encrypted)" in err
     assert "refused mac: it asked for a tls link (encrypted)" in serve_err
     assert "paired decoder mac (TLS 1.3 handshake; trusted link" in serve_err
+    # on the veth: a TLS handshake first, then the peer protocol in plaintext (authenticated only)
+    assert TLS_CLIENT_HELLO in wire and b"DUETLINK" not in wire
+    assert wire.index(TLS_CLIENT_HELLO) < wire.index(b"model_fingerprint") and b"layer_kv" in wire
