@@ -246,15 +246,16 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
     """The ``peer`` command (``add_model_args``: the CLI's shared model and cache options)."""
     p = sub.add_parser(
         "peer",
-        help="run a prefill peer for other Duet instances (preview, this machine only)",
+        help="run a prefill peer for other Duet instances, pair machines",
         description="Prefill peers compute prompts for another Duet (the decoder) and stream the KV "
-        "cache to it, layer by layer. Preview: loopback only until peer pairing and TLS exist.",
+        "cache to it, layer by layer: on loopback for this machine, on a network address for paired "
+        "machines over mutual TLS (docs/peers.md).",
     )
     psub = p.add_subparsers(dest="peer_command", metavar="{serve,pair,unpair,plan}", help="what to do")
     psub.required = True
     s = psub.add_parser(
         "serve",
-        help="serve remote prefill to decoders on this machine",
+        help="serve remote prefill to decoders (this machine, or paired machines on a network)",
         description="Load a model and answer decoders' PREFILL requests (`duet generate --peers ...`) "
         "with its KV cache, streamed layer by layer (docs/peer-protocol.md).",
     )
