@@ -9,7 +9,11 @@ Modes (median of --repeat runs each, interleaved):
   the loopback link;
 - ``tls``: mutual TLS 1.3 (peer/trust/tls.py), ``sendall`` of the same buffers;
 - ``trusted``: the trusted link (``--link trusted``): the pinned TLS handshake, then the peer
-  framing with a GMAC tag per header and payload (peer/wire/frame_mac.py), verified on receipt.
+  framing with a GMAC tag per header and payload (peer/wire/frame_mac.py), verified on receipt;
+- ``aead``: not a Duet link, a sketch of one: bare TCP, each --chunk-kib message AES-256-GCM
+  encrypted by the application (``encrypt_into`` a reused buffer, ``sendall``) and decrypted on
+  receipt (``recv_into`` a reused buffer, ``decrypt_into`` another): what encrypting frames
+  without ``ssl`` would cost.
 
 ``--macs`` also times the MAC and AEAD candidates on one --chunk-kib buffer (one thread, no I/O).
 Loopback has no wire limit, so this is the CPU cost of both ends on one machine; compare with the
@@ -31,13 +35,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from peer.trust.keys import PairedPeers, load_identity
 from peer.trust.tls import accept_tls, client_context, connect_tls, server_context
 from peer.wire.framing import BufferPool, FrameReader, encode_prefill, send_frame
 from peer.wire.protocol import Prefill
 
-MODES = ("plain", "frames", "tls", "trusted")
+MODES = ("plain", "frames", "tls", "trusted", "aead")
 
 
 def run(total: int, chunk: int, mode: str, cfg: tuple) -> tuple[float, str]:
@@ -48,6 +53,7 @@ def run(total: int, chunk: int, mode: str, cfg: tuple) -> tuple[float, str]:
     link = {"tls": "tls", "trusted": "trusted"}.get(mode)
     framed = mode in ("frames", "trusted")
     tokens = chunk // 4
+    aead = AESGCM(bytes(32)) if mode == "aead" else None  # a fixed key: timing only
 
     def sink() -> None:
         conn, _ = listener.accept()
@@ -60,6 +66,18 @@ def run(total: int, chunk: int, mode: str, cfg: tuple) -> tuple[float, str]:
                 while (frame := reader.read()) is not None:
                     with frame:
                         received[0] += frame.payload.nbytes if frame.payload else 0
+            elif aead is not None:
+                sealed, plain = bytearray(chunk + 16), bytearray(chunk)
+                view, seq = memoryview(sealed), 0
+                while True:
+                    got = 0
+                    while got < len(sealed) and (n := s.recv_into(view[got:])):
+                        got += n
+                    if got < len(sealed):
+                        break
+                    aead.decrypt_into(seq.to_bytes(12, "big"), sealed, b"", plain)
+                    received[0] += chunk
+                    seq += 1
             else:
                 buf = bytearray(chunk)
                 while n := s.recv_into(buf):
@@ -78,12 +96,18 @@ def run(total: int, chunk: int, mode: str, cfg: tuple) -> tuple[float, str]:
             what = f"{conn.version()} {conn.cipher()[0]}"  # type: ignore[union-attr]
     ids = np.zeros(tokens, "<u4")
     payload = memoryview(bytes(chunk))
+    sealed = bytearray(chunk + 16)
+    if aead is not None:
+        what = "AES-256-GCM by the application, no TLS"
     t0 = time.perf_counter()
     sent = 0
     with conn:
         while sent < total:
             if framed:
                 send_frame(conn, encode_prefill(Prefill("bench", 1, tokens, 0, 16), ids))
+            elif aead is not None:
+                aead.encrypt_into((sent // chunk).to_bytes(12, "big"), payload, b"", sealed)
+                conn.sendall(sealed)  # type: ignore[union-attr]
             else:
                 conn.sendall(payload)  # type: ignore[union-attr]
             sent += chunk
