@@ -16,6 +16,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -53,9 +54,10 @@ def _stamp_mismatch() -> str | None:
     """Why the built extension does not fit this mlx, or None when it does (or has no stamp)."""
     if not STAMP.exists():
         return None
-    built_for = STAMP.read_text().split()[0] if STAMP.read_text().strip() else ""
-    if built_for and built_for != mx.__version__:
-        return f"built for mlx {built_for}, running mlx {mx.__version__}"
+    fields = STAMP.read_text().split()
+    running = metadata.version("mlx")
+    if fields and fields[0] != running:
+        return f"built for mlx {fields[0]}, running mlx {running}"
     return None
 
 

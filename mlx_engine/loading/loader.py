@@ -82,6 +82,10 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
         model, tokenizer, model_type, ctx, fmt = _load_hf_dir(src, dense)
     if backend_name() == "cpu":
         _input_major_weights(model)
+        if not dense:
+            from cpu_kernels.modules import use_cpu_kernels
+
+            use_cpu_kernels(model)  # quantized layers run through the CPU kernels (weight_policy.py)
     layers, kv, hd = _attention_shape(model)
     return LoadedModel(
         model=model,

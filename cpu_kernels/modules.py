@@ -1,0 +1,67 @@
+"""Route a model's quantized layers through the CPU kernel.
+
+``use_cpu_kernels(model)`` turns every ``QuantizedLinear`` whose format the kernel supports into a
+:class:`CPUQuantizedLinear` and every such ``QuantizedEmbedding`` into a
+:class:`CPUQuantizedEmbedding` (its ``as_linear``, the tied LM head, uses the kernel; the lookup stays
+MLX's). Only the class changes: parameters, names and ``nn.quantize``'s bookkeeping stay as they are,
+so mlx-lm's model code and weight loading see the same modules.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cpu_kernels.qmm import SPEC, quantized_matmul
+
+
+class CPUQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+
+
+def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
+    return (
+        layer.mode == "affine"
+        and layer.get("biases") is not None
+        and SPEC.supports(bits=layer.bits, group_size=layer.group_size, dtype=layer["scales"].dtype)
+    )
+
+
+def use_cpu_kernels(model: nn.Module) -> int:
+    """Switch the model's supported quantized layers to the CPU kernel (in place); returns how many."""
+    switched = 0
+    for _, layer in model.named_modules():
+        if type(layer) is nn.QuantizedLinear and _supported(layer):
+            layer.__class__ = CPUQuantizedLinear
+            switched += 1
+        elif type(layer) is nn.QuantizedEmbedding and _supported(layer):
+            layer.__class__ = CPUQuantizedEmbedding
+            switched += 1
+    return switched

@@ -1,0 +1,262 @@
+"""Duet's CPU kernels (cpu_kernels/): the quantized matmul against float64 NumPy, on every variant and
+thread count, inside mx.compile, in a model, and the fallback when the extension is missing.
+
+The oracle is independent of the kernel and of MLX's quantized matmul: the packed words are unpacked
+as a little-endian bit stream with NumPy, dequantized and multiplied in float64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from cpu_kernels import spec
+from cpu_kernels.modules import CPUQuantizedEmbedding, CPUQuantizedLinear, use_cpu_kernels
+from cpu_kernels.qmm import quantized_matmul
+
+pytestmark = pytest.mark.skipif(
+    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+)
+
+BITS = (4, 5, 6, 8)
+GROUPS = (32, 64, 128)
+# Relative to |x| @ |w|.T: float32 accumulation over K <= 640 stays far below this (measured < 2e-6).
+F32_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The built extension; a missing one is a failed setup (``make setup`` builds it)."""
+    module = spec.extension()
+    assert module is not None, f"cpu_kernels._ext is not built: {spec.unavailable_reason()}"
+    yield module
+    module.set_isa("")
+    spec.set_threads()
+
+
+def variants(ext) -> list[str]:
+    order = ["avx512", "avx2", "base"]
+    return order[order.index(ext.isa()) :] if ext.isa() in order else ["base"]
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def dequantize_f64(
+    wq: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> np.ndarray:
+    rows = wq.shape[0]
+    raw = np.array(wq).astype("<u4").view(np.uint8).reshape(rows, -1)
+    stream = np.unpackbits(raw, axis=1, bitorder="little").reshape(rows, -1, bits)
+    codes = stream.astype(np.int64) @ (1 << np.arange(bits, dtype=np.int64))
+    s = np.repeat(f64(scales), group_size, axis=1)
+    b = np.repeat(f64(biases), group_size, axis=1)
+    return codes * s + b
+
+
+def case(rng: np.random.Generator, m: int, n: int, k: int, group_size: int, bits: int, dtype=mx.float32):
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.1).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
+    return x, wq, scales, biases
+
+
+def check(y: mx.array, x: mx.array, wq, scales, biases, group_size: int, bits: int, tol: float) -> float:
+    w = dequantize_f64(wq, scales, biases, group_size, bits)
+    ref = f64(x).reshape(-1, w.shape[1]) @ w.T
+    mag = np.abs(f64(x)).reshape(-1, w.shape[1]) @ np.abs(w).T
+    err = np.abs(f64(y).reshape(ref.shape) - ref) / (mag + 1e-30)
+    assert y.shape == (*x.shape[:-1], wq.shape[0])
+    assert float(err.max()) <= tol, f"max relative error {err.max():.3g} > {tol}"
+    return float(err.max())
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_matches_float64_every_variant_shape_batch_and_thread_count(ext, bits, group_size):
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    threads = max(2, spec.physical_cores())
+    # Odd row counts (a thread's share ends mid 8-row block), K of 1-5 groups, 1..16 rows of x
+    # (every tile size and tail), and enough rows that several threads share the work.
+    shapes = [(1, 1, group_size), (3, 37, 2 * group_size), (16, 67, 5 * group_size), (9, 1031, group_size)]
+    for isa in variants(ext):
+        ext.set_isa(isa)
+        for m, n, k in shapes:
+            x, wq, scales, biases = case(rng, m, n, k, group_size, bits)
+            outs = []
+            for t in (1, threads):
+                spec.set_threads(t)
+                y = quantized_matmul(
+                    x, wq, scales, biases, group_size=group_size, bits=bits, backend="native"
+                )
+                check(y, x, wq, scales, biases, group_size, bits, F32_TOL)
+                outs.append(np.array(y))
+            # each output row is computed by one thread whatever the split: bit-for-bit the same
+            assert np.array_equal(outs[0], outs[1]), (isa, m, n, k)
+    for m in range(1, 17):  # every batch size 1..16 on the best variant
+        ext.set_isa("")
+        x, wq, scales, biases = case(rng, m, 45, 2 * group_size, group_size, bits)
+        y = quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=bits, backend="native")
+        check(y, x, wq, scales, biases, group_size, bits, F32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_inputs_and_scales(ext, dtype):
+    rng = np.random.default_rng(7)
+    for bits in BITS:
+        x, wq, scales, biases = case(rng, 4, 50, 128, 64, bits, dtype)
+        assert scales.dtype == dtype
+        y = quantized_matmul(x, wq, scales, biases, group_size=64, bits=bits, backend="native")
+        assert y.dtype == dtype
+        # float32 inside; the only extra error is the output's rounding to dtype
+        check(y, x, wq, scales, biases, 64, bits, 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10)
+
+
+def test_batch_dims_and_strided_inputs(ext):
+    rng = np.random.default_rng(3)
+    x, wq, scales, biases = case(rng, 6, 40, 96, 32, 4)
+    x3 = x.reshape(2, 3, 96)
+    y = quantized_matmul(x3, wq, scales, biases, group_size=32, bits=4, backend="native")
+    check(y, x3, wq, scales, biases, 32, 4, F32_TOL)
+    wide = mx.array(rng.standard_normal((96, 12)).astype(np.float32))
+    xt = wide.T[::2]  # (6, 96), neither row- nor column-contiguous
+    y = quantized_matmul(xt, wq, scales, biases, group_size=32, bits=4, backend="native")
+    check(y, xt, wq, scales, biases, 32, 4, F32_TOL)
+    ws = mx.concatenate([wq, wq], axis=1)[:, : wq.shape[1]]  # a strided view of the packed weights
+    y = quantized_matmul(x, ws, scales, biases, group_size=32, bits=4, backend="native")
+    check(y, x, wq, scales, biases, 32, 4, F32_TOL)
+
+
+def test_composes_lazily_and_under_compile(ext):
+    rng = np.random.default_rng(11)
+    x, wq, scales, biases = case(rng, 5, 64, 128, 32, 4)
+
+    def f(a):
+        h = quantized_matmul(mx.maximum(a, 0) * 2, wq, scales, biases, group_size=32, bits=4)
+        return mx.tanh(h).sum(axis=-1)
+
+    eager = f(x)
+    compiled = mx.compile(f)
+    assert np.array_equal(np.array(compiled(x)), np.array(eager))
+    shapeless = mx.compile(f, shapeless=True)
+    for m in (1, 3, 5):  # one compiled graph, several batch sizes
+        assert np.array_equal(np.array(shapeless(x[:m])), np.array(f(x[:m])))
+
+
+def test_bad_arguments_are_one_line_errors_and_the_op_still_works(ext):
+    rng = np.random.default_rng(5)
+    x, wq, scales, biases = case(rng, 2, 16, 64, 32, 4)
+    with pytest.raises(ValueError, match="K=32 but w packs 64"):
+        ext.quantized_matmul(x[:, :32], wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="bits must be"):
+        ext.quantized_matmul(x, wq, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="group_size"):
+        ext.quantized_matmul(x, wq, scales, biases, 16, 4)
+    with pytest.raises(ValueError, match="scales and biases"):
+        ext.quantized_matmul(x, wq, scales[:, :1], biases, 32, 4)
+    with pytest.raises(ValueError):
+        quantized_matmul(x, wq, scales, biases, group_size=32, bits=3, backend="native")
+    check(
+        quantized_matmul(x, wq, scales, biases, group_size=32, bits=4), x, wq, scales, biases, 32, 4, F32_TOL
+    )
+
+
+def test_unsupported_formats_take_mlx_path(ext):
+    rng = np.random.default_rng(9)
+    x, wq, scales, biases = case(rng, 2, 16, 64, 32, 3)  # 3-bit: not in the kernel
+    y = quantized_matmul(x, wq, scales, biases, group_size=32, bits=3)
+    ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=32, bits=3)
+    assert np.allclose(np.array(y), np.array(ref))
+
+
+def _tiny_quantized(tiny_dirs, arch: str, kernels: bool):
+    from mlx_engine.loading.loader import load_model
+
+    loaded = load_model(str(tiny_dirs(arch)), weights="dense")
+    nn.quantize(loaded.model, group_size=32, bits=4)
+    if kernels:
+        assert use_cpu_kernels(loaded.model) > 0
+    return loaded
+
+
+def test_layers_switch_and_logits_match_mlx_quantized_path(ext, tiny_dirs):
+    ours = _tiny_quantized(tiny_dirs, "qwen3", kernels=True)  # tied embeddings: the LM head too
+    theirs = _tiny_quantized(tiny_dirs, "qwen3", kernels=False)
+    kinds = {type(m) for _, m in ours.model.named_modules()}
+    assert CPUQuantizedLinear in kinds and CPUQuantizedEmbedding in kinds
+    assert nn.QuantizedLinear not in kinds and nn.QuantizedEmbedding not in kinds
+    tokens = mx.array([[5, 9, 200, 31, 7, 64, 3, 12]])
+    a, b = f64(ours.model(tokens)), f64(theirs.model(tokens))
+    # MLX's CPU quantized matmul rounds through lower precision than our float32 accumulation;
+    # measured max |diff| ~1e-5 on these logits (|logits| ~ 1).
+    assert np.abs(a - b).max() < 1e-3
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_engine_paged_batched_matches_mlx_lm_with_quantized_cpu_weights(ext, tiny_dirs):
+    """test_engine_tiny's equivalence (paged engine, alone and batched, vs mlx-lm's loop on the same
+    model) with 4-bit weights through the kernel: batching changes how many rows the kernel takes at
+    once, which must not change a greedy token."""
+    from mlx_engine.engine import Engine, EngineConfig
+    from tests.test_engine_tiny import prompts, reference_greedy, req, run_all
+
+    loaded = _tiny_quantized(tiny_dirs, "llama", kernels=True)
+    ps = prompts(loaded.tokenizer.vocab_size, [1, 5, 17, 33, 2, 64, 16, 40])
+    expected = [reference_greedy(loaded.model, p, 12) for p in ps]
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16))
+    try:
+        alone = [asyncio.run(run_all(engine, [req(p)]))[0] for p in ps[:3]]
+        assert alone == expected[:3]
+        assert asyncio.run(run_all(engine, [req(p) for p in ps])) == expected
+    finally:
+        engine.shutdown()
+
+
+def test_missing_extension_logs_once_and_falls_back(monkeypatch, caplog):
+    """Simulate an absent build: importing cpu_kernels._ext fails. One warning, the reference path
+    computes the same product, and the loader expands the bundled GGUF to dense float32 (today's path)
+    and generates."""
+    from mlx_engine.loading import weight_policy
+    from mlx_engine.loading.loader import load_model
+
+    monkeypatch.setitem(sys.modules, "cpu_kernels._ext", None)  # `import` now raises ImportError
+    monkeypatch.setattr(spec, "_state", {"loaded": False, "ext": None, "reason": None})
+    monkeypatch.delenv("DUET_CPU_KERNELS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="duet.cpu_kernels"):
+        assert spec.extension() is None
+        assert not spec.available()
+        assert not weight_policy.keep_quantized("cpu")
+        rng = np.random.default_rng(1)
+        x, wq, scales, biases = case(rng, 3, 20, 64, 32, 4)
+        y = quantized_matmul(x, wq, scales, biases, group_size=32, bits=4)
+        check(y, x, wq, scales, biases, 32, 4, 1e-3)  # MLX's own CPU path
+        with pytest.raises(RuntimeError, match="not available"):
+            quantized_matmul(x, wq, scales, biases, group_size=32, bits=4, backend="native")
+        loaded = load_model(None)
+        assert loaded.weight_format.startswith("dense float32")
+        from tests.test_engine_tiny import reference_greedy
+
+        assert (
+            len(reference_greedy(loaded.model, loaded.tokenizer.encode("The capital of France is"), 4)) == 4
+        )
+    lines = [r for r in caplog.records if r.name == "duet.cpu_kernels"]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert "CPU kernels unavailable" in lines[0].getMessage() and "cannot import" in lines[0].getMessage()
+
+
+def test_stale_build_for_another_mlx_is_refused(monkeypatch, tmp_path, caplog):
+    stamp = tmp_path / "_ext.stamp"
+    stamp.write_text("0.0.1 0123456789abcdef\n")
+    monkeypatch.setattr(spec, "STAMP", stamp)
+    monkeypatch.setattr(spec, "_state", {"loaded": False, "ext": None, "reason": None})
+    monkeypatch.delenv("DUET_CPU_KERNELS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="duet.cpu_kernels"):
+        assert spec.extension() is None
+    assert "built for mlx 0.0.1" in spec.unavailable_reason()
