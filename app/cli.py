@@ -64,7 +64,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--weights",
         choices=("auto", "dense", "quantized"),
         default="auto",
-        help="weight format (default auto: dense float32 on CPU, quantized on Metal/CUDA)",
+        help="weight format (default auto: quantized, or dense float32 on a CPU without the built CPU kernels)",
     )
 
 
