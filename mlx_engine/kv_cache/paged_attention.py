@@ -72,10 +72,18 @@ class BatchLayout:
         self.context_lens = mx.array(ends, dtype=mx.int32)
         self._masks: dict[int | None, mx.array] = {}
 
-    @property
-    def uses_window(self) -> bool:
-        """Whether some layer asked for a sliding-window mask in this pass."""
-        return any(w is not None for w in self._masks)
+    def window_of(self, mask: object) -> int | None:
+        """The sliding window of a mask this layout made (None: the layer is global).
+
+        mlx-lm builds every mask before its layer loop and hands each layer the one for its kind,
+        so the mask object a layer receives says which window it attends over. Raises ``LookupError``
+        for a mask this layout did not make (the caller then keeps the reference path)."""
+        if mask is None or isinstance(mask, str):
+            return None  # ``mask`` returns these only without a window
+        for window, m in self._masks.items():
+            if m is mask:
+                return window
+        raise LookupError("a mask this layout did not make")
 
     def mask(self, window: int | None = None) -> mx.array | str | None:
         if window is None and len(set(self.starts)) == 1:
@@ -129,7 +137,8 @@ class PagedLayerCache:
 
 
 # Accelerated decode attention: set by ``use_metal_kernels`` on Metal.
-# Signature: (queries (B, Hq, 1, D), cache: PagedLayerCache, scale, sinks) -> (B, Hq, 1, D) or None to decline.
+# Signature: (queries (B, Hq, 1, D), cache: PagedLayerCache, scale, sinks, window) -> (B, Hq, 1, D),
+# or None to decline (the reference path then runs).
 decode_kernel = None
 
 
@@ -140,18 +149,26 @@ def paged_attention(
     into ``keys``/``values`` by ``update_and_fetch``; lazily, so a kernel that reads the pool
     directly makes the gather free)."""
     if decode_kernel is not None and queries.shape[2] == 1:
-        out = decode_kernel(queries, cache, scale, sinks)
+        out = _kernel_decode(decode_kernel, queries, cache, scale, mask, sinks)
         if out is not None:
             return out
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def _metal_decode(queries, cache: PagedLayerCache, scale: float, sinks) -> mx.array | None:
+def _kernel_decode(kernel, queries, cache: PagedLayerCache, scale: float, mask, sinks) -> mx.array | None:
+    try:
+        window = cache.layout.window_of(mask)  # per layer: windowed and global layers both
+    except LookupError:
+        return None  # a mask from elsewhere: the reference path applies it as given
+    return kernel(queries, cache, scale, sinks, window)
+
+
+def _metal_decode(
+    queries, cache: PagedLayerCache, scale: float, sinks, window: int | None
+) -> mx.array | None:
     from metal_kernels.paged_attention import paged_decode_attention
 
     layout, pool = cache.layout, cache.pool
-    if layout.uses_window:  # sliding-window layers keep the reference path
-        return None
     k, v = pool.k[cache.layer], pool.v[cache.layer]
     extra = {}
     if pool.kv_bits is not None:
@@ -168,6 +185,7 @@ def _metal_decode(queries, cache: PagedLayerCache, scale: float, sinks) -> mx.ar
         scale=scale,
         sinks=sinks,
         block_size=pool.block_size,
+        window=window,
         backend=_kernel_backend,
         **extra,
     )
