@@ -61,6 +61,7 @@ from mlx_engine.model_runner import ModelRunner, Row
 from mlx_engine.request import GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from mlx_engine.sampling.sampler import SamplerRow, SeedState, make_rng, sample
 from mlx_engine.scheduler import RUNNING, Scheduler, SchedulerConfig, Sequence, StartLoad, Step
+from mlx_engine.speculative import NgramProposer, SpeculationPolicy
 from mlx_engine.tokenization.detokenizer import StreamingDetokenizer
 from mlx_engine.tokenization.reply_memory import ReplyMemory
 from mlx_engine.tokenization.stop_strings import StopMatcher
@@ -312,6 +313,7 @@ class Engine:
         warn_if_slow(backend_name())  # once per process, with the fix
         self.tokenizer = loaded.tokenizer
         self.replies = ReplyMemory()  # generated ids behind reply text, for multi-turn prefix hits
+        self.speculation = SpeculationPolicy()  # how many tokens to propose (config.speculative)
         self.model_name = loaded.name
         self.context_length = loaded.context_length
         self._mailbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -399,6 +401,9 @@ class Engine:
             num_layers=m.num_layers,
         )
         self.runner = ModelRunner(m.model, self.pool)
+        if c.speculative == "ngram":
+            self._proposer = NgramProposer()
+            self.scheduler.drafter = self._draft
         self.disk: PrefixDiskTier | None = None
         if c.disk_cache_dir and c.prefix_cache:
             # the model's identity (a hash of its weights) and the numerics that shape its KV: a cache
@@ -951,6 +956,9 @@ class Engine:
         )
         t0 = time.perf_counter()
         logits = self.runner.forward(rows)
+        self.speculation.observe(
+            len({len(r.tokens) for r in rows}), sum(len(r.tokens) for r in rows), time.perf_counter() - t0
+        )
         if prefill >= 16:
             rate = prefill / max(time.perf_counter() - t0, 1e-9)
             self._prefill_rate = (
@@ -964,13 +972,60 @@ class Engine:
             elif x.seq.request_id in done:
                 self._finish_export(x)
         sampled = [i for i, rid in enumerate(rids) if rid in done and rid in self._active]
+        drafted = [i for i in sampled if step.seqs[rids[i]].num_draft]
+        for seq in (step.seqs[r] for r in rids):
+            if seq.num_draft and seq.request_id not in self._active:
+                self.scheduler.end_draft(seq, 0)
+        if drafted:
+            sampled = [i for i in sampled if i not in drafted]
+            for i in drafted:
+                self._verify(self._active[rids[i]], self.runner.position_logits[i])
         if sampled:
             self._sample(step, rids, sampled, logits)
         return True
 
+    def _verify(self, a: _Active, logits: mx.array) -> None:
+        """Sample each position of a row with proposed tokens, as plain decoding would, keeping
+        proposals while they equal the sampled token (speculative.py); the first that differs
+        emits the sampled token instead, and the rest are rolled back."""
+        seq, p = a.seq, a.req.sampling
+        base = seq.num_verified
+        drafts = seq.tokens[base:]
+        penalised = p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+        results = []
+        for i in range(len(drafts) + 1):
+            row = SamplerRow(
+                params=p,
+                rng=a.rng,
+                prompt_ids=seq.tokens[: seq.num_prompt] if penalised else (),
+                output_ids=seq.tokens[seq.num_prompt : base + i] if penalised else (),
+            )
+            results.append(sample(logits[i : i + 1], [row])[0])
+            if i == len(drafts) or results[-1].token_id != drafts[i]:
+                break
+        self.scheduler.end_draft(seq, len(results) - 1)
+        now = time.perf_counter()
+        for i, r in enumerate(results):
+            self._on_token(a, r, now)
+            if a.done:
+                return
+            if i < len(results) - 1:
+                self.scheduler.draft_kept(seq)
+
+    def _draft(self, seq: Sequence, max_k: int, decoding_rows: int) -> list[int]:
+        """The scheduler's drafter: tokens to propose after ``seq``'s last (speculative.py)."""
+        a = self._active.get(seq.request_id)
+        if a is None or a.req.constraint is not None:  # a grammar must see each token first
+            return []
+        k = self.speculation.choose(seq.spec_proposed, seq.spec_accepted, decoding_rows)
+        if k == 0 and seq.num_generated % 16 == 0 and decoding_rows <= 2:
+            k = 1  # probe now and then: what the text does may have changed
+        return self._proposer.propose(seq.tokens, min(k, max_k))
+
     def _row(self, step: Step, rid: str, n: int) -> Row:
         seq = step.seqs[rid]
         row = Row(seq.tokens[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.blocks)
+        row.all_logits = seq.num_draft > 0
         x = self._exports.get(rid)
         if x is not None:
             t0, t1 = max(x.start, seq.num_computed), seq.num_computed + n
@@ -1127,6 +1182,8 @@ class Engine:
             usage.prefill_exact = a.remote.exact
         if seq.load_failures:
             usage.fallback_reason = "; ".join(seq.load_failures)
+        if self.config.speculative != "off":
+            usage.speculative = {"proposed": seq.spec_proposed, "accepted": seq.spec_accepted}
         if a.t_first is not None:
             usage.ttft_s = a.t_first - a.t_submit
             usage.prefill_tps = (seq.num_prompt - seq.num_cached) / max(usage.ttft_s, 1e-9)

@@ -26,6 +26,7 @@ class Row:
     start: int  # tokens of this sequence already in the pool
     blocks: list[int]  # the sequence's block table
     export: LayerExport | None = None  # KV of these tokens to hand out per layer (a prefill peer)
+    all_logits: bool = False  # logits at every position, not only the last (verifying proposals)
 
 
 def lm_head(model: nn.Module, h: mx.array) -> mx.array:
@@ -43,6 +44,7 @@ class ModelRunner:
         paged_attention.use_metal_kernels(backend_name() == "metal")
         self.model = model
         self.pool = pool
+        self.position_logits: dict[int, mx.array] = {}  # row index -> (tokens, vocab), last forward
 
     def _pass(self, rows: list[Row], all_positions: bool = False) -> mx.array:
         layout = BatchLayout(
@@ -62,8 +64,14 @@ class ModelRunner:
         for i, r in enumerate(rows):
             groups.setdefault(len(r.tokens), []).append(i)
         parts, order = [], []
+        self.position_logits = {}
         for idx in groups.values():
-            parts.append(self._pass([rows[i] for i in idx])[:, -1, :])
+            every = any(rows[i].all_logits for i in idx)
+            out = self._pass([rows[i] for i in idx], all_positions=every)
+            for j, i in enumerate(idx):
+                if rows[i].all_logits:
+                    self.position_logits[i] = out[j]
+            parts.append(out[:, -1, :])
             order.extend(idx)
             if len(groups) > 1:
                 # Evaluate each pass before building the next: the pool arrays are updated in
@@ -77,7 +85,7 @@ class ModelRunner:
             for pos, i in enumerate(order):
                 inv[i] = pos
             logits = logits[mx.array(inv)]
-        mx.eval(logits, *self.pool.arrays())
+        mx.eval(logits, *self.position_logits.values(), *self.pool.arrays())
         return logits
 
     def forward_all(self, row: Row) -> mx.array:

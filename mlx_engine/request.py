@@ -142,6 +142,8 @@ class Usage:
     remote_compute_s: float = 0.0  # the peer's own compute time, as it reported it
     fallback_reason: str | None = None  # why a KV load ended early (the rest was computed locally)
     prefill_exact: bool | None = None  # remote KV bit-exact with local prefill (None: nothing remote)
+    # speculative decoding: proposed tokens verified, and how many of them were kept (None: off)
+    speculative: dict[str, int] | None = None
 
     @property
     def total_tokens(self) -> int:

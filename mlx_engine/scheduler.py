@@ -46,7 +46,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mlx_engine.errors import QueueFullError
@@ -84,6 +84,9 @@ class Sequence:
     landed: LandedKV | None = None  # per-layer landed ranges while LOADING
     starved: bool = False  # an exact_grid piece did not fit the last step's budget
     paused: bool = False  # not scheduled for now (a peer export whose send queue is full)
+    num_draft: int = 0  # proposed tokens at the end of ``tokens``, not verified yet (speculative.py)
+    spec_proposed: int = 0  # proposed tokens verified so far
+    spec_accepted: int = 0  # of which kept
 
     @property
     def group_key(self) -> str:
@@ -96,6 +99,11 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         return len(self.tokens) - self.num_computed
+
+    @property
+    def num_verified(self) -> int:
+        """Tokens that are the sequence's own (proposed ones excluded)."""
+        return len(self.tokens) - self.num_draft
 
 
 @dataclass
@@ -168,6 +176,9 @@ class Scheduler:
         self.loads_failed = 0
         self._loads: dict[int, _Load] = {}
         self._load_ids = itertools.count(1)
+        # speculative decoding: ``drafter(seq, max_k, decoding_rows)`` proposes up to ``max_k``
+        # tokens to verify after a decoding sequence's last one (None: plain decoding)
+        self.drafter: Callable[[Sequence, int, int], list[int]] | None = None
 
     # --- queue ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -197,6 +208,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         # full blocks become matchable by later requests, then every block loses this reference
+        self._drop_draft(seq)
         self.alloc.register(seq.tokens, seq.blocks, seq.num_computed // self.bs, seq.cache_salt)
         self.alloc.free(seq.blocks)
         seq.blocks = []
@@ -259,6 +271,43 @@ class Scheduler:
             seq.num_cached = seq.num_computed
             self.prefix_query_tokens += seq.num_prompt
             self.prefix_hit_tokens += seq.num_computed
+
+    def _drop_draft(self, seq: Sequence) -> None:
+        if seq.num_draft:
+            del seq.tokens[seq.num_verified :]
+            seq.num_computed = min(seq.num_computed, len(seq.tokens))
+            seq.num_draft = 0
+
+    def _draft(self, seq: Sequence, budget: int, decoding_rows: int) -> int:
+        """Propose tokens after a decoding sequence's last one; returns the row's token count."""
+        k = min(budget - 1, seq.max_total - len(seq.tokens) - 1)
+        if self.drafter is None or seq.num_pending != 1 or seq.num_generated < 1 or k < 1:
+            return 1
+        drafts = self.drafter(seq, k, decoding_rows)[:k]
+        seq.tokens += drafts
+        seq.num_draft = len(drafts)
+        return 1 + len(drafts)
+
+    def end_draft(self, seq: Sequence, kept: int) -> list[int]:
+        """After the forward pass of a row with proposed tokens: takes them off the sequence
+        (returned) and keeps the blocks its next ``kept + 1`` tokens need; the engine then appends
+        the kept ones again with ``draft_kept`` after each (their KV is in the pool already)."""
+        drafts = seq.tokens[seq.num_verified :]
+        del seq.tokens[seq.num_verified :]
+        seq.num_draft = 0
+        seq.num_computed = min(seq.num_computed, len(seq.tokens))
+        need = -(-(len(seq.tokens) + kept + 1) // self.bs)
+        if len(seq.blocks) > need:  # blocks that only rejected proposals used: fresh, unshared
+            self.alloc.free(seq.blocks[need:])
+            del seq.blocks[need:]
+        seq.spec_proposed += len(drafts)
+        seq.spec_accepted += kept
+        return drafts
+
+    def draft_kept(self, seq: Sequence) -> None:
+        """The token just appended was a kept proposal: its KV is computed."""
+        seq.num_computed += 1
+        self._register_full(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -327,10 +376,16 @@ class Scheduler:
         place = {seq: i for i, seq in enumerate(order)}
         order.sort(key=lambda s: not s.starved)
         bumped: set[Sequence] = set()  # preempted for blocks now: not re-admitted in this step
+        decoding = sum(s.num_pending == 1 and not s.paused for s in order)
         for seq in order:
             if seq.status != RUNNING or seq.paused:
                 continue
             n = self._piece(seq)
+            if n == 1 and budget > 1 and self.drafter is not None:
+                n = self._draft(seq, budget, decoding)
+                if n > 1 and not self._grow(seq, n, step.copies):
+                    self._drop_draft(seq)  # no blocks for proposals: plain decoding
+                    n = 1
             if seq.exact_grid:
                 if n > budget and step.tokens:  # a whole grid piece or nothing (alone it may exceed)
                     seq.starved = True
@@ -422,7 +477,7 @@ class Scheduler:
         return out
 
     def _register_full(self, seq: Sequence) -> None:
-        full = seq.num_computed // self.bs
+        full = min(seq.num_computed, seq.num_verified) // self.bs  # never a block with proposals
         if full > seq.num_registered:  # a block filled up: make it matchable by later requests
             self.alloc.register(seq.tokens, seq.blocks, full, seq.cache_salt)
             seq.num_registered = full

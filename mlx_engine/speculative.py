@@ -1,0 +1,107 @@
+"""Speculative decoding: who proposes tokens, and how many to propose.
+
+A decoding sequence may carry ``1 + k`` tokens in a scheduler step: its last sampled token and
+``k`` proposed ones. The model runner computes logits at every position of that row; the engine
+samples each position in turn, exactly as plain decoding would (same sampler, same per-request
+random stream, one draw per emitted token), and keeps proposed tokens while they equal what was
+sampled. The first position that differs emits the sampled token instead and the rest are rolled
+back (``Scheduler.end_draft``). For a proposer whose proposal is a fixed token (n-gram lookup, a
+greedy draft model) this *is* exact rejection sampling: a proposal ``d`` is kept with probability
+``p(d)``, and on rejection the emitted token is distributed as ``p`` without ``d``, renormalised.
+So greedy output is token-identical to plain decoding and sampled output has the target's
+distribution (and, for a seed, the same tokens).
+
+Proposers implement ``propose(tokens, k) -> list[int]``. ``NgramProposer`` is prompt lookup:
+the last few tokens are looked up in the earlier context (prompt and output) and what followed
+them there is proposed. Another proposer (a draft model, EAGLE-style heads, MTP layers) plugs in
+behind the same call.
+
+``SpeculationPolicy`` chooses ``k`` per sequence and step from the sequence's measured
+acceptance rate and the batch: with ``a`` the chance a proposal is kept, ``k`` proposals give
+``(1 - a^(k+1)) / (1 - a)`` tokens per step, and the step's cost grows with the tokens it holds
+at a rate the engine measures on its own forward passes. A busy batch (or a machine where a
+pass's cost is mostly its tokens) makes extra positions expensive, so speculation turns itself
+off there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MODES = ("off", "ngram")
+
+
+class NgramProposer:
+    """Prompt lookup: find the most recent earlier occurrence of the context's last ``n`` tokens
+    (longest ``n`` first) and propose the tokens that followed it."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < self.min_ngram + 1:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_ngram, len(arr) - 1), self.min_ngram - 1, -1):
+            tail = arr[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # excludes the tail itself
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # what followed the most recent occurrence
+                return [int(t) for t in arr[start : start + k]]
+        return []
+
+
+@dataclass
+class SpeculationPolicy:
+    """How many tokens to propose for one sequence in one step.
+
+    ``cost_ratio`` (r) is what one more token in a forward pass costs relative to a pass's fixed
+    cost, fitted online from the engine's own passes (``observe``): a pass of ``T`` tokens takes
+    ``a + c * T`` seconds, r = c / a. A step of ``B`` decoding rows then costs ``1 + r * B`` and
+    with ``k`` proposals per row ``1 + r * B * (1 + k)``, for ``(1 - p^(k+1)) / (1 - p)`` tokens
+    per row instead of one, ``p`` being the measured chance that a proposal is kept.
+    """
+
+    max_k: int = 5
+    cost_ratio: float = 0.1  # prior, until passes have been measured
+    measure: bool = True
+    min_proposals: int = 8  # proposals seen before the measured rate replaces the prior
+    prior_accept: float = 0.6
+    decay: float = 0.98
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # pp, pt, tt, py, ty
+
+    def acceptance(self, proposed: int, accepted: int) -> float:
+        if proposed < self.min_proposals:
+            return self.prior_accept
+        return min(accepted / proposed, 0.99)
+
+    def observe(self, passes: int, tokens: int, seconds: float) -> None:
+        """One forward call: ``passes`` batched passes over ``tokens`` tokens took ``seconds``."""
+        if not self.measure:
+            return
+        s, d = self._sums, self.decay
+        for i, v in enumerate(
+            (passes * passes, passes * tokens, tokens * tokens, passes * seconds, tokens * seconds)
+        ):
+            s[i] = d * s[i] + v
+        det = s[0] * s[2] - s[1] * s[1]
+        if det <= 1e-9 * max(s[0] * s[2], 1e-30):
+            return  # every pass had the same size so far: the slope is not known yet
+        a = (s[3] * s[2] - s[1] * s[4]) / det
+        c = (s[0] * s[4] - s[1] * s[3]) / det
+        if a > 0:
+            self.cost_ratio = max(c, 0.0) / a
+
+    def choose(self, proposed: int, accepted: int, decoding_rows: int) -> int:
+        p = self.acceptance(proposed, accepted)
+        rb = self.cost_ratio * max(decoding_rows, 1)
+        best_k, best = 0, 1.0
+        for k in range(1, self.max_k + 1):
+            gain = (1 - p ** (k + 1)) / (1 - p) * (1 + rb) / (1 + rb * (1 + k))
+            if gain > best * 1.02:  # a clear win only
+                best_k, best = k, gain
+        return best_k

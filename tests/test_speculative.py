@@ -1,0 +1,231 @@
+"""Speculative decoding (prompt lookup) inside the batched scheduler step.
+
+Proposals are verified in the same forward pass as every other row; kept ones commit, the rest
+roll back their KV. What a user cares about: the output is the same tokens as plain decoding
+(greedy, and sampled with a seed), whatever the batch, chunking, prefix hits or preemption; no KV
+block leaks; stop strings and max_tokens hold; and the proposals were really used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from mlx_engine.engine import Engine, EngineConfig
+from mlx_engine.errors import ConfigError
+from mlx_engine.loading.loader import load_model
+from mlx_engine.request import GenerationRequest, SamplingParams
+from mlx_engine.speculative import NgramProposer, SpeculationPolicy
+from tests.test_engine_tiny import assert_no_leaks
+from tests.test_reply_reuse import printable_only
+
+# --- the proposer and the policy -------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_occurrence():
+    p = NgramProposer(max_ngram=3)
+    assert p.propose([5, 6, 7, 8, 9, 1, 5, 6, 7], 3) == [8, 9, 1]
+    # the longest n-gram wins; among equal ones the most recent
+    assert p.propose([1, 2, 3, 4, 0, 2, 3, 7, 2, 3], 2) == [7, 2]
+    assert p.propose([1, 2, 3, 4, 0, 9, 3, 5, 9, 3], 1) == [5]
+    assert p.propose([1, 2, 3], 4) == []  # nothing repeats
+    assert p.propose([4, 4], 0) == []
+
+
+def test_policy_proposes_for_a_lone_stream_and_not_in_a_busy_batch():
+    pol = SpeculationPolicy(cost_ratio=0.5, measure=False)  # a pass's cost is mostly its tokens
+    assert pol.choose(100, 90, decoding_rows=1) >= 3  # high acceptance, one stream
+    assert pol.choose(100, 90, decoding_rows=16) == 0
+    assert pol.choose(100, 5, decoding_rows=1) == 0  # proposals rarely kept: stop proposing
+    assert pol.choose(0, 0, decoding_rows=64) == 0
+
+
+def test_policy_measures_what_a_token_costs_in_a_pass():
+    pol = SpeculationPolicy()
+    for passes, tokens in [(1, 1), (1, 4), (2, 8), (1, 16), (1, 2), (3, 20)]:
+        pol.observe(passes, tokens, 0.010 * passes + 0.002 * tokens)  # a = 10 ms, c = 2 ms
+    assert pol.cost_ratio == pytest.approx(0.2, rel=1e-6)
+    cheap = SpeculationPolicy()
+    for passes, tokens in [(1, 1), (1, 4), (2, 8), (1, 16)]:
+        cheap.observe(passes, tokens, 0.010 * passes + 0.00001 * tokens)  # per-op overhead only
+    assert cheap.choose(100, 60, decoding_rows=16) > pol.choose(100, 60, decoding_rows=16) == 0
+
+
+def test_an_unknown_mode_is_a_config_error():
+    with pytest.raises(ConfigError, match="speculative"):
+        EngineConfig(speculative="eagle").validate(memory_bytes=8 << 30)
+
+
+# --- through the engine ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text"])
+def loaded(request, tiny_dirs):
+    return load_model(str(tiny_dirs(request.param)))
+
+
+def repetitive_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase (what editing or quoting a document looks like)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 12))]
+        out.append(
+            [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 9))] + phrase * rng.randrange(2, 5)
+        )
+    return out
+
+
+async def run_all(engine: Engine, reqs: list[GenerationRequest]):
+    async def one(r):
+        ids, last = [], None
+        async for ev in engine.generate(r):
+            ids += ev.token_ids
+            last = ev
+        return ids, last
+
+    return await asyncio.gather(*(one(r) for r in reqs))
+
+
+def generate(loaded, reqs_of, speculative: str, **cfg) -> tuple[list[list[int]], list]:
+    engine = Engine(loaded, EngineConfig(cache_gb=cfg.pop("cache_gb", 0.01), speculative=speculative, **cfg))
+    # propose whenever the text allows, whatever this machine's timings: these tests are about
+    # what verification does with proposals (the policy has its own tests)
+    engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
+    try:
+        outs = asyncio.run(run_all(engine, reqs_of()))
+        assert_no_leaks(engine)
+        return [ids for ids, _ in outs], [last for _, last in outs]
+    finally:
+        engine.shutdown()
+
+
+N = 80  # long enough for a random model's greedy output to start repeating itself
+
+
+def greedy_reqs(ps, n=N, sampling=None, **kw):
+    return lambda: [
+        GenerationRequest(
+            prompt=p,
+            max_tokens=n,
+            ignore_eos=True,
+            sampling=sampling or SamplingParams(temperature=0.0),
+            **kw,
+        )
+        for p in ps
+    ]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_output_is_identical_and_proposals_are_kept(loaded, batch):
+    ps = repetitive_prompts(loaded.tokenizer.vocab_size, batch, seed=batch)
+    off, _ = generate(loaded, greedy_reqs(ps), "off")
+    on, lasts = generate(loaded, greedy_reqs(ps), "ngram")
+    assert on == off
+    spec = [ev.usage.speculative for ev in lasts]
+    assert all(s is not None for s in spec)
+    assert sum(s["proposed"] for s in spec) > 0, spec  # the test really went through verification
+    assert all(0 <= s["accepted"] <= s["proposed"] for s in spec)
+    assert all(len(ids) == N for ids in on)  # max_tokens holds with several tokens per step
+
+
+def test_a_stream_that_repeats_itself_keeps_its_proposals(tiny_dirs):
+    loaded = load_model(str(tiny_dirs("qwen3")))  # its greedy output falls into a loop early
+    ps = repetitive_prompts(loaded.tokenizer.vocab_size, 2, seed=1)
+    off, _ = generate(loaded, greedy_reqs(ps), "off")
+    on, lasts = generate(loaded, greedy_reqs(ps), "ngram")
+    assert on == off
+    for ev in lasts:
+        s = ev.usage.speculative
+        assert s["accepted"] >= 0.8 * s["proposed"] > 0, s
+        # fewer forward passes than tokens: several tokens were emitted per step
+        assert s["accepted"] >= N // 4
+
+
+def test_greedy_identical_with_chunked_prefill_prefix_hits_and_preemption(loaded):
+    ps = repetitive_prompts(loaded.tokenizer.vocab_size, 6, seed=7)
+    ps += [ps[0] + ps[1], ps[0]]  # prefix hits on blocks the first requests computed
+    # a pool so small that sequences are preempted and recomputed; small prefill chunks
+    cfg = dict(cache_gb=0.0008, block_size=8, prefill_chunk=16, max_batch_tokens=32)
+    off, _ = generate(loaded, greedy_reqs(ps), "off", **cfg)
+    on, lasts = generate(loaded, greedy_reqs(ps), "ngram", **cfg)
+    assert on == off
+    assert sum(ev.usage.speculative["proposed"] for ev in lasts) > 0
+
+
+def test_seeded_sampling_gives_the_same_tokens_as_plain_decoding(loaded):
+    """One random draw per emitted token, from the same distribution: a seed gives the same
+    sample with proposals as without (so the output distribution is the target's)."""
+    ps = repetitive_prompts(loaded.tokenizer.vocab_size, 4, seed=3)
+
+    def reqs():
+        return [
+            GenerationRequest(
+                prompt=p,
+                max_tokens=N,
+                ignore_eos=True,
+                sampling=SamplingParams(temperature=0.7, top_p=0.95, seed=1000 + i, repetition_penalty=1.1),
+            )
+            for i, p in enumerate(ps)
+        ]
+
+    off, _ = generate(loaded, reqs, "off")
+    on, lasts = generate(loaded, reqs, "ngram")
+    assert on == off
+    assert sum(ev.usage.speculative["proposed"] for ev in lasts) > 0
+
+
+def test_stop_strings_and_logprobs_hold(loaded):
+    tok = loaded.tokenizer
+    (p,) = repetitive_prompts(tok.vocab_size, 1, seed=5)
+    bias = printable_only(tok)  # text a stop string can be taken from
+    off_ids, _ = generate(
+        loaded, greedy_reqs([p], sampling=SamplingParams(temperature=0.0, logit_bias=bias)), "off"
+    )
+    text = tok.decode(off_ids[0])
+    # a stop string from the second half made of whole printable characters
+    stop = next(
+        (
+            s
+            for i in range(len(text) // 2, len(text) - 3)
+            if (s := text[i : i + 3]).isprintable() and "\ufffd" not in s
+        ),
+        None,
+    )
+    assert stop is not None, text
+
+    def reqs():
+        return [
+            GenerationRequest(
+                prompt=p,
+                max_tokens=N,
+                ignore_eos=True,
+                stop=[stop],
+                sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2, logit_bias=bias),
+            )
+        ]
+
+    engines = {}
+    for mode in ("off", "ngram"):
+        engine = Engine(loaded, EngineConfig(cache_gb=0.01, speculative=mode))
+        engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
+        try:
+
+            async def go(engine=engine):
+                evs = [ev async for ev in engine.generate(reqs()[0])]
+                return evs
+
+            evs = asyncio.run(go())
+            assert_no_leaks(engine)
+        finally:
+            engine.shutdown()
+        engines[mode] = (
+            "".join(ev.text for ev in evs),
+            [t for ev in evs for t in ev.token_ids],
+            [round(lp.logprob, 3) for ev in evs for lp in ev.logprobs],
+            evs[-1].finish_reason,
+        )
+    assert engines["ngram"] == engines["off"]
+    assert engines["ngram"][3] == "stop"
