@@ -96,6 +96,19 @@ def test_grows_before_evicting_a_cached_prefix_and_evicts_only_at_the_budget():
     a.check_invariants()
 
 
+def test_a_revived_cached_block_is_never_handed_out():
+    a, _ = grown_allocator(8, 3)
+    tokens = list(range(2 * BS))
+    blocks = a.allocate(2)
+    a.register(tokens, blocks, 2)
+    a.free(blocks)  # cached, evictable
+    hit = a.match_prefix(tokens + [0], 2 * BS)  # a prefix hit takes them back
+    assert hit == blocks and a.num_free == 5
+    rest = a.allocate(a.num_free)
+    assert set(rest).isdisjoint(hit) and a.capacity == 8 and a.evictions == 0
+    a.check_invariants()
+
+
 def test_the_budget_is_enforced():
     a, grows = grown_allocator(10, 3, enable_prefix_cache=False)
     held = a.allocate(9)
