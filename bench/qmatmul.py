@@ -2,6 +2,12 @@
 
     LD_PRELOAD="$(.venv/bin/python -m mlx_engine.blas --preload)" \
         .venv/bin/python bench/qmatmul.py [--threads 1] [--rows 1,4,16] [--bits 4,8] [--repeats 7]
+    ... bench/qmatmul.py --model-decode [--runs 5] [--threads 1]
+
+``--model-decode`` instead measures the whole model: Duet's engine decoding the bundled GGUF (greedy,
+batch 1, 64-token prompt, 128 tokens) with its weights dense float32 through BLAS (the path without
+the kernels) and kept quantized through the kernels, runs interleaved; median tok/s by wall clock and
+by process CPU time, the resident weight bytes, and whether the greedy tokens agree.
 
 Shapes are the bundled model's (SmolLM2-135M: hidden 576, MLP 1536, KV 192, vocab 49152) and one
 Llama-3.2-1B MLP matrix. For each shape, bit width and number of rows of x it prints the median time
@@ -54,6 +60,57 @@ def _time(
     return statistics.median(samples)
 
 
+def model_decode(runs: int, tokens: int = 128) -> None:
+    import asyncio
+    import random
+
+    from mlx_engine.engine import Engine, EngineConfig
+    from mlx_engine.loading.loader import load_model
+    from mlx_engine.request import GenerationRequest, SamplingParams
+
+    engines = {}
+    for weights in ("dense", "quantized"):
+        loaded = load_model(None, weights=weights)
+        engines[weights] = (loaded, Engine(loaded, EngineConfig(prefix_cache=False, cache_gb=0.25)))
+    vocab = engines["dense"][0].tokenizer.vocab_size
+    rng = random.Random(0)
+
+    def run(engine: Engine, prompt: list[int]) -> tuple[float, float, list[int]]:
+        req = GenerationRequest(
+            prompt=prompt, max_tokens=tokens, sampling=SamplingParams(temperature=0), ignore_eos=True
+        )
+
+        async def go() -> tuple[float, float, list[int]]:
+            ids: list[int] = []
+            t_first = c_first = 0.0
+            async for ev in engine.generate(req):
+                if ev.token_ids and not ids:
+                    t_first, c_first = time.perf_counter(), time.process_time()
+                ids.extend(ev.token_ids)
+            n = len(ids) - 1
+            return n / (time.perf_counter() - t_first), n / (time.process_time() - c_first), ids
+
+        return asyncio.run(go())
+
+    res: dict[str, list[tuple[float, float, list[int]]]] = {"dense": [], "quantized": []}
+    for _, engine in engines.values():
+        run(engine, [rng.randrange(100, vocab) for _ in range(16)])  # warm-up
+    for i in range(runs):
+        prompt = [rng.randrange(100, vocab) for _ in range(64)]
+        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            res[name].append(run(engines[name][1], prompt))
+    agree = sum(a[2] == b[2] for a, b in zip(res["dense"], res["quantized"], strict=True))
+    print("| weights | resident MB | decode tok/s (wall) | decode tok/s (CPU time) |")
+    print("|---|---:|---:|---:|")
+    for name, (loaded, engine) in engines.items():
+        wall = statistics.median(r[0] for r in res[name])
+        cpu = statistics.median(r[1] for r in res[name])
+        print(f"| {loaded.weight_format} | {loaded.weight_bytes / 1e6:.0f} | {wall:.1f} | {cpu:.1f} |")
+        engine.shutdown()
+    print(f"\ngreedy {tokens}-token replies identical in {agree}/{runs} runs")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -63,6 +120,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--wall", action="store_true", help="wall time instead of process CPU time")
     ap.add_argument("--skip-mlx", action="store_true", help="skip mx.quantized_matmul (slow)")
+    ap.add_argument("--model-decode", action="store_true", help="whole-model decode, dense vs kernels")
+    ap.add_argument("--runs", type=int, default=5, help="--model-decode runs")
     args = ap.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
 
@@ -76,6 +135,12 @@ def main() -> None:
     if ext is None:
         sys.exit(f"the CPU kernels are not built: {spec.unavailable_reason()}")
     spec.set_threads(args.threads)
+    if args.model_decode:
+        print(
+            f"# bundled model, kernel isa={ext.isa()} threads={args.threads}, {args.runs} runs, mlx={mx.__version__}"
+        )
+        model_decode(args.runs)
+        return
     clock = time.perf_counter if args.wall else time.process_time
     print(
         f"# kernel isa={ext.isa()} threads={args.threads} group={args.group_size} "
