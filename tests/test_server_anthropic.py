@@ -16,9 +16,10 @@ import httpx
 import httpx2
 import jsonschema
 import pytest
+from fastapi import Request
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.server.anthropic import chat_fields
+from app.server.anthropic import build_call, chat_fields
 from app.server.anthropic_protocol import MessagesRequest
 from app.server.app import create_app
 from app.server.security import SecurityPolicy
@@ -152,6 +153,36 @@ async def test_system_prompt_string_or_blocks_and_count_tokens(client):
         model=MODEL, messages=HELLO, tools=[WEATHER], tool_choice={"type": "none"}
     )
     assert none.input_tokens == plain.input_tokens  # tool_choice none leaves them out
+
+
+async def test_a_final_assistant_message_is_a_prefill_the_reply_continues(engine, client):
+    state = create_app(engine).state.duet
+    prefill = "Once upon a time"
+    body = MessagesRequest.model_validate(
+        {"model": MODEL, "max_tokens": 5, "messages": [*HELLO, {"role": "assistant", "content": prefill}]}
+    )
+    call = await build_call(state, body, Request({"type": "http", "headers": [], "state": {}}), "messages", 5)
+    prompt = engine.tokenizer.decode(call.prompt, skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\n" + prefill)  # the turn is open, not closed
+    assert prompt.count("<|im_start|>assistant") == 1
+    m = await client.messages.create(
+        model=MODEL,
+        max_tokens=5,
+        messages=[*HELLO, {"role": "assistant", "content": prefill}],
+        extra_body=GREEDY,
+    )
+    count = await client.messages.count_tokens(
+        model=MODEL, messages=[*HELLO, {"role": "assistant", "content": prefill}]
+    )
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == count.input_tokens == len(call.prompt)
+    assert m.usage.output_tokens == 5 and not m.content[0].text.startswith(prefill)
+    with pytest.raises(anthropic.BadRequestError, match="prefill"):
+        await client.messages.create(
+            model=MODEL,
+            max_tokens=5,
+            messages=[*HELLO, {"role": "assistant", "content": "{"}],
+            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        )
 
 
 # --- tools ----------------------------------------------------------------------------------

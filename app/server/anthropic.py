@@ -14,11 +14,13 @@ with text and ``tool_use`` blocks, or as Anthropic's SSE events (``message_start
 
 Usage: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens`` those the
 prefix cache served. Image and document blocks are a 400: the served model reads text only.
-Thinking blocks from an earlier turn are dropped. ``metadata`` and unknown fields are ignored.
+Thinking blocks from an earlier turn are dropped. A final assistant message is a prefill the
+reply continues. ``metadata`` and unknown fields are ignored.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -295,14 +297,64 @@ def _headers() -> dict[str, str]:
     return {"request-id": "req_" + secrets.token_hex(12)}
 
 
+def prefill_text(body: CountTokensRequest) -> str | None:
+    """The text of a final assistant message (a prefill, which the reply continues), or None."""
+    last = body.messages[-1]
+    if last.role != "assistant":
+        return None
+    if isinstance(last.content, str):
+        return last.content
+    if any(b.type == "tool_use" for b in last.content):
+        return None
+    return "".join(b.text or "" for b in last.content if b.type == "text")
+
+
+async def build_call(
+    state: ServerState,
+    body: CountTokensRequest,
+    request: Request,
+    endpoint: str,
+    max_tokens: int | None = None,
+) -> ChatCall:
+    """The chat call of a Messages request. A final assistant message is a prefill: the prompt
+    is the conversation before it with the assistant turn opened, then its text, which the reply
+    continues (the reply holds only the new text, as at Anthropic)."""
+    fields = chat_fields(body)
+    prefill = prefill_text(body)
+    if prefill is None:
+        return await prepare(state, fields, request, endpoint, max_tokens=max_tokens)
+    fields["messages"] = fields["messages"][:-1]
+    if not fields["messages"]:
+        raise bad_request("messages: a conversation cannot begin with an assistant message", "messages")
+    call = await prepare(state, fields, request, endpoint, max_tokens=max_tokens)
+    if call.grammar is not None:
+        raise bad_request(
+            "an assistant prefill cannot be combined with output_config.format or a forced tool call",
+            "messages",
+        )
+    ids = await asyncio.to_thread(state.engine.tokenizer.encode, prefill, False, False)
+    call.prompt = call.prompt + ids
+    room = state.engine.context_length - len(call.prompt)
+    if room <= 0:
+        raise bad_request(
+            f"The prompt has {len(call.prompt)} tokens, which fills this model's context of "
+            f"{state.engine.context_length} tokens. Please reduce the prompt.",
+            "messages",
+            "context_length_exceeded",
+        )
+    if max_tokens is not None:
+        call.max_tokens = min(max_tokens, room)
+    return call
+
+
 async def messages(state: ServerState, body: MessagesRequest, request: Request) -> Response:
     check_version(request)
-    call = await prepare(state, chat_fields(body), request, "messages", max_tokens=body.max_tokens)
+    call = await build_call(state, body, request, "messages", max_tokens=body.max_tokens)
     m = MessagesCall(state, body, call)
     return await (m.stream(request) if body.stream else m.respond(request))
 
 
 async def count_tokens(state: ServerState, body: CountTokensRequest, request: Request) -> Response:
     check_version(request)
-    call = await prepare(state, chat_fields(body), request, "count_tokens")
+    call = await build_call(state, body, request, "count_tokens")
     return JSONResponse({"input_tokens": len(call.prompt)}, headers=_headers())
