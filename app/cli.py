@@ -66,6 +66,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="weight format (default auto: quantized, or dense float32 on a CPU without the built CPU kernels)",
     )
+    p.add_argument(
+        "--speculative",
+        choices=("ngram", "off"),
+        default="ngram",
+        help="speculative decoding: ngram proposes tokens found earlier in the prompt or reply and "
+        "verifies them in one pass, only when the measured acceptance and batch make it pay; the "
+        "output is the same (default ngram)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -211,6 +219,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache_gb=args.cache_gb,
         cache_fraction=args.cache_fraction,
         weights=args.weights,
+        speculative=getattr(args, "speculative", "ngram"),
         **extra,
     )
     config.validate(spell=flag)
@@ -327,6 +336,7 @@ def cmd_generate(args) -> int:
                         "ttft_s": round(u.ttft_s, 4),
                         "prefill_tps": round(u.prefill_tps, 1),
                         "decode_tps": round(u.decode_tps, 1),
+                        "speculative": u.speculative,
                         **peer_usage(u, engine, req.request_id),
                     },
                 }

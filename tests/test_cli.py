@@ -61,6 +61,16 @@ def test_generate_json_with_tiny_model(tiny_dirs):
     assert again["token_ids"] == out["token_ids"]  # same seed, same request -> same tokens
 
 
+def test_speculative_decoding_is_reported_and_does_not_change_the_output(tiny_dirs):
+    args = ("--max-tokens", "40", "--temperature", "0")
+    on = generate_json(tiny_dirs("qwen3"), *args)  # ngram by default
+    off = generate_json(tiny_dirs("qwen3"), *args, "--speculative", "off")
+    assert on["token_ids"] == off["token_ids"]
+    spec = on["usage"]["speculative"]
+    assert set(spec) == {"proposed", "accepted"} and 0 <= spec["accepted"] <= spec["proposed"]
+    assert off["usage"]["speculative"] is None
+
+
 def test_generate_applies_the_chat_template_unless_raw(tiny_dirs):
     """Like `ollama run`: the prompt is a user message in the model's chat template by default;
     --raw sends the text as is, for plain completion."""

@@ -984,6 +984,7 @@ def test_metrics_exposed(server, client):
         "duet_cached_prompt_tokens_total",
     ):
         assert m[name] > 0, name
+    assert 0 <= m["duet_speculative_accepted_tokens_total"] <= m["duet_speculative_proposed_tokens_total"]
     assert m["duet_kv_blocks_total"] == m["duet_kv_blocks_used"] + m["duet_kv_blocks_free"]
     assert 0 < m["duet_prefix_cache_hit_rate"] <= 1
     text = httpx.get(server.base + "/metrics").text

@@ -137,6 +137,17 @@ class Metrics:
             "duet_cached_prompt_tokens", "prompt tokens served from the prefix cache", registry=r
         )
         self.generated_tokens = Counter("duet_generation_tokens", "tokens generated", registry=r)
+        self.embedding_tokens = Counter(
+            "duet_embedding_tokens", "input tokens embedded (/v1/embeddings)", registry=r
+        )
+        self.spec_proposed = Counter(
+            "duet_speculative_proposed_tokens",
+            "tokens proposed by speculative decoding and verified",
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "duet_speculative_accepted_tokens", "proposed tokens kept (equal to what was sampled)", registry=r
+        )
         self.requests = Counter(
             "duet_requests",
             "finished requests by endpoint and finish reason",
@@ -149,6 +160,9 @@ class Metrics:
         self.prompt_tokens.inc(u.prompt_tokens)
         self.cached_tokens.inc(u.cached_tokens)
         self.generated_tokens.inc(u.completion_tokens)
+        if u.speculative:
+            self.spec_proposed.inc(u.speculative["proposed"])
+            self.spec_accepted.inc(u.speculative["accepted"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
