@@ -8,17 +8,21 @@ Models: the bundled SmolLM2-135M-Instruct GGUF (Q4_1), and a Q4_K_M GGUF made fr
 llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed; cached under
 ``bench/out/``). Systems, each in processes of its own so their memory and threads never mix:
 
-* **Duet**: ``Engine`` on the CPU backend, prefix cache off (every run computes its prompt);
+* **Duet**: ``Engine`` on the CPU backend (prompts are random, so the prefix cache only ever hits
+  the long context, as the others reuse theirs);
 * **llama.cpp**: llama-cpp-python, the same GGUF, ``n_threads`` = ``n_threads_batch`` = threads;
 * **mlx-lm**: mlx-lm cannot read a GGUF (``mlx_lm.load`` takes safetensors only), so its
   generation loop (``generate_step``, under ``mlx_lm.generate``) runs on the model Duet's loader
   builds from the same GGUF: mlx-lm's loop and KV cache against Duet's engine, same weights.
 
 Metrics, medians of ``--runs`` runs (random-token prompts, greedy, end-of-sequence ignored):
-decode tok/s at batch 1 after a 64- and a 1024-token prompt (tokens after the first / time from
-the first to the last), prefill tok/s for a 512-token prompt (512 / time to the first token),
-batch-16 aggregate decode (16 streams of 64-token prompts: tokens after the last stream's first
-token / time until the last token; Duet only, the others run one stream at a time), and from a
+decode tok/s at batch 1 after a 64-token prompt and at a 1024-token context (32 tokens after the
+first / time from the first to the last; the 1024 tokens are computed once per worker and every
+run decodes from them: Duet's prefix cache, llama.cpp's saved state, mlx-lm's trimmed cache),
+prefill tok/s for a 512-token prompt (512 / time to the first token), batch-16 aggregate decode
+(16 streams of 16-token prompts: tokens after the last stream's first token / time until the
+last token; Duet only, the others run one stream at a time, so its ratio is to llama.cpp's
+single-stream decode at ctx 64), and from a
 cold process (``--runs`` fresh ones after one warm-up): time from spawn to the first reply byte
 on stdout and peak RSS, for a 128-token greedy reply to a chat prompt (``duet generate`` itself
 for Duet). Ratios are to llama.cpp in the same run.
@@ -26,7 +30,7 @@ for Duet). Ratios are to llama.cpp in the same run.
 ``--profile`` adds Duet's decode-step decomposition: ops in one decode step (the lazy graph of the
 forward pass, counted by primitive), the step time and time per op, and where a step's time goes
 (matmuls, attention, norms, embedding, sampler, the rest: Python, scheduling, MLX dispatch) from
-timers around each module (they evaluate per module, so their sum is above the plain step time).
+timers around each module (they evaluate per module, so the timed step is slower than the plain one).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 CHAT_PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
-DECODE_TOKENS = 64
+DECODE_TOKENS = 32
+LONG = 1024  # the long context: prefilled once per worker, then decoded from in every run
 COLD_TOKENS = 128
 SYSTEMS = ("duet", "llama.cpp", "mlx-lm")
 METRICS = [  # key, label, unit, higher is better
@@ -77,7 +82,7 @@ class DuetRunner:
         self.loaded = load_model(model)
         self.engine = Engine(
             self.loaded,
-            EngineConfig(prefix_cache=False, max_batch_tokens=512, prefill_chunk=512, max_running=16),
+            EngineConfig(max_batch_tokens=512, prefill_chunk=512, max_running=16),
         )
         self.vocab = self.loaded.tokenizer.vocab_size
 
@@ -112,6 +117,13 @@ class DuetRunner:
         t0, (times,) = self.streams([prompt], n)
         return t0, times
 
+    def prepare_long(self, prompt: list[int]) -> None:
+        self.long = prompt
+        self.generate(prompt, 1)  # now in the prefix cache (other prompts are random: no hits)
+
+    def decode_long(self, n: int) -> tuple[float, list[float]]:
+        return self.generate(self.long, n)
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -136,8 +148,9 @@ class LlamaCppRunner:
 
         return f"llama-cpp-python {llama_cpp.__version__}"
 
-    def generate(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
-        self.llm.reset()  # no KV reuse from the previous run
+    def generate(self, prompt: list[int], n: int, reset: bool = True) -> tuple[float, list[float]]:
+        if reset:
+            self.llm.reset()  # no KV reuse from the previous run
         times: list[float] = []
         t0 = time.perf_counter()
         for _ in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
@@ -145,6 +158,16 @@ class LlamaCppRunner:
             if len(times) == n:
                 break
         return t0, times
+
+    def prepare_long(self, prompt: list[int]) -> None:
+        self.long = prompt
+        self.llm.reset()
+        self.llm.eval(prompt[:-1])
+        self.long_state = self.llm.save_state()
+
+    def decode_long(self, n: int) -> tuple[float, list[float]]:
+        self.llm.load_state(self.long_state)  # generate() reuses the common prefix: one token to eval
+        return self.generate(self.long, n, reset=False)
 
     def shutdown(self) -> None:
         self.llm.close()
@@ -163,17 +186,36 @@ class MlxLmRunner:
 
         return f"mlx-lm {version('mlx-lm')} generate_step on Duet's model ({self.loaded.weight_format})"
 
-    def generate(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
+    def generate(self, prompt: list[int], n: int, cache=None) -> tuple[float, list[float]]:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
         times = []
         t0 = time.perf_counter()
         for _ in generate_step(
-            mx.array(prompt), self.loaded.model, max_tokens=n, sampler=lambda x: mx.argmax(x, -1)
+            mx.array(prompt),
+            self.loaded.model,
+            max_tokens=n,
+            sampler=lambda x: mx.argmax(x, -1),
+            prompt_cache=cache,
         ):
             times.append(time.perf_counter())
         return t0, times
+
+    def prepare_long(self, prompt: list[int]) -> None:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.long = prompt
+        self.long_cache = make_prompt_cache(self.loaded.model)
+        mx.eval(self.loaded.model(mx.array([prompt[:-1]]), cache=self.long_cache))
+
+    def decode_long(self, n: int) -> tuple[float, list[float]]:
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        out = self.generate(self.long[-1:], n, cache=self.long_cache)
+        trim_prompt_cache(self.long_cache, self.long_cache[0].offset - (len(self.long) - 1))
+        return out
 
     def shutdown(self) -> None:
         pass
@@ -183,16 +225,16 @@ RUNNERS = {"duet": DuetRunner, "llama.cpp": LlamaCppRunner, "mlx-lm": MlxLmRunne
 
 
 def one_run(r, i: int) -> dict[str, float]:
-    p64, p512, p1024 = (prompts(r.vocab, n, 1, 1000 * i + n)[0] for n in (64, 512, 1024))
+    p64, p512 = (prompts(r.vocab, n, 1, 1000 * i + n)[0] for n in (64, 512))
     out = {}
     t0, times = r.generate(p64, DECODE_TOKENS + 1)
     out["decode_64"] = rates(times, 64, t0)[1]
-    t0, times = r.generate(p1024, DECODE_TOKENS + 1)
-    out["decode_1024"] = rates(times, 1024, t0)[1]
+    t0, times = r.decode_long(DECODE_TOKENS + 1)
+    out["decode_1024"] = rates(times, LONG, t0)[1]
     t0, times = r.generate(p512, 1)
     out["prefill_512"] = rates(times, 512, t0)[0]
     if isinstance(r, DuetRunner):
-        t0, streams = r.streams(prompts(r.vocab, 64, 16, 7000 + i), DECODE_TOKENS + 1)
+        t0, streams = r.streams(prompts(r.vocab, 16, 16, 7000 + i), DECODE_TOKENS + 1)
         start = max(s[0] for s in streams)
         end = max(s[-1] for s in streams)
         after = sum(1 for s in streams for t in s if t > start)
@@ -206,6 +248,7 @@ def speed_worker(system: str, model: str, threads: int) -> None:
     then shifts every system alike."""
     r = RUNNERS[system](model, threads)
     r.generate(prompts(r.vocab, 32, 1, 99)[0], 8)  # warm-up
+    r.prepare_long(prompts(r.vocab, LONG, 1, 4242)[0])
     print(json.dumps({"describe": r.describe()}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
