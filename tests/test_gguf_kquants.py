@@ -51,6 +51,13 @@ from tests.gguf_quantize import (
     write_tiny_gguf,
 )
 
+
+@pytest.fixture(autouse=True)
+def _no_weight_cache(monkeypatch):
+    """Every load here decodes the file (the converted-weights cache has its own tests)."""
+    monkeypatch.setenv("DUET_WEIGHT_CACHE", "0")
+
+
 QUANT_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 MLX_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 8}
 # byte offsets of each block's fp16 fields (scale d, and dmin/min where there is one)
