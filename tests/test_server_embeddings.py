@@ -246,6 +246,9 @@ def test_duet_serve_with_an_embedding_model(models, tmp_path):
         assert c.chat.completions.create(
             model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=2
         ).choices
+        m = srv.metrics()  # embedded tokens are counted apart from the chat's prompt tokens
+        assert m["duet_embedding_tokens_total"] == 2 * f.usage.prompt_tokens
+        assert m["duet_prompt_tokens_total"] < m["duet_embedding_tokens_total"]
     finally:
         srv.stop()
 

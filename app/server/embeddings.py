@@ -186,7 +186,7 @@ async def embeddings(
         vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     tokens = sum(len(x) for x in lists)
     state.metrics.requests.labels("embeddings", "stop").inc()
-    state.metrics.prompt_tokens.inc(tokens)
+    state.metrics.embedding_tokens.inc(tokens)
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
         for i, v in enumerate(vectors)
