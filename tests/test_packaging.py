@@ -1,8 +1,8 @@
 """Install paths: the wheel and sdist, the service files, the app bundle's Info.plist, the Homebrew
 formula.
 
-The slow test builds duet-llm's sdist and, from it, the wheel (`python -m build`, on a copy of the
-working tree), builds the data-only `duet-smollm2` distribution (packaging/smollm2/build.py), and
+The slow test builds duet-llm's sdist and, from it, the platform wheel with the CPU kernels extension
+compiled in (`python -m build`, on a copy of the working tree), builds the data-only `duet-smollm2` distribution (packaging/smollm2/build.py), and
 installs both into a fresh venv in a temporary directory with no compiler on PATH, no package index
 (`--no-index --find-links`) and, where `unshare -n` works, no network at all. Duet's other
 dependencies are not downloaded: a `.pth` line makes this project's venv's site-packages visible to
@@ -12,7 +12,8 @@ That proves the wheels' metadata resolves offline and nothing in Duet's own whee
 that every dependency has a wheel on PyPI for the platforms we support is what the fast
 `pip install` of `docs/install.md` relies on, and is not re-proved here. From the fresh venv, with no
 source tree on sys.path, `duet --version`, `duet doctor --json` and `duet generate` run on the
-bundled model, which must be the one installed from `duet-smollm2`.
+bundled model, which must be the one installed from `duet-smollm2`, and the compiled CPU kernels
+must load from the installed wheel.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -235,12 +237,24 @@ def _no_network_prefix() -> list[str]:
 def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model(tmp_path):
     src = _copy_tree(tmp_path / "src")
     dist = tmp_path / "dist"
-    # sdist, then the wheel built from the sdist: both must build (build isolation off: no index here)
+    # sdist, then the wheel built from the sdist, with the CPU kernels extension compiled in (it must
+    # build: "require"); build isolation off, as there is no index here
     subprocess.run(
-        [PY, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)], check=True, timeout=600
+        [PY, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
+        check=True,
+        timeout=900,
+        env={  # this venv's cmake (the dev extra) first, as `pip install` of the sdist would have it
+            **os.environ,
+            "DUET_CPU_KERNELS_BUILD": "require",
+            "PATH": f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        },
+        stdout=subprocess.DEVNULL,
     )
     sdist = next(dist.glob("duet_llm-*.tar.gz"))
     wheel = next(dist.glob("duet_llm-*.whl"))
+    assert not wheel.name.endswith("-py3-none-any.whl")  # a platform wheel: it holds compiled code
+    with tarfile.open(sdist) as t:
+        assert f"duet_llm-{__version__}/cpu_kernels/src/CMakeLists.txt" in t.getnames()  # builds from source
     assert sdist.name == f"duet_llm-{__version__}.tar.gz"
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -248,6 +262,8 @@ def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model
     assert "app/tui/chat.tcss" in names and any(n.endswith(".metal") or "metal_kernels/" in n for n in names)
     assert not any(n.startswith(("tests/", "bench/", "packaging/")) for n in names)
     assert f"duet_llm-{__version__}.dist-info/licenses/LICENSE" in names  # Apache-2.0, for PyPI
+    assert any(n.startswith("cpu_kernels/_ext.") for n in names)
+    assert not any(n.startswith("cpu_kernels/src/") for n in names)  # sources in the sdist only
     requires = [
         line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")
     ]
@@ -334,6 +350,11 @@ def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model
     assert report["bundled_model"]["package"] == "duet-smollm2"
     assert Path(report["bundled_model"]["path"]).is_relative_to(site)
     assert report["duet"]["installed_at"] == str(site)
+    if report["mlx"].get("backend") == "cpu":  # the wheel's compiled kernels load where it is installed
+        assert report["kernels"]["cpu_kernels"].startswith("available"), report["kernels"]
+    # mlx.core first, as cpu_kernels does (here libmlx is in the project venv, not at the RPATH beside it)
+    ext = run(vpy, "-c", "import mlx.core, cpu_kernels._ext as e; print(e.__file__)").stdout.strip()
+    assert Path(ext).is_relative_to(site)
     assert doctor.returncode == (1 if report["problems"] else 0)
     assert all("BLAS" in p for p in report["problems"]), report["problems"]  # no OpenBLAS: slow, not broken
 
