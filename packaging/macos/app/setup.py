@@ -29,6 +29,7 @@ setup(
                 "app",
                 "mlx_engine",
                 "metal_kernels",
+                "cpu_kernels",
                 "peer",
                 "mlx",
                 "mlx_lm",
