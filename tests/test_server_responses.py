@@ -351,6 +351,21 @@ def test_bundled_model_json_schema_and_function_call(tmp_path):
             model="default", input="What is the capital of France?", max_output_tokens=16, temperature=0
         )
         assert "Paris" in r.output_text and r.status == "completed"
+        person = {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        }
+        j = c.responses.create(
+            model="default",
+            input="Marie Curie was 66. Describe her as JSON.",
+            text={"format": {"type": "json_schema", "name": "person", "schema": person, "strict": True}},
+            max_output_tokens=60,
+            temperature=0,
+        )
+        assert j.status == "completed" and "Curie" in json.loads(j.output_text)["name"]
+        jsonschema.validate(json.loads(j.output_text), person)
         ask = "What is the weather in Paris?"
         t = c.responses.create(
             model="default",
