@@ -195,7 +195,7 @@ def role_decoder(args: argparse.Namespace) -> int:
 
         mode = "off"
 
-        def match(self, seq_tokens, start, end):  # type: ignore[override]
+        def match(self, seq_tokens, start, end):
             if self.mode == "off":
                 return 0
             if self.mode == "local":
@@ -278,10 +278,15 @@ def role_decoder(args: argparse.Namespace) -> int:
         }
 
     def last_token_step(n: int) -> float:
+        """TTFT of a prompt whose first n - 1 tokens are cached (n - 1 a whole number of blocks, so
+        exactly one token is computed, as after a remote prefill)."""
         on(None)
-        p = fresh(n)
-        generate(p)  # now the first n - 1 (block-aligned) tokens are cached here
-        return generate(p).usage.ttft_s
+        bs = engine.config.block_size
+        p = fresh((n - 1) // bs * bs + 1)
+        generate(p)
+        last = generate(p)
+        assert last.usage.prompt_tokens_computed == 1, last.usage.prompt_tokens_computed
+        return last.usage.ttft_s
 
     out: dict[str, Any] = {"rounds": []}
     n = args.tokens
@@ -316,6 +321,18 @@ def role_decoder(args: argparse.Namespace) -> int:
     return 0
 
 
+def role_c0(args: argparse.Namespace) -> int:
+    """The median of three C0 runs now (to set the balance rate right before it is used)."""
+    with socket.create_connection((args.peer, CTL_PORT)) as ctl, ctl.makefile("rwb") as f:
+        times = []
+        for i in range(3):
+            f.write(f"C0 {args.tokens} {args.seed + i}\n".encode())
+            f.flush()
+            times.append(float(f.readline()))
+    print(statistics.median(times), flush=True)
+    return 0
+
+
 # --- the orchestrator ---------------------------------------------------------------------------------
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
@@ -329,8 +346,32 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     for key in ("overlap", "control"):
         o = [r["step"] + r[key]["accept_s"] for r in rounds]
         e = [(r[key]["ttft"] - oo) / max(r["C0"], r["T0"]) for r, oo in zip(rounds, o, strict=True)]
-        out[key] = {"ttft": _median([r[key]["ttft"] for r in rounds]), "O": _median(o), "E": _median(e)}
+        # the same with the compute the peer reported for this very run (immune to load drifting
+        # between the C0 run and this one on a shared machine)
+        e_run = [
+            (r[key]["ttft"] - oo) / max(r[key]["peer_compute_s"], r["T0"])
+            for r, oo in zip(rounds, o, strict=True)
+        ]
+        out[key] = {
+            "ttft": _median([r[key]["ttft"] for r in rounds]),
+            "O": _median(o),
+            "E": _median(e),
+            "E_run": _median(e_run),
+            "peer_compute_s": _median([r[key]["peer_compute_s"] for r in rounds]),
+        }
     return out
+
+
+def print_config(cfg: dict[str, Any], seconds: float | None = None) -> None:
+    s, rate = cfg["summary"], cfg["rate_bps"]
+    print(
+        f"{'pinned' if cfg['pinned'] else 'unpinned':8} {cfg['link']:9} "
+        f"{'-' if rate is None else f'{rate / 1e6:.0f} Mbit':>8}  C0={s['C0']:.3f} T0={s['T0']:.3f}  "
+        f"streamed TTFT={s['overlap']['ttft']:.3f} E={s['overlap']['E']:.2f} ({s['overlap']['E_run']:.2f})  "
+        f"send-after TTFT={s['control']['ttft']:.3f} E={s['control']['E']:.2f} ({s['control']['E_run']:.2f})"
+        + ("" if seconds is None else f"  [{seconds:.0f} s]"),
+        flush=True,
+    )
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -353,8 +394,16 @@ def orchestrate(args: argparse.Namespace) -> int:
             )
             try:
                 assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
-                balance = None
+                balance, kv_bytes = None, 0
                 for link in ("unshaped", "100mbit", "balance"):
+                    if link == "balance":  # T0 = C0 with C0 as the peer computes right now
+                        p = subprocess.run(
+                            _cmd(ns_b, None, "--role", "c0", "--peer", ip_a, "--seed", "77", *common),
+                            env=env,
+                            capture_output=True,
+                            text=True,
+                        )
+                        balance = kv_bytes * 8 / float(p.stdout.strip().splitlines()[-1])
                     rate = {"unshaped": None, "100mbit": 100e6, "balance": balance}[link]
                     shape(ns_a, dev_a, rate)
                     argv = ["--role", "decoder", "--peer", ip_a, "--rounds", str(args.rounds), *common]
@@ -370,17 +419,10 @@ def orchestrate(args: argparse.Namespace) -> int:
                         raise SystemExit(f"decoder failed for {link} pinned={pinned}")
                     res = json.loads(p.stdout.strip().splitlines()[-1])
                     s = summarize(res)
-                    if link == "unshaped":
-                        balance = s["bytes"] * 8 / s["C0"]
+                    kv_bytes = s["bytes"]
                     cfg = {"pinned": pinned, "link": link, "rate_bps": rate, "summary": s, "raw": res}
                     results["configs"].append(cfg)
-                    print(
-                        f"pinned={pinned!s:5} {link:9} rate={'-' if rate is None else f'{rate / 1e6:.0f}Mbit':>8} "
-                        f"C0={s['C0']:.3f} T0={s['T0']:.3f} overlap TTFT={s['overlap']['ttft']:.3f} "
-                        f"E={s['overlap']['E']:.2f} | send-after TTFT={s['control']['ttft']:.3f} "
-                        f"E={s['control']['E']:.2f} ({time.perf_counter() - t:.0f} s)",
-                        flush=True,
-                    )
+                    print_config(cfg, time.perf_counter() - t)
             finally:
                 peer.kill()
                 peer.wait()
@@ -453,7 +495,7 @@ def plot(results: dict[str, Any], path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=("orchestrate", "peer", "decoder"), default="orchestrate")
+    ap.add_argument("--role", choices=("orchestrate", "peer", "decoder", "c0"), default="orchestrate")
     ap.add_argument("--model", default=None, help="model (default: the bundled SmolLM2 GGUF)")
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length for E (default 2048)")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk on both sides (default 256)")
@@ -469,11 +511,23 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--plot", default=None, help="write the plot here (PNG)")
+    ap.add_argument("--from-json", default=None, help="summarize a saved --json run instead of measuring")
     args = ap.parse_args()
     if args.role == "peer":
         return role_peer(args)
     if args.role == "decoder":
         return role_decoder(args)
+    if args.role == "c0":
+        return role_c0(args)
+    if args.from_json:  # summarize (and plot) a saved run again
+        results = json.loads(Path(args.from_json).read_text())
+        for cfg in results["configs"]:
+            cfg["summary"] = summarize(cfg["raw"])
+            print_config(cfg)
+        report_sweep(results)
+        if args.plot:
+            plot(results, args.plot)
+        return 0
     return orchestrate(args)
 
 

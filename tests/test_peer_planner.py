@@ -10,6 +10,7 @@ import pytest
 
 from app.cli import main
 from peer.planner import CostModel, Planner, PromptMemory, plan_table
+from peer.server import Connection
 from tests.peer_pair import Pair, tiny_cfg, two_models
 from tests.test_engine_tiny import prompts
 from tests.test_remote_prefill_engine import run
@@ -121,7 +122,9 @@ def test_decisions_are_recorded_with_their_measured_ttft():
     assert p.finish("req-1", tokens, "remote:gpu", 0.5) is d
     assert d.measured_ttft_s == 0.5 and d.location == "remote:gpu"
     assert p.counts["remote"] == 1 and p.finished["remote"] == 1
-    assert p.measured_sum["remote"] == 0.5 and p.predicted_sum["remote"] == pytest.approx(d.predicted_remote_s)
+    assert p.measured_sum["remote"] == 0.5 and p.predicted_sum["remote"] == pytest.approx(
+        d.predicted_remote_s
+    )
     # a prompt kept local is named by its request when it finishes
     short = list(range(10))
     d2 = p.decide(10, 0, record=short)
@@ -202,20 +205,35 @@ def test_auto_offloads_a_long_prompt_to_a_fast_peer_and_keeps_a_short_one_local(
         pair.close()
 
 
-def test_send_after_prefill_control_holds_every_frame_until_the_prefill_is_done(llama2):
+class RecordingConnection(Connection):
+    """Records, for each LAYER_KV frame queued for the sender, whether its export had finished."""
+
+    queued_after_done: list[bool] = []
+
+    def queue_layer(self, job, layer, t0, t1, arrays, n):
+        type(self).queued_after_done.append(job.finished)
+        super().queue_layer(job, layer, t0, t1, arrays, n)
+
+
+@pytest.mark.parametrize("send_after", [False, True])
+def test_send_after_prefill_control_holds_every_frame_until_the_prefill_is_done(llama2, send_after):
     """bench/disagg.py's control (PeerServer(send_after_prefill=True), exo's released design): the
-    result is the same, but no frame leaves before the peer's whole prefill is done, so the first
-    frame arrives after the peer's compute time (causally: frames are queued only at its DONE)."""
+    same KV and tokens, but no frame is queued for sending before the peer's whole prefill is done,
+    where the normal peer queues every frame while it is still computing."""
     (p,) = prompts(llama2[0].tokenizer.vocab_size, [300], seed=22)
-    pair = Pair(*llama2, tiny_cfg())
-    pair.server.send_after_prefill = True
+    RecordingConnection.queued_after_done = []
+    pair = Pair(*llama2, tiny_cfg(), connection_class=RecordingConnection)
+    pair.server.send_after_prefill = send_after
     try:
         ref, _ = run(pair.ref, p)
         tokens, last = run(pair.dec, p)
         assert last.usage.prefill_location == f"remote:{pair.peer_name}" and tokens == ref
         (info,) = pair.src.loads_of(last.request_id)
-        assert info["frames"] == pair.dec.pool.num_layers * -(-299 // pair.chunk)
-        assert info["wait_s"] > info["compute_s"] > 0
+        frames = pair.dec.pool.num_layers * -(-299 // pair.chunk)
+        assert info["frames"] == frames
+        assert RecordingConnection.queued_after_done == [send_after] * frames
+        if send_after:
+            assert info["wait_s"] > info["compute_s"] > 0  # the first frame left after the compute
         pair.assert_no_leaks()
     finally:
         pair.close()
