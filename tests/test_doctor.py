@@ -233,3 +233,40 @@ def test_cpu_kernels_status_is_a_problem_only_when_a_built_extension_fails(
     _fake_cpu_kernels(monkeypatch, available=available, reason=reason, ext_built=built)
     got_status, got_problem = doctor.cpu_kernels_status()
     assert got_status.startswith(status) and got_problem == problem
+
+
+def test_browsing_on_a_named_interface_lists_peers_and_marks_the_paired_one(
+    dirs, capsys, monkeypatch, tmp_path
+):
+    import peer.discovery
+    from peer.discovery import DiscoveredPeer
+    from peer.trust.keys import PairedPeers, load_identity
+
+    paired = PairedPeers().add("gpu", load_identity(tmp_path / "gpu", name="gpu").cert_pem)
+    seen = [
+        DiscoveredPeer("gpu", ["192.0.2.20"], 7611, {"id": paired.short_id, "backend": "cuda"}),
+        DiscoveredPeer("stranger", ["192.0.2.30"], 7611, {"id": "0" * 16, "backend": "cpu"}),
+    ]
+    asked: list = []
+
+    class FakeBrowser:
+        def __init__(self, interfaces):
+            asked.append(interfaces)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def collect(self, seconds):
+            asked.append(seconds)
+            return seen
+
+    monkeypatch.setattr(peer.discovery, "Browser", FakeBrowser)
+    monkeypatch.setattr(peer.discovery, "local_ip_for", lambda ip: ip)
+    _, report, _ = doctor_json(capsys, "--interface", "192.0.2.2", "--timeout", "1.5")
+    assert asked == [["192.0.2.2"], 1.5]  # only the named interface, for the asked time
+    found = {p["name"]: p for p in report["peers"]["discovered"]}
+    assert set(found) == {"gpu", "stranger"}
+    assert found["gpu"]["paired"] is True and found["stranger"]["paired"] is False
