@@ -204,6 +204,7 @@ def main() -> None:
         "peak_rss_mib": med(c[2] for c in cold),
     }
     if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=1))
     if a.profile:
         print(run_child(a.model, profile=True)["profile"][:6000])
