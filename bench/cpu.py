@@ -56,7 +56,7 @@ METRICS = [  # key, label, unit, higher is better
     ("decode_64", "decode, batch 1, ctx 64", "tok/s", True),
     ("decode_1024", "decode, batch 1, ctx 1024", "tok/s", True),
     ("prefill_512", "prefill, 512 tokens", "tok/s", True),
-    ("batch16", "decode, batch 16 aggregate", "tok/s", True),
+    ("batch16", "decode, batch 16 aggregate (ratio: to 1 stream)", "tok/s", True),
     ("cold_ttft", "cold process to first token", "s", False),
     ("peak_rss", "peak RSS (128-token reply)", "MiB", False),
 ]
@@ -487,13 +487,15 @@ def q4_k_m(src: str) -> str:
     dst = OUT / (Path(src).stem.rsplit("-", 1)[0] + "-Q4_K_M.gguf")
     if dst.exists():
         return str(dst)
+    import ctypes
+
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
     params.allow_requantize = True
     tmp = dst.with_suffix(".tmp")
-    if llama_cpp.llama_model_quantize(src.encode(), str(tmp).encode(), params) != 0:
+    if llama_cpp.llama_model_quantize(src.encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise SystemExit(f"llama_model_quantize failed on {src}")
     tmp.rename(dst)
     return str(dst)
