@@ -30,8 +30,7 @@ import numpy as np  # noqa: E402
 
 import mlx_engine  # noqa: E402, F401  (before mlx: OpenBLAS)
 from mlx_engine.loading.ggml_blocks import decode, to_8bit_groups_of_32  # noqa: E402
-from tests.gguf_quantize import Q, dequantize, q4_k_m_type, quantize, requantize  # noqa: E402
-from tests.test_gguf_kquants import _random_blocks  # noqa: E402
+from tests.gguf_quantize import Q, dequantize, q4_k_m_type, quantize, random_blocks, requantize  # noqa: E402
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
@@ -40,7 +39,7 @@ def exact_types(rng: np.random.Generator) -> None:
     print("| type | MLX bits, group | max abs diff, decoded vs gguf | max abs diff, MLX packed vs gguf |")
     print("|---|---|---:|---:|")
     for qtype in TYPES:
-        raw = _random_blocks(qtype, 64, 8, rng)
+        raw = random_blocks(qtype, 64, 8, rng)
         want = dequantize(raw, qtype)
         codes = decode(raw, qtype.name, *want.shape)
         float_diff = float(np.abs(codes.to_float() - want).max())

@@ -147,6 +147,24 @@ def quantize_and_decode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray
     return raw, back
 
 
+# byte offsets of each block's fp16 fields (scale d, and dmin/min where there is one)
+F16_FIELDS = {
+    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
+    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+}  # fmt: skip
+
+
+def random_blocks(qtype: Q, rows: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes for every field (so every bit of every code and sub-scale is exercised), with
+    finite fp16 scales."""
+    weights, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        scale = (rng.standard_normal((rows, blocks)) * 0.01).astype(np.float16)
+        raw[..., at : at + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(rows, blocks * size)
+
+
 # ---- llama.cpp's Q4_K_M mix ---------------------------------------------------------------------------
 
 

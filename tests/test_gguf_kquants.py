@@ -49,6 +49,7 @@ from tests.gguf_quantize import (
     gguf_name,
     q4_k_m_type,
     quantize,
+    random_blocks,
     requantize,
     write_tiny_gguf,
 )
@@ -62,11 +63,6 @@ def _no_weight_cache(monkeypatch):
 
 QUANT_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 MLX_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 8}
-# byte offsets of each block's fp16 fields (scale d, and dmin/min where there is one)
-F16_FIELDS = {
-    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-}  # fmt: skip
 
 
 def test_every_supported_quant_type_has_a_decoder():
@@ -76,22 +72,11 @@ def test_every_supported_quant_type_has_a_decoder():
         assert (BLOCK_TYPES[t.name].weights, BLOCK_TYPES[t.name].nbytes) == gguf.GGML_QUANT_SIZES[t]
 
 
-def _random_blocks(qtype: Q, rows: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes for every field (so every bit of every code and sub-scale is exercised), with
-    finite fp16 scales."""
-    weights, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    for at in F16_FIELDS[qtype]:
-        scale = (rng.standard_normal((rows, blocks)) * 0.01).astype(np.float16)
-        raw[..., at : at + 2] = scale[..., None].view(np.uint8)
-    return raw.reshape(rows, blocks * size)
-
-
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(("rows", "blocks"), [(1, 1), (3, 5), (17, 2)])
 def test_decoder_matches_gguf(qtype, rows, blocks):
     rng = np.random.default_rng(blocks * 100 + rows)
-    raw = _random_blocks(qtype, rows, blocks, rng)
+    raw = random_blocks(qtype, rows, blocks, rng)
     want = dequantize(raw, qtype)
     cols = blocks * gguf.GGML_QUANT_SIZES[qtype][0]
     assert want.shape == (rows, cols)
