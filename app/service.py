@@ -180,6 +180,7 @@ def systemd_user_unit(service: Service, argv: list[str]) -> str:
         f"ExecStart={exec_start}\n"
         f"Restart=on-failure\n"
         f"RestartSec=5\n"
+        f"RestartPreventExitStatus=2\n"  # a bad option or model: fix the env file, no restart loop
         f"NoNewPrivileges=yes\n"
         f"\n"
         f"[Install]\n"

@@ -84,6 +84,7 @@ def test_systemd_system_unit_runs_peer_serve_as_an_unprivileged_user(tmp_path):
     assert unit["User"] == "duet" and unit["EnvironmentFile"] == "/etc/duet/peer.env"
     assert unit["ExecStart"] == "/opt/duet/bin/duet peer serve $DUET_ARGS"
     assert unit["NoNewPrivileges"] == "yes" and "MemoryDenyWriteExecute" not in unit
+    assert unit["Restart"] == "on-failure" and unit["RestartPreventExitStatus"] == "2"
     env = (ROOT / "packaging/linux/peer.env").read_text()
     assert any(line.startswith("DUET_ARGS=--host ") for line in env.splitlines())
     if shutil.which("systemd-analyze") is None:

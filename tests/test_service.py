@@ -70,6 +70,7 @@ def test_systemd_user_unit_runs_peer_serve_with_an_environment_file(home, capsys
     assert u["Service"]["ExecStart"] == f"{DUET} peer serve $DUET_ARGS"
     assert "User" not in u["Service"]  # a user unit: runs as whoever installed it, never root
     assert u["Install"]["WantedBy"] == "default.target"
+    assert u["Service"]["RestartPreventExitStatus"] == "2"  # a config error is not retried in a loop
     assert "DUET_ARGS=--host 0.0.0.0 --port 7611\n" in env_path.read_text()
     assert stat.S_IMODE(env_path.stat().st_mode) == 0o600
     # the commands it would run, printed and not run
