@@ -18,6 +18,7 @@ them and the optional sink logits.
 from __future__ import annotations
 
 import math
+from functools import cache, lru_cache
 
 import mlx.core as mx
 
@@ -25,37 +26,67 @@ from metal_kernels.spec import KernelSpec, Launch, resolve_backend, run
 
 SIMDGROUPS = 8
 THREADS = 32 * SIMDGROUPS
-DEFAULT_PARTITION_TOKENS = 256
+MAX_HEAD_DIM = 256  # larger head dims decline to the reference path
+LANE_FLOATS = 32  # heads per threadgroup x dims per lane: caps the query and accumulator registers
+TARGET_THREADGROUPS = 256  # partition until a decode step launches about this many threadgroups
+MIN_PARTITION_TOKENS = 256  # ... but never into partitions shorter than this
+KERNEL_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+# Quantized rows, lane-contiguous: lane l holds dims [l * NE, l * NE + NE). Whole words per lane when
+# NE is a multiple of the elements per word, one shifted word when the run lies inside one word.
+_LOAD_QUANT_WORDS = """
+      {{
+        const device uint* wp = {pool}_q + row * (D / PER_WORD);
+        if (NE % PER_WORD == 0) {{
+          for (int w = 0; w < NE / PER_WORD; ++w) {{
+            const uint word = wp[d0 / PER_WORD + w];
+            for (int e = 0; e < PER_WORD; ++e) {{
+              {dst}[w * PER_WORD + e] = float((word >> (e * BITS)) & MASK);
+            }}
+          }}
+        }} else if (PER_WORD % NE == 0) {{
+          const uint word = wp[d0 / PER_WORD] >> ((d0 % PER_WORD) * BITS);
+          for (int j = 0; j < NE; ++j) {{
+            {dst}[j] = float((word >> (j * BITS)) & MASK);
+          }}
+        }} else {{
+          for (int j = 0; j < NE; ++j) {{
+            const int d = d0 + j;
+            {dst}[j] = float((wp[d / PER_WORD] >> ((d % PER_WORD) * BITS)) & MASK);
+          }}
+        }}
+        if (!FOLD) {{  // the run crosses a group edge: dequantize per element
+          for (int j = 0; j < NE; ++j) {{
+            const size_t g = row * (D / GS) + (d0 + j) / GS;
+            {dst}[j] = float({pool}_scales[g]) * {dst}[j] + float({pool}_biases[g]);
+          }}
+        }}
+      }}
+      const size_t {pre}g = row * (D / GS) + d0 / GS;
+      const float {pre}sc = FOLD ? float({pool}_scales[{pre}g]) : 1.0f;
+      const float {pre}bi = FOLD ? float({pool}_biases[{pre}g]) : 0.0f;"""
 
 _LOAD_PLAIN = """
-      for (int j = 0; j < NE; ++j) {{
-        int d = int(lane) + 32 * j;
-        {dst}[j] = d < D ? float({pool}[row * D + d]) : 0.0f;
-      }}"""
-
-_LOAD_QUANT = """
-      for (int j = 0; j < NE; ++j) {{
-        int d = int(lane) + 32 * j;
-        if (d < D) {{
-          uint word = {pool}_q[row * (D / PER_WORD) + d / PER_WORD];
-          float qv = float((word >> ((d % PER_WORD) * BITS)) & MASK);
-          const size_t g = row * (D / GS) + d / GS;
-          {dst}[j] = float({pool}_scales[g]) * qv + float({pool}_biases[g]);
-        }} else {{
-          {dst}[j] = 0.0f;
+      {{
+        const device T* src = {pool} + row * D + d0;
+        for (int j = 0; j < NE; ++j) {{
+          {dst}[j] = (D % 32 == 0 || d0 + j < D) ? float(src[j]) : 0.0f;
         }}
       }}"""
 
 _BODY = """
   constexpr int NS = {simdgroups};
   constexpr int NE = (D + 31) / 32;
+  constexpr int HGROUPS = GQA / HG;
+  constexpr float EMPTY = -3.0e38f;  // "no score yet": finite, as fast math may assume no infinities
 {quant_consts}
   const int n_kv = params[0];
   const int max_blocks = params[1];
   const int window = params[2];
   const int part_tokens = params[3];
   const int n_parts = params[4];
-  const int kvh = int(threadgroup_position_in_grid.x);
+  const int kvh = int(threadgroup_position_in_grid.x) / HGROUPS;
+  const int h0 = kvh * GQA + (int(threadgroup_position_in_grid.x) % HGROUPS) * HG;
   const int b = int(threadgroup_position_in_grid.y);
   const int part = int(threadgroup_position_in_grid.z);
   const uint sg = simdgroup_index_in_threadgroup;
@@ -64,48 +95,60 @@ _BODY = """
   const int n_q = n_kv * GQA;
   const int len = context_lens[b];
   const int first = window > 0 ? max(len - window, 0) : 0;
-  const int lo = max(first, part * part_tokens);
-  const int hi = min(len, (part + 1) * part_tokens);
+  const int lo = first + part * part_tokens;
+  const int hi = min(len, lo + part_tokens);
+{early_exit}
+  const int d0 = int(lane) * NE;
   const float qscale = scale * M_LOG2E_F;
 
-  float qr[GQA][NE];
-  float m[GQA];
-  float l[GQA];
-  float acc[GQA][NE];
-  for (int r = 0; r < GQA; ++r) {{
-    m[r] = -INFINITY;
+  float qr[HG][NE];
+  float m[HG];
+  float l[HG];
+  float acc[HG][NE];
+  float qsum[HG];
+  for (int r = 0; r < HG; ++r) {{
+    m[r] = EMPTY;
     l[r] = 0.0f;
+    qsum[r] = 0.0f;
     for (int j = 0; j < NE; ++j) {{
-      int d = int(lane) + 32 * j;
-      qr[r][j] = d < D ? float(q[(size_t(b) * n_q + kvh * GQA + r) * D + d]) * qscale : 0.0f;
+      const int d = d0 + j;
+      qr[r][j] = (D % 32 == 0 || d < D) ? float(q[(size_t(b) * n_q + h0 + r) * D + d]) * qscale : 0.0f;
+      qsum[r] += qr[r][j];
       acc[r][j] = 0.0f;
     }}
   }}
 
-  for (int t = lo + int(sg); t < hi; t += NS) {{
-    const int blk = block_tables[size_t(b) * max_blocks + t / BS];
-    const size_t row = (size_t(blk) * BS + t % BS) * n_kv + kvh;
-    float kv[NE];
-    float vv[NE];
+  // Blocks in chunks of 32: lane i holds the chunk's i-th block id, each token takes it by a shuffle.
+  const int blo = lo / BS;
+  const int bhi = hi > lo ? (hi - 1) / BS + 1 : blo;
+  for (int cb = blo; cb < bhi; cb += 32) {{
+    const int nb = min(32, bhi - cb);
+    const int my_blk = int(lane) < nb ? block_tables[size_t(b) * max_blocks + cb + int(lane)] : 0;
+    const int t_end = min(hi, (cb + nb) * BS);
+    for (int t = max(lo, cb * BS) + int(sg); t < t_end; t += NS) {{
+      const int blk = simd_shuffle(my_blk, ushort(t / BS - cb));
+      const size_t row = (size_t(blk) * BS + t % BS) * n_kv + kvh;
+      float kv[NE];
+      float vv[NE];
 {load_k}
-    float s[GQA];
-    for (int r = 0; r < GQA; ++r) {{
-      float partial = 0.0f;
-      for (int j = 0; j < NE; ++j) {{
-        partial += qr[r][j] * kv[j];
+      float s[HG];
+      for (int r = 0; r < HG; ++r) {{
+        float partial = 0.0f;
+        for (int j = 0; j < NE; ++j) {{
+          partial += qr[r][j] * kv[j];
+        }}
+{fold_k}
+        s[r] = simd_sum(partial);
       }}
-      s[r] = simd_sum(partial);
-    }}
 {load_v}
-    for (int r = 0; r < GQA; ++r) {{
-      float m_new = max(m[r], s[r]);
-      float f = exp2(m[r] - m_new);
-      float p = exp2(s[r] - m_new);
-      l[r] = l[r] * f + p;
-      for (int j = 0; j < NE; ++j) {{
-        acc[r][j] = acc[r][j] * f + p * vv[j];
+      for (int r = 0; r < HG; ++r) {{
+        const float m_new = max(m[r], s[r]);
+        const float f = fast::exp2(m[r] - m_new);
+        const float p = fast::exp2(s[r] - m_new);
+        l[r] = l[r] * f + p;
+{accumulate}
+        m[r] = m_new;
       }}
-      m[r] = m_new;
     }}
   }}
 
@@ -113,47 +156,50 @@ _BODY = """
   threadgroup float tg_m[NS];
   threadgroup float tg_l[NS];
   threadgroup float tg_o[NS * D];
-  for (int r = 0; r < GQA; ++r) {{
+  for (int r = 0; r < HG; ++r) {{
     if (lane == 0) {{
       tg_m[sg] = m[r];
       tg_l[sg] = l[r];
     }}
     for (int j = 0; j < NE; ++j) {{
-      int d = int(lane) + 32 * j;
-      if (d < D) {{
-        tg_o[sg * D + d] = acc[r][j];
+      if (D % 32 == 0 || d0 + j < D) {{
+        tg_o[sg * D + d0 + j] = acc[r][j];
       }}
     }}
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    const int h = kvh * GQA + r;
-    float big = -INFINITY;
+    const int h = h0 + r;
+{merge}
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }}
+"""
+
+# Threads combine the SIMD-groups' (max, sum, output) for dims tid, tid + 256, ...
+_MERGE = """
+    float big = EMPTY;
     for (int i = 0; i < NS; ++i) {{
       big = max(big, tg_m[i]);
     }}
     for (uint d = tid; d < uint(D); d += NS * 32) {{
       float o = 0.0f;
       float sum = 0.0f;
-      if (big > -INFINITY) {{
+      if (big > EMPTY) {{
         for (int i = 0; i < NS; ++i) {{
-          if (tg_m[i] > -INFINITY) {{
-            float w = exp2(tg_m[i] - big);
+          if (tg_m[i] > EMPTY) {{
+            const float w = fast::exp2(tg_m[i] - big);
             o += tg_o[i * D + d] * w;
             sum += tg_l[i] * w;
           }}
         }}
       }}
 {epilogue}
-    }}
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }}
-"""
+    }}"""
 
 _EPILOGUE_FINAL = """
       float top = big;
 {sink_top}
       float denom = 0.0f;
-      if (top > -INFINITY) {{
-        float w = big > -INFINITY ? exp2(big - top) : 0.0f;
+      if (top > EMPTY) {{
+        const float w = big > EMPTY ? fast::exp2(big - top) : 0.0f;
         o *= w;
         denom = sum * w;
 {sink_denom}
@@ -170,79 +216,115 @@ _EPILOGUE_PARTIAL = """
 
 _SINK_TOP = """      const float sink = float(sinks[h]) * M_LOG2E_F;
       top = max(top, sink);"""
-_SINK_DENOM = """        denom += exp2(sink - top);"""
+_SINK_DENOM = """        denom += fast::exp2(sink - top);"""
 
+# One threadgroup per (query head, sequence); its SIMD-groups take this sequence's partitions in turn
+# (only those that hold its tokens, so short rows in a ragged batch read nothing more), then merge.
 _REDUCE = """
+  constexpr int NS = {simdgroups};
   constexpr int NE = (D + 31) / 32;
+  constexpr float EMPTY = -3.0e38f;
   const int n_parts = params[0];
+  const int window = params[1];
+  const int part_tokens = params[2];
   const int h = int(threadgroup_position_in_grid.x);
   const int b = int(threadgroup_position_in_grid.y);
   const int n_q = int(threadgroups_per_grid.x);
+  const uint sg = simdgroup_index_in_threadgroup;
   const uint lane = thread_index_in_simdgroup;
+  const uint tid = thread_index_in_threadgroup;
+  const int len = context_lens[b];
+  const int first = window > 0 ? max(len - window, 0) : 0;
+  const int mine = min(n_parts, (len - first + part_tokens - 1) / part_tokens);
   const size_t base = (size_t(b) * n_q + h) * n_parts;
-  float top = -INFINITY;
-  for (int p = 0; p < n_parts; ++p) {{
-    top = max(top, m_part[base + p]);
-  }}
-{sink_top}
-  float o[NE];
+  const int d0 = int(lane) * NE;
+  float m = EMPTY;
+  float l = 0.0f;
+  float acc[NE];
   for (int j = 0; j < NE; ++j) {{
-    o[j] = 0.0f;
+    acc[j] = 0.0f;
   }}
-  float denom = 0.0f;
-  if (top > -INFINITY) {{
-    for (int p = 0; p < n_parts; ++p) {{
-      const float mp = m_part[base + p];
-      if (mp > -INFINITY) {{
-        const float w = exp2(mp - top);
-        denom += l_part[base + p] * w;
-        for (int j = 0; j < NE; ++j) {{
-          int d = int(lane) + 32 * j;
-          if (d < D) {{
-            o[j] += o_part[(base + p) * D + d] * w;
-          }}
-        }}
+  for (int p = int(sg); p < mine; p += NS) {{  // each of these holds a token: its max is finite
+    const float mp = m_part[base + p];
+    const float m_new = max(m, mp);
+    const float f = fast::exp2(m - m_new);
+    const float w = fast::exp2(mp - m_new);
+    l = l * f + l_part[base + p] * w;
+    for (int j = 0; j < NE; ++j) {{
+      if (D % 32 == 0 || d0 + j < D) {{
+        acc[j] = acc[j] * f + o_part[(base + p) * D + d0 + j] * w;
       }}
     }}
-{sink_denom}
+    m = m_new;
+  }}
+  threadgroup float tg_m[NS];
+  threadgroup float tg_l[NS];
+  threadgroup float tg_o[NS * D];
+  if (lane == 0) {{
+    tg_m[sg] = m;
+    tg_l[sg] = l;
   }}
   for (int j = 0; j < NE; ++j) {{
-    int d = int(lane) + 32 * j;
-    if (d < D) {{
-      out[(size_t(b) * n_q + h) * D + d] = static_cast<T>(denom == 0.0f ? 0.0f : o[j] / denom);
+    if (D % 32 == 0 || d0 + j < D) {{
+      tg_o[sg * D + d0 + j] = acc[j];
     }}
   }}
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+{merge}
 """
 
 
+@cache
 def _attention_spec(quantized: bool, final: bool, sinks: bool) -> KernelSpec:
+    """The kernel's source for one variant, built once (the key is cheap to hash)."""
     pools = (
         ["k_q", "k_scales", "k_biases", "v_q", "v_scales", "v_biases"] if quantized else ["k_pool", "v_pool"]
     )
     inputs = ["q", *pools, "block_tables", "context_lens", "params", "scale"]
     if sinks and final:
         inputs.append("sinks")
-    load = _LOAD_QUANT if quantized else _LOAD_PLAIN
-    k_name, v_name = ("k", "v") if quantized else ("k_pool", "v_pool")
-    quant_consts = (
-        "  constexpr int PER_WORD = 32 / BITS;\n  constexpr uint MASK = (1u << BITS) - 1u;"
-        if quantized
-        else ""
-    )
+    if quantized:
+        quant_consts = (
+            "  constexpr int PER_WORD = 32 / BITS;\n  constexpr uint MASK = (1u << BITS) - 1u;\n"
+            "  constexpr bool FOLD = GS % NE == 0;  // a lane's run of dims lies in one group"
+        )
+        load_k = _LOAD_QUANT_WORDS.format(dst="kv", pool="k", pre="k")
+        load_v = _LOAD_QUANT_WORDS.format(dst="vv", pool="v", pre="v")
+        # q.k = sc * sum(q w) + bi * sum(q): the affine form folded, sum(q) once per query
+        fold_k = "        partial = ksc * partial + kbi * qsum[r];"
+        accumulate = """        const float ps = p * vsc;
+        const float pb = p * vbi;
+        for (int j = 0; j < NE; ++j) {
+          acc[r][j] = acc[r][j] * f + (ps * vv[j] + pb);
+        }"""
+    else:
+        quant_consts = ""
+        load_k = _LOAD_PLAIN.format(dst="kv", pool="k_pool")
+        load_v = _LOAD_PLAIN.format(dst="vv", pool="v_pool")
+        fold_k = ""
+        accumulate = """        for (int j = 0; j < NE; ++j) {
+          acc[r][j] = acc[r][j] * f + p * vv[j];
+        }"""
     if final:
         epilogue = _EPILOGUE_FINAL.format(
             sink_top=_SINK_TOP if sinks else "", sink_denom=_SINK_DENOM if sinks else ""
         )
-        outputs = ("out",)
+        outputs: tuple[str, ...] = ("out",)
+        early_exit = ""
     else:
         epilogue = _EPILOGUE_PARTIAL
         outputs = ("o_part", "m_part", "l_part")
+        # a partition past this sequence's tokens writes nothing: the reduce never reads it
+        early_exit = "  if (lo >= hi) {\n    return;\n  }"
     source = _BODY.format(
         simdgroups=SIMDGROUPS,
         quant_consts=quant_consts,
-        load_k=load.format(dst="kv", pool=k_name),
-        load_v=load.format(dst="vv", pool=v_name),
-        epilogue=epilogue,
+        early_exit=early_exit,
+        load_k=load_k,
+        load_v=load_v,
+        fold_k=fold_k,
+        accumulate=accumulate,
+        merge=_MERGE.format(epilogue=epilogue),
     )
     name = (
         "paged_attn"
@@ -253,20 +335,23 @@ def _attention_spec(quantized: bool, final: bool, sinks: bool) -> KernelSpec:
     return KernelSpec(name, tuple(inputs), outputs, source)
 
 
+@cache
 def _reduce_spec(sinks: bool) -> KernelSpec:
-    inputs = ["o_part", "m_part", "l_part", "params"] + (["sinks"] if sinks else [])
-    sink_top = "  const float sink = float(sinks[h]) * M_LOG2E_F;\n  top = max(top, sink);" if sinks else ""
-    sink_denom = "    denom += exp2(sink - top);" if sinks else ""
-    source = _REDUCE.format(sink_top=sink_top, sink_denom=sink_denom)
+    inputs = ["o_part", "m_part", "l_part", "context_lens", "params"] + (["sinks"] if sinks else [])
+    epilogue = _EPILOGUE_FINAL.format(
+        sink_top=_SINK_TOP if sinks else "", sink_denom=_SINK_DENOM if sinks else ""
+    )
+    source = _REDUCE.format(simdgroups=SIMDGROUPS, merge=_MERGE.format(epilogue=epilogue))
     return KernelSpec("paged_attn_reduce" + ("_sinks" if sinks else ""), tuple(inputs), ("out",), source)
 
 
 def _check(
     q, k_pool, v_pool, block_tables, context_lens, bits, group_size, k_scales, k_biases, v_scales, v_biases
 ):
+    """Raise ``ValueError`` for inputs that do not fit together (a caller's bug, on any backend)."""
     if q.ndim != 3:
         raise ValueError("q must be (batch, n_q_heads, head_dim)")
-    if k_pool.ndim != 4 or v_pool.shape != k_pool.shape:
+    if k_pool.ndim != 4 or v_pool.ndim != 4 or v_pool.shape[:3] != k_pool.shape[:3]:
         raise ValueError("k_pool and v_pool must be (num_blocks, block_size, n_kv_heads, head_dim*)")
     batch, n_q, dim = q.shape
     n_kv = k_pool.shape[2]
@@ -280,15 +365,70 @@ def _check(
         if any(a is not None for a in (k_scales, k_biases, v_scales, v_biases)):
             raise ValueError("scales/biases given without bits")
     else:
-        if bits not in (4, 8):
-            raise ValueError("bits must be 4 or 8")
-        if dim % group_size or k_pool.shape[3] != dim * bits // 32:
+        if dim % group_size or k_pool.shape[3] * 32 != dim * bits:
             raise ValueError("quantized pools do not match head_dim, bits and group_size")
         for a in (k_scales, k_biases, v_scales, v_biases):
-            if a is None or a.shape != (*k_pool.shape[:3], dim // group_size):
+            if a is None or a.shape[:3] != k_pool.shape[:3]:
                 raise ValueError(
                     "quantized KV needs scales and biases of shape (blocks, block_size, kv_heads, D/group)"
                 )
+        if k_scales.shape != (*k_pool.shape[:3], dim // group_size):
+            raise ValueError("k_scales must be (blocks, block_size, kv_heads, D/group)")
+
+
+def declines(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, bits: int | None, group_size: int
+) -> str | None:
+    """Why the kernel does not take these shapes (the reference path does), or None when it does.
+
+    ``k_pool``/``v_pool`` are the blocked or flat pools (only the last axis is looked at)."""
+    dim = q.shape[-1]
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype}"
+    if dim > MAX_HEAD_DIM:
+        return f"head_dim {dim} > {MAX_HEAD_DIM}"
+    if v_pool.shape[-1] != k_pool.shape[-1]:
+        return "V head_dim differs from K head_dim"
+    if bits is not None and (bits not in (4, 8) or group_size not in (32, 64, 128)):
+        return f"{bits}-bit KV with group size {group_size}"
+    return None
+
+
+def heads_per_threadgroup(gqa: int, dim: int) -> int:
+    """The most query heads of one KV head a threadgroup takes: a divisor of ``gqa`` with
+    heads x dims-per-lane <= ``LANE_FLOATS`` (MLX caps GQA x query length the same way), so the
+    query and accumulator registers stay bounded at GQA 16; more heads split across threadgroups."""
+    per_lane = -(-dim // 32)
+    cap = max(1, LANE_FLOATS // per_lane)
+    return max(h for h in range(1, gqa + 1) if gqa % h == 0 and h <= cap)
+
+
+def plan_partitions(
+    span: int, threadgroups: int, block_size: int, partition_tokens: int | None = None
+) -> tuple[int, int]:
+    """(tokens per partition, partitions) for the longest row's ``span`` attended tokens.
+
+    Without ``partition_tokens`` a row is split only when ``threadgroups`` (KV-head groups x rows)
+    would underfill the GPU: into about ``TARGET_THREADGROUPS / threadgroups`` parts of at least
+    ``MIN_PARTITION_TOKENS`` tokens. Each row's kernel threadgroups past its own tokens write nothing
+    and the reduce reads only that row's partitions."""
+    if partition_tokens is None:
+        want = max(1, -(-TARGET_THREADGROUPS // max(1, threadgroups)))
+        part = max(MIN_PARTITION_TOKENS, -(-span // want))
+    else:
+        part = max(1, int(partition_tokens))
+    part = max(block_size, -(-part // block_size) * block_size)
+    return part, max(1, -(-span // part))
+
+
+@lru_cache(maxsize=256)
+def _params(*values: int) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+@lru_cache(maxsize=64)
+def _scale(scale: float) -> mx.array:
+    return mx.array(scale, dtype=mx.float32)
 
 
 def paged_decode_attention(
@@ -307,7 +447,8 @@ def paged_decode_attention(
     group_size: int = 32,
     window: int | None = None,
     sinks: mx.array | None = None,
-    partition_tokens: int = DEFAULT_PARTITION_TOKENS,
+    partition_tokens: int | None = None,
+    max_context: int | None = None,
     block_size: int = 16,
     backend: str | None = None,
 ) -> mx.array:
@@ -318,6 +459,9 @@ def paged_decode_attention(
     With ``bits``, ``k_pool``/``v_pool`` are the uint32 words and ``k_scales`` ... ``v_biases`` the
     group scales and biases. ``window`` keeps the last ``window`` tokens; ``sinks`` (n_q_heads,) are
     per-head logits added to the softmax denominator. Sequences with ``context_lens == 0`` give 0.
+    ``max_context`` (the longest ``context_lens``, when the caller knows it without a device sync)
+    sizes the partitions; otherwise the padded block table does. ``partition_tokens`` overrides the
+    occupancy-based partition size. Shapes the kernel does not take (``declines``) run the reference.
     """
     if k_pool.ndim == 3:
         k_pool, v_pool, k_scales, k_biases, v_scales, v_biases = (
@@ -342,43 +486,48 @@ def paged_decode_attention(
     if window is not None and window <= 0:
         raise ValueError("window must be positive")
     backend = resolve_backend(backend)
-    if backend == "reference":
+    if backend == "reference" or declines(q, k_pool, v_pool, bits, group_size) is not None:
         return reference(
             q, k_pool, v_pool, block_tables, context_lens, scale=scale, k_scales=k_scales, k_biases=k_biases,
             v_scales=v_scales, v_biases=v_biases, bits=bits, group_size=group_size, window=window, sinks=sinks,
         )  # fmt: skip
     return _run_kernels(
         q, k_pool, v_pool, block_tables, context_lens, scale, (k_scales, k_biases, v_scales, v_biases),
-        bits, group_size, window, sinks, partition_tokens, backend,
+        bits, group_size, window, sinks, partition_tokens, max_context, backend,
     )  # fmt: skip
 
 
 def _run_kernels(q, k_pool, v_pool, block_tables, context_lens, scale, quant, bits, group_size, window, sinks,
-                 partition_tokens, backend):  # fmt: skip
+                 partition_tokens, max_context, backend):  # fmt: skip
     batch, n_q, dim = q.shape
     _, block_size, n_kv, _ = k_pool.shape
     max_blocks = block_tables.shape[1]
-    part_tokens = max(block_size, int(partition_tokens))
-    n_parts = max(1, -(-max_blocks * block_size // part_tokens))
+    gqa = n_q // n_kv
+    hg = heads_per_threadgroup(gqa, dim)
+    span = max_blocks * block_size if max_context is None else max(1, int(max_context))
+    if window is not None:
+        span = min(span, window)
+    part_tokens, n_parts = plan_partitions(span, batch * n_kv * (gqa // hg), block_size, partition_tokens)
     final = n_parts == 1
     quantized = bits is not None
     sinks32 = None if sinks is None else sinks.astype(mx.float32)
-    params = mx.array([n_kv, max_blocks, window or 0, part_tokens, n_parts], dtype=mx.int32)
+    lens = context_lens.astype(mx.int32)
+    params = _params(n_kv, max_blocks, window or 0, part_tokens, n_parts)
     pools = [k_pool, quant[0], quant[1], v_pool, quant[2], quant[3]] if quantized else [k_pool, v_pool]
-    inputs = [q, *pools, block_tables.astype(mx.int32), context_lens.astype(mx.int32), params,
-              mx.array(scale, dtype=mx.float32)]  # fmt: skip
+    inputs = [q, *pools, block_tables.astype(mx.int32), lens, params, _scale(float(scale))]
     if final and sinks32 is not None:
         inputs.append(sinks32)
     template: list[tuple[str, object]] = [
         ("T", q.dtype),
         ("D", dim),
-        ("GQA", n_q // n_kv),
+        ("GQA", gqa),
+        ("HG", hg),
         ("BS", block_size),
     ]
     if quantized:
         template += [("BITS", bits), ("GS", group_size)]
     spec = _attention_spec(quantized, final, sinks is not None)
-    grid = (THREADS * n_kv, batch, n_parts)
+    grid = (THREADS * n_kv * (gqa // hg), batch, n_parts)
     if final:
         launch = Launch(inputs, [(batch, n_q, dim)], [q.dtype], grid, (THREADS, 1, 1), template)
         return run(spec, launch, backend)[0]
@@ -391,15 +540,15 @@ def _run_kernels(q, k_pool, v_pool, block_tables, context_lens, scale, quant, bi
         template,
     )
     o_part, m_part, l_part = run(spec, launch, backend)
-    red_inputs = [o_part, m_part, l_part, mx.array([n_parts], dtype=mx.int32)]
+    red_inputs = [o_part, m_part, l_part, lens, _params(n_parts, window or 0, part_tokens)]
     if sinks32 is not None:
         red_inputs.append(sinks32)
     red = Launch(
         red_inputs,
         [(batch, n_q, dim)],
         [q.dtype],
-        (32 * n_q, batch, 1),
-        (32, 1, 1),
+        (THREADS * n_q, batch, 1),
+        (THREADS, 1, 1),
         [("T", q.dtype), ("D", dim)],
     )
     return run(_reduce_spec(sinks is not None), red, backend)[0]

@@ -3,6 +3,7 @@ reference path against a float64 NumPy oracle, with adversarial lengths and pois
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mlx.core as mx
@@ -163,6 +164,108 @@ def test_quantized_kv(backend, dtype, dim, gqa, bits, group_size, partition_toke
     case.assert_matches(out)
 
 
+ORDERS = ["forward", "reverse", "random"]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_ragged_batch_partitions_per_sequence(backend, order, bits):
+    """One long row among short ones (and an empty one): partitions come from the rows' own lengths,
+    threadgroups past a short row's tokens write nothing, and the reduce never reads them (the
+    emulator fills unwritten outputs with NaN, so reading one would show)."""
+    lens = [600, 3, 17, 0, 1]
+    case = Case(lens, n_kv=2, gqa=2, dim=64, dtype=mx.float16, bits=bits, seed=11)
+    part, n_parts = pa.plan_partitions(600, len(lens) * 2, 16)
+    assert n_parts == 3, "a 600-token row among 5 rows splits into 256-token partitions"
+    with options(order=order, strict=True):
+        out = case.run(backend, max_context=max(lens))
+    case.assert_matches(out)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize(
+    "dim,gqa,dtype,bits,group_size",
+    [
+        (128, 16, mx.float16, None, 32),  # GQA 16: two threadgroups of 8 heads per KV head
+        (256, 4, mx.bfloat16, None, 32),  # D 256: 8 dims per lane
+        (256, 8, mx.float32, 8, 64),  # D 256 and 8 heads: split in two, whole words per lane
+        (128, 16, mx.float16, 4, 64),  # 4-bit, half a word per lane
+        (64, 4, mx.float16, 8, 32),  # 8-bit, half a word per lane
+    ],
+)
+def test_large_gqa_and_head_dims(backend, order, dim, gqa, dtype, bits, group_size):
+    case = Case([1, 16, 45, 130], n_kv=2, gqa=gqa, dim=dim, dtype=dtype, bits=bits, group_size=group_size,
+                seed=12)  # fmt: skip
+    with options(order=order, strict=True):
+        out = case.run(backend, partition_tokens=64)
+    case.assert_matches(out)
+
+
+def test_heads_per_threadgroup_caps_registers():
+    assert pa.heads_per_threadgroup(8, 128) == 8
+    assert pa.heads_per_threadgroup(16, 128) == 8
+    assert pa.heads_per_threadgroup(16, 256) == 4
+    assert pa.heads_per_threadgroup(16, 64) == 16
+    assert pa.heads_per_threadgroup(6, 128) == 6
+    assert pa.heads_per_threadgroup(12, 256) == 4
+    assert pa.heads_per_threadgroup(7, 256) == 1
+
+
+def test_partitions_follow_occupancy():
+    # batch 1, 8 KV heads at 32K: 32 partitions of 1024 fill ~256 threadgroups
+    assert pa.plan_partitions(32768, 8, 16) == (1024, 32)
+    # batch 16 x 8 KV heads: two partitions per row
+    assert pa.plan_partitions(32768, 128, 16) == (16384, 2)
+    # a full GPU or a short context: one partition, no reduce
+    assert pa.plan_partitions(32768, 512, 16) == (32768, 1)
+    assert pa.plan_partitions(200, 1, 16) == (256, 1)
+    # an explicit size wins, rounded up to whole blocks
+    assert pa.plan_partitions(100, 1, 16, partition_tokens=20) == (32, 4)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_windowed_and_global_layers_over_one_pool(backend, order):
+    """A Gemma-3 / gpt-oss step: the same pools read by a sliding-window layer and a global one."""
+    case = Case([1, 9, 40, 300], n_kv=2, gqa=4, dim=64, dtype=mx.float16, seed=13)
+    sinks = mx.array(np.linspace(-2, 2, 8).astype(np.float32)).astype(mx.float16)
+    with options(order=order, strict=True):
+        glob = case.run(backend, sinks=sinks, max_context=300)
+        case.window = 24
+        win = case.run(backend, sinks=sinks, max_context=300, partition_tokens=16)
+    case.assert_matches(win, sinks)
+    case.window = None
+    case.assert_matches(glob, sinks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("bits,group_size", [(8, 32), (4, 64)])
+def test_quantized_kv_at_32k(backend, bits, group_size):
+    """32K context with 8- and 4-bit KV, auto partitions (128 of 256 tokens, reduced in parallel)."""
+    case = Case([32768, 100], n_kv=1, gqa=4, dim=128, dtype=mx.float16, bits=bits, group_size=group_size,
+                seed=14, spare_blocks=0)  # fmt: skip
+    with options(order="random", strict=True):
+        out = case.run(backend, max_context=32768)
+    case.assert_matches(out)
+
+
+@pytest.mark.parametrize("kw", [dict(bits=2, group_size=32), dict(dim=512)])
+def test_unsupported_shapes_decline_to_the_reference(kw):
+    """Shapes the kernel does not take run the reference path (same answer), never an error."""
+    dim = kw.pop("dim", 64)
+    case = Case([5, 40], n_kv=1, gqa=2, dim=dim, dtype=mx.float32, poison=0.0, seed=15, **kw)
+    assert pa.declines(case.q, case.k, case.v, case.bits, case.group_size) is not None
+    case.assert_matches(case.run("emulator"))
+
+
+def test_kernel_sources_are_built_once():
+    assert pa._attention_spec(True, False, False) is pa._attention_spec(True, False, False)
+    assert pa._reduce_spec(True) is pa._reduce_spec(True)
+
+
 def test_zero_length_sequence_gives_zeros():
     case = Case([0, 5], n_kv=1, gqa=1, dim=64, dtype=mx.float32, seed=4)
     out = np.array(case.run("emulator"))
@@ -237,7 +340,7 @@ def run_modified(case: Case, old: str, new: str, name: str):
         [case.q.dtype],
         (pa.THREADS * n_kv, batch, 1),
         (pa.THREADS, 1, 1),
-        [("T", case.q.dtype), ("D", dim), ("GQA", n_q // n_kv), ("BS", case.k.shape[1])],
+        [("T", case.q.dtype), ("D", dim), ("GQA", n_q // n_kv), ("HG", n_q // n_kv), ("BS", case.k.shape[1])],
     )
     return kernel(inputs=launch.inputs, output_shapes=launch.output_shapes, output_dtypes=launch.output_dtypes,
                   grid=launch.grid, threadgroup=launch.threadgroup, template=launch.template)[0]  # fmt: skip
@@ -253,26 +356,53 @@ def is_correct(case: Case, out) -> bool:
 
 def test_injected_missing_barrier_is_caught():
     case = Case(BLOCK_EDGE_LENS, n_kv=1, gqa=2, dim=64, dtype=mx.float32, seed=6)
-    old = "    threadgroup_barrier(mem_flags::mem_threadgroup);\n    const int h = kvh * GQA + r;"
+    old = "    threadgroup_barrier(mem_flags::mem_threadgroup);\n    const int h = h0 + r;"
     results = []
     for order in ("forward", "reverse", "random"):
         with options(order=order):
             results.append(
-                is_correct(case, run_modified(case, old, "    const int h = kvh * GQA + r;", "pa_nobarrier"))
+                is_correct(case, run_modified(case, old, "    const int h = h0 + r;", "pa_nobarrier"))
             )
     assert not all(results)
 
 
 def test_injected_off_by_one_block_index_is_caught():
     case = Case(BLOCK_EDGE_LENS, n_kv=1, gqa=2, dim=64, dtype=mx.float32, seed=7)
-    out = run_modified(case, "t / BS]", "(t + 1) / BS]", "pa_off_by_one")
+    out = run_modified(case, "ushort(t / BS - cb)", "ushort((t + 1) / BS - cb)", "pa_off_by_one")
     assert not is_correct(case, out)
 
 
 def test_injected_divergent_simd_sum_is_caught():
     case = Case(BLOCK_EDGE_LENS, n_kv=1, gqa=2, dim=64, dtype=mx.float32, seed=8)
-    old = "      s[r] = simd_sum(partial);"
-    new = "      s[r] = lane < 31 ? simd_sum(partial) : partial;"
+    old = "        s[r] = simd_sum(partial);"
+    new = "        s[r] = lane < 31 ? simd_sum(partial) : partial;"
     with options(strict=True), pytest.raises(EmulatorError, match="divergent"):
         run_modified(case, old, new, "pa_divergent")
     assert not is_correct(case, run_modified(case, old, new, "pa_divergent"))
+
+
+def test_injected_missing_barrier_in_the_reduce_is_caught(monkeypatch):
+    case = Case([200, 90, 7], n_kv=1, gqa=2, dim=64, dtype=mx.float32, seed=16)
+    spec = pa._reduce_spec(False)
+    old = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+    assert spec.source.count(old) == 1
+    broken = dataclasses.replace(spec, name="pa_reduce_nobarrier", source=spec.source.replace(old, ""))
+    monkeypatch.setattr(pa, "_reduce_spec", lambda sinks: broken)
+    results = []
+    for order in ORDERS:
+        with options(order=order):
+            results.append(is_correct(case, case.run("emulator", partition_tokens=32)))
+    assert not all(results)
+
+
+def test_injected_wrong_partition_count_in_the_reduce_is_caught(monkeypatch):
+    """The reduce reading one partition too many reads an unwritten (NaN) partial: row 250 has 8
+    partitions of 32 tokens, so SIMD-group 0 would take a ninth after its first."""
+    case = Case([400, 250, 7], n_kv=1, gqa=2, dim=64, dtype=mx.float32, seed=17)
+    spec = pa._reduce_spec(False)
+    old = "(len - first + part_tokens - 1) / part_tokens)"
+    new = "(len - first + part_tokens - 1) / part_tokens + 1)"
+    broken = dataclasses.replace(spec, name="pa_reduce_extra", source=spec.source.replace(old, new))
+    assert broken.source != spec.source
+    monkeypatch.setattr(pa, "_reduce_spec", lambda sinks: broken)
+    assert not is_correct(case, case.run("emulator", partition_tokens=32))

@@ -166,7 +166,7 @@ def _kernel_decode(kernel, queries, cache: PagedLayerCache, scale: float, mask, 
 def _metal_decode(
     queries, cache: PagedLayerCache, scale: float, sinks, window: int | None
 ) -> mx.array | None:
-    from metal_kernels.paged_attention import paged_decode_attention
+    from metal_kernels.paged_attention import declines, paged_decode_attention
 
     layout, pool = cache.layout, cache.pool
     k, v = pool.k[cache.layer], pool.v[cache.layer]
@@ -176,6 +176,8 @@ def _metal_decode(
         extra = dict(
             k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, bits=pool.kv_bits, group_size=pool.group_size
         )
+    if declines(queries, k, v, pool.kv_bits, pool.group_size) is not None:
+        return None  # the gather update_and_fetch already set up serves it
     out = paged_decode_attention(
         queries[:, :, 0, :],
         k,
@@ -186,6 +188,7 @@ def _metal_decode(
         sinks=sinks,
         block_size=pool.block_size,
         window=window,
+        max_context=max(layout.starts) + layout.num_new,  # partitions from the rows' lengths, no sync
         backend=_kernel_backend,
         **extra,
     )
