@@ -78,7 +78,7 @@ _BODY = """
   constexpr int NS = {simdgroups};
   constexpr int NE = (D + 31) / 32;
   constexpr int HGROUPS = GQA / HG;
-  constexpr float EMPTY = -3.0e38f;  // "no score yet": finite, as fast math may assume no infinities
+  constexpr float EMPTY = -1.0e30f;  // "no score yet": finite, as fast math may assume no infinities
 {quant_consts}
   const int n_kv = params[0];
   const int max_blocks = params[1];
@@ -223,7 +223,7 @@ _SINK_DENOM = """        denom += fast::exp2(sink - top);"""
 _REDUCE = """
   constexpr int NS = {simdgroups};
   constexpr int NE = (D + 31) / 32;
-  constexpr float EMPTY = -3.0e38f;
+  constexpr float EMPTY = -1.0e30f;
   const int n_parts = params[0];
   const int window = params[1];
   const int part_tokens = params[2];

@@ -38,8 +38,23 @@ class Launch:
     template: list[tuple[str, object]] = field(default_factory=list)
 
 
+# MLX 0.29-0.31 pass inputs of fewer than 8 elements as ``constant`` and cache compiled kernels by
+# name only, so block tables and context lengths crossing 8 elements recompile (and hit a
+# use-after-free fixed in 0.32). pyproject pins a newer MLX; an older one keeps the reference path.
+MIN_MLX = (0, 32)
+
+
+def mlx_version_ok(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed MLX) is at least ``MIN_MLX``."""
+    parts = (version or mx.__version__).split(".")[:2]
+    try:
+        return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts) >= MIN_MLX
+    except ValueError:
+        return False
+
+
 def metal_available() -> bool:
-    return bool(mx.metal.is_available())
+    return bool(mx.metal.is_available()) and mlx_version_ok()
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -48,7 +63,9 @@ def resolve_backend(backend: str | None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "metal" and not metal_available():
-        raise RuntimeError("the Metal backend needs Apple Silicon with Metal")
+        raise RuntimeError(
+            f"the Metal backend needs Apple Silicon with Metal and mlx >= {MIN_MLX[0]}.{MIN_MLX[1]}"
+        )
     return backend
 
 

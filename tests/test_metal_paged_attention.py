@@ -406,3 +406,11 @@ def test_injected_wrong_partition_count_in_the_reduce_is_caught(monkeypatch):
     assert broken.source != spec.source
     monkeypatch.setattr(pa, "_reduce_spec", lambda sinks: broken)
     assert not is_correct(case, case.run("emulator", partition_tokens=32))
+
+
+def test_old_mlx_keeps_the_reference_path():
+    from metal_kernels.spec import mlx_version_ok
+
+    assert mlx_version_ok()  # the pinned MLX
+    assert mlx_version_ok("0.32.0") and mlx_version_ok("0.33.1.dev20260101") and mlx_version_ok("1.0")
+    assert not mlx_version_ok("0.31.2") and not mlx_version_ok("0.29.0")
