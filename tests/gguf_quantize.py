@@ -1,6 +1,6 @@
 """Write quantized GGUF files for tests, without llama.cpp or a network.
 
-- ``quantize(w, qtype)``: float32 rows -> valid ggml blocks of any type we load. Q4_K, Q5_K and Q6_K are
+- ``quantize(w, qtype)``: float32 rows -> valid ggml blocks of any type we load. Q3_K, Q4_K, Q5_K and Q6_K are
   written here with NumPy from llama.cpp's block layouts (simple round-to-nearest: the files only have
   to be valid, not as good as llama-quantize's); the 32-weight types use the ``gguf`` package's own
   quantizers. ``quantize`` checks every result with ``gguf``'s dequantizer, an implementation
@@ -35,6 +35,7 @@ QK_K = 256
 # what a K-quant's rounded-up 6-bit sub-scales and mins add
 _MAX_ERROR = {
     Q.Q4_0: 1 / 8, Q.Q4_1: 1 / 15, Q.Q5_0: 1 / 16, Q.Q5_1: 1 / 31, Q.Q8_0: 1.1 / 254,
+    Q.Q3_K: 1 / 4 + 1 / 30,  # 8 levels, +4 steps clipped to +3
     Q.Q4_K: 1 / 15 + 1 / 50, Q.Q5_K: 1 / 31 + 1 / 50, Q.Q6_K: 1.1 / 62,
 }  # fmt: skip
 
@@ -110,7 +111,33 @@ def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1).astype(np.uint8)
 
 
+def _quantize_q3_k(blocks: np.ndarray) -> np.ndarray:
+    """Q3_K: per 16-weight sub-block w = d*(sc - 32)*k, sc 6-bit, d fp16, k in [-4, 3]."""
+    x = blocks.reshape(-1, 16, 16)
+    n = len(x)
+    sub_scale = np.abs(x).max(-1) / 4
+    d = (sub_scale.max(-1) / 31).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.ceil(sub_scale / d32), 0).clip(0, 31).astype(np.int16)
+        step = d32 * sc
+        k = np.where(step[..., None] > 0, np.rint(x / step[..., None]), 0)
+    k = k.clip(-4, 3).astype(np.int16).reshape(n, QK_K)
+    low = (k & 3).astype(np.uint8)  # k + 4 where k < 0, else k
+    high = (k >= 0).astype(np.uint8)
+    # qs: half h, bit pair p of byte l holds weight 128h + 32p + l; hmask: bit b of byte l, weight 32b + l
+    qs = np.bitwise_or.reduce(low.reshape(n, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=2)
+    hmask = np.bitwise_or.reduce(high.reshape(n, 8, 32) << np.arange(8, dtype=np.uint8)[:, None], axis=1)
+    sc6 = (sc + 32).astype(np.uint8)  # stored as sc + 32: sub-scales 0..31 here
+    low_nibbles = (sc6[:, 0:8] & 0x0F) | ((sc6[:, 8:16] & 0x0F) << 4)
+    top = (sc6 >> 4).reshape(n, 4, 4)  # [pair p][byte j]: scale 4p + j
+    high_pairs = np.bitwise_or.reduce(top << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=1)
+    parts = [hmask, qs.reshape(n, 64), low_nibbles, high_pairs, _f16_bytes(d)]
+    return np.concatenate(parts, axis=1).astype(np.uint8)
+
+
 _K_QUANTIZERS: dict[Q, Callable[[np.ndarray], np.ndarray]] = {
+    Q.Q3_K: _quantize_q3_k,
     Q.Q4_K: _quantize_q4_k,
     Q.Q5_K: _quantize_q5_k,
     Q.Q6_K: _quantize_q6_k,
@@ -150,7 +177,7 @@ def quantize_and_decode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray
 # byte offsets of each block's fp16 fields (scale d, and dmin/min where there is one)
 F16_FIELDS = {
     Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
 }  # fmt: skip
 
 

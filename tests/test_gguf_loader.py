@@ -287,7 +287,7 @@ def test_unsupported_tensor_type(tmp_path):
     with pytest.raises(
         GGUFError,
         match=r"Q2_K \(1 tensors, e\.g\. blk\.0\.attn_q\.weight\).*"
-        r"Supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K",
+        r"Supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K",
     ):
         load_gguf(path, dense=True)
 

@@ -3,7 +3,8 @@
 Every block type we load is one of two affine forms over small groups of weights, with unsigned
 integer codes ``q``:
 
-- symmetric (Q4_0, Q5_0, Q8_0, Q6_K): ``w = scale * (q - zero)`` with a fixed ``zero`` (8, 16, 128, 32);
+- symmetric (Q4_0, Q5_0, Q8_0, Q6_K): ``w = scale * (q - zero)`` with a fixed ``zero`` (8, 16, 128, 32),
+  and Q3_K, decoded straight to 8-bit codes in groups of 32 (see ``_q3_k``);
 - with a minimum (Q4_1, Q5_1, Q4_K, Q5_K): ``w = scale * q + bias``.
 
 ``decode()`` unpacks a tensor's bytes into ``Codes``: the codes, one scale and bias per group, the bit
@@ -11,7 +12,7 @@ width and group size. ``Codes.to_float()`` gives the values llama.cpp computes, 
 product is exact in float32: an fp16 scale has 11 significant bits, a 6-bit sub-scale 6, a code at
 most 8), and ``Codes.pack()`` writes the codes in MLX's packed affine layout: a little-endian bit
 stream of ``bits``-wide fields in uint32 words, which is what ``mx.quantize`` produces for every bit
-width. MLX's group size starts at 32, so the types whose groups are 32 weights (all but Q6_K) map to
+width. MLX's group size starts at 32, so the types decoded in groups of 32 (all but Q6_K) map to
 MLX exactly: ``mx.dequantize`` of the packed form gives the same float32 values. Q6_K has 16-weight
 groups; ``to_8bit_groups_of_32`` re-codes it for MLX, exactly where it can (see there).
 
@@ -154,6 +155,29 @@ def _q5_k(b: np.ndarray) -> Codes:
     return _k_affine(b, q, 5)
 
 
+def _q3_k(b: np.ndarray) -> Codes:
+    """Q3_K, 110 bytes: hmask[32], qs[64], scales[12], d. Weight ``w = d * (sc - 32) * k`` with a 6-bit
+    ``sc`` per 16 weights and ``k`` in [-4, 3]: low 2 bits in qs (half h, bit pair p of byte l: weight
+    128h + 32p + l), and k = low - 4 where bit b of hmask[l] (weight 32b + l) is clear. The levels
+    ``(sc - 32) * k`` of a group of 32 span at most 252, so 8-bit codes with step ``d`` hold the
+    group exactly (``d * level`` is exact in float32, as llama.cpp's product is)."""
+    lead = b.shape[:-1]
+    qs = b[..., 32:96].reshape(*lead, 2, 1, 32)
+    low = ((qs >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & np.uint8(3)).reshape(*lead, QK_K)
+    hmask = b[..., 0:32].reshape(*lead, 1, 32)
+    high = ((hmask >> np.arange(8, dtype=np.uint8)[:, None]) & np.uint8(1)).reshape(*lead, QK_K)
+    k = low.astype(np.int16) - 4 * (1 - high.astype(np.int16))
+    s = b[..., 96:108]
+    lo4 = np.concatenate([s[..., 0:8] & np.uint8(0x0F), s[..., 0:8] >> np.uint8(4)], axis=-1)
+    hi2 = ((s[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & np.uint8(3)).swapaxes(-1, -2)
+    sc = (lo4 | (hi2.reshape(*lead, 16) << np.uint8(4))).astype(np.int16) - 32
+    levels = (sc[..., None] * k.reshape(*lead, 16, 16)).reshape(*lead, 8, 32)
+    low_level = levels.min(axis=-1)
+    d = _f16(b[..., 108:110])[..., None]
+    q = (levels - low_level[..., None]).astype(np.uint8).reshape(*lead, QK_K)
+    return Codes(q, _per_row(np.broadcast_to(d, low_level.shape)), _per_row(d * low_level), 8, 32, None)
+
+
 def _q6_k(b: np.ndarray) -> Codes:
     """Two halves of 128 weights. In half h, ql[64h : 64h + 64] gives the low 4 bits (low nibbles:
     weights 0-63, high nibbles: 64-127) and qh[32h : 32h + 32] the top 2 bits (bit pairs 0, 2, 4, 6 of
@@ -185,6 +209,7 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("Q5_0", 32, 22, _q5_0),
         BlockType("Q5_1", 32, 24, _q5_1),
         BlockType("Q8_0", 32, 34, _q8_0),
+        BlockType("Q3_K", QK_K, 110, _q3_k),
         BlockType("Q4_K", QK_K, 144, _q4_k),
         BlockType("Q5_K", QK_K, 176, _q5_k),
         BlockType("Q6_K", QK_K, 210, _q6_k),

@@ -4,7 +4,8 @@ We read the file ourselves (``gguf_file.read_gguf``: header, metadata, where eac
 each tensor's bytes from a memory map: F32/F16/BF16 as float arrays, quantized blocks decoded by
 ``ggml_blocks``. With ``dense=False`` a quantized 2-D weight becomes MLX's affine quantization
 (``name.weight`` packed uint32, ``name.scales``, ``name.biases``, groups of 32 along each row):
-Q4_0/Q4_1/Q4_K at 4 bits, Q5_0/Q5_1/Q5_K at 5, Q8_0 at 8, all exact (``mx.dequantize`` gives the
+Q4_0/Q4_1/Q4_K at 4 bits, Q5_0/Q5_1/Q5_K at 5, Q8_0 at 8, Q3_K at 8 (its 16-weight groups
+with 6-bit sub-scales fit 8-bit codes on one step ``d``), all exact (``mx.dequantize`` gives the
 values llama.cpp computes, bit for bit); Q6_K, whose 16-weight groups MLX cannot hold, is re-coded
 at 8 bits in groups of 32, exactly where it can be and otherwise within 1/8 of a Q6_K step
 (``ggml_blocks.to_8bit_groups_of_32``; errors measured in docs/gguf.md). With ``dense=True`` every tensor is
