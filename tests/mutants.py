@@ -243,6 +243,22 @@ MUTANTS = [
         STOPS,
         "of two stop strings ending at the same place, the shorter wins",
     ),
+    Mutant(
+        "register-proposed-tokens",
+        "mlx_engine/scheduler.py",
+        "full = min(seq.num_computed, seq.num_verified) // self.bs",
+        "full = seq.num_computed // self.bs",
+        ("tests/test_scheduler_properties.py",),
+        "a block holding unverified proposals enters the prefix cache, then is rewritten on rollback",
+    ),
+    Mutant(
+        "keep-rejected-proposals",
+        "mlx_engine/engine.py",
+        "if i == len(drafts) or results[-1].token_id != drafts[i]:",
+        "if i == len(drafts):",
+        ("tests/test_speculative.py",),
+        "every proposed token is kept, equal to the sampled one or not",
+    ),
 ]
 
 

@@ -9,6 +9,8 @@ copy-on-write, prefix hits and recompute exist to preserve — and must leak no 
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -80,6 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             got = [self.kv[seq.blocks[t // BS]][t % BS] for t in range(seq.num_computed)]
             assert got == seq.tokens[: seq.num_computed], seq.request_id
+        index = self.alloc.index
+        for b in index.blocks() if index is not None else []:  # the prefix cache holds what it says
+            assert self.kv[b] == index.path_tokens(b)[-BS:], f"cached block {b} was overwritten"
         self.alloc.check_invariants()
 
     def teardown(self):
@@ -91,3 +96,58 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+
+
+class SpeculativeSchedulerMachine(SchedulerMachine):
+    """The same property with speculative decoding: decoding rows carry proposed tokens (some
+    right, then a wrong one), verification keeps the right ones and rolls back the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.rng = random.Random(0)
+        self.sched.drafter = self.draft
+
+    @staticmethod
+    def truth(seq: Sequence, t: int) -> int:
+        """What 'sampling' gives at position t: unique to the request and the position."""
+        return 100_000 * int(seq.request_id[1:]) + t
+
+    def draft(self, seq: Sequence, max_k: int, decoding_rows: int) -> list[int]:
+        k = self.rng.randint(0, max_k)
+        right = self.rng.randint(0, k)
+        base = len(seq.tokens)
+        return [self.truth(seq, base + i) for i in range(right)] + [-1] * (k - right)
+
+    @rule(seed=st.integers(0, 2**16))
+    def step(self, seed):
+        self.rng.seed(seed)
+        step = self.sched.schedule()
+        assert sum(step.tokens.values()) <= self.sched.cfg.max_batch_tokens
+        for src, dst in step.copies:
+            self.kv[dst] = list(self.kv[src])
+        for rid, n in step.tokens.items():
+            seq = self.seqs[rid]
+            assert seq.status == RUNNING and len(seq.tokens) <= seq.max_total - 1 + (n > 1)
+            for t in range(seq.num_computed, seq.num_computed + n):
+                b = seq.blocks[t // BS]
+                assert self.alloc.ref[b] == 1, f"{rid} writes into block {b} that others hold"
+                self.kv[b][t % BS] = seq.tokens[t]
+        for rid in self.sched.advance(step):
+            seq = self.seqs[rid]
+            base = seq.num_verified
+            drafts = seq.tokens[base:]
+            kept = next((i for i, d in enumerate(drafts) if d != self.truth(seq, base + i)), len(drafts))
+            if drafts or seq.num_draft:
+                assert self.sched.end_draft(seq, kept) == drafts
+            for i in range(kept + 1):
+                seq.tokens.append(self.truth(seq, len(seq.tokens)))
+                if len(seq.tokens) >= seq.max_total:
+                    self.sched.finish(seq)
+                    del self.seqs[rid]
+                    break
+                if i < kept:
+                    self.sched.draft_kept(seq)
+
+
+TestSpeculativeScheduler = SpeculativeSchedulerMachine.TestCase
+TestSpeculativeScheduler.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
