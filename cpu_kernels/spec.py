@@ -117,10 +117,10 @@ def default_threads() -> int:
     env = os.environ.get("DUET_CPU_THREADS")
     if env:
         try:
-            return max(1, min(255, int(env)))
+            return max(1, min(1024, int(env)))
         except ValueError:
             log.warning("DUET_CPU_THREADS=%r is not a number; using the physical core count", env)
-    return min(255, physical_cores())
+    return min(1024, physical_cores())
 
 
 def set_threads(threads: int | None = None) -> int:

@@ -19,15 +19,12 @@ namespace duet_cpu {
 
 namespace {
 constexpr auto kSpin = std::chrono::microseconds(200);
-constexpr uint64_t kTaskMask = 0xff;
+constexpr uint64_t kIndexMask = 0xffffffffu;
 } // namespace
 
 ThreadPool::ThreadPool(int threads) : size_(threads < 1 ? 1 : threads) {
-  if (size_ > 255) {
-    size_ = 255;
-  }
   for (int id = 1; id < size_; ++id) {
-    workers_.emplace_back([this, id] { work(id); });
+    workers_.emplace_back([this] { work(); });
   }
 }
 
@@ -42,19 +39,31 @@ ThreadPool::~ThreadPool() {
   }
 }
 
-void ThreadPool::work(int id) {
+void ThreadPool::drain(uint64_t generation) {
+  uint64_t c = claim_.load();
+  while ((c >> 32) == generation && int(c & kIndexMask) < n_tasks_.load()) {
+    if (claim_.compare_exchange_weak(c, c + 1)) {
+      // The claimed task keeps this job from finishing, so fn_ and n_tasks_ are this job's.
+      (*fn_)(int(c & kIndexMask));
+      done_.fetch_add(1);
+      c = claim_.load();
+    }
+  }
+}
+
+void ThreadPool::work() {
   uint64_t seen = 0; // the generation before the first job, whenever this thread starts
   while (true) {
-    uint64_t job = job_.load();
-    if ((job >> 8) == seen && !stop_.load()) {
+    uint64_t c = claim_.load();
+    if ((c >> 32) == seen && !stop_.load()) {
       const auto until = std::chrono::steady_clock::now() + kSpin;
       int spins = 0;
-      while ((job = job_.load()) >> 8 == seen && !stop_.load()) {
+      while ((c = claim_.load()) >> 32 == seen && !stop_.load()) {
         DUET_PAUSE();
         if (++spins % 256 == 0 && std::chrono::steady_clock::now() > until) {
           std::unique_lock<std::mutex> lock(sleep_mu_);
           sleeping_.fetch_add(1);
-          wake_.wait(lock, [&] { return (job_.load() >> 8) != seen || stop_.load(); });
+          wake_.wait(lock, [&] { return (claim_.load() >> 32) != seen || stop_.load(); });
           sleeping_.fetch_sub(1);
         }
       }
@@ -62,11 +71,8 @@ void ThreadPool::work(int id) {
     if (stop_.load()) {
       return;
     }
-    seen = job >> 8;
-    if (id < int(job & kTaskMask)) {
-      (*fn_)(id);
-      pending_.fetch_sub(1);
-    }
+    seen = c >> 32;
+    drain(seen);
   }
 }
 
@@ -77,25 +83,23 @@ void ThreadPool::run(int n_tasks, const std::function<void(int)>& fn) {
     }
     return;
   }
-  if (n_tasks > size_) {
-    throw std::invalid_argument("ThreadPool::run: more tasks than threads");
-  }
   std::lock_guard<std::mutex> serial(run_mu_);
   fn_ = &fn;
-  pending_.store(n_tasks - 1);
-  const uint64_t generation = (job_.load() >> 8) + 1;
-  job_.store((generation << 8) | uint64_t(n_tasks));
+  n_tasks_.store(n_tasks);
+  done_.store(0);
+  const uint64_t generation = (claim_.load() >> 32) + 1;
+  claim_.store(generation << 32);
   if (sleeping_.load() > 0) {
     {
       std::lock_guard<std::mutex> lock(sleep_mu_);
     }
     wake_.notify_all();
   }
-  fn(0);
+  drain(generation);
   int spins = 0;
-  while (pending_.load() != 0) {
+  while (done_.load() != n_tasks) {
     DUET_PAUSE();
-    if (++spins > 4096) {
+    if (++spins > 1024) {
       std::this_thread::yield();
     }
   }
@@ -124,8 +128,8 @@ std::shared_ptr<ThreadPool> shared_pool() {
 }
 
 void set_num_threads(int threads) {
-  if (threads < 1 || threads > 255) {
-    throw std::invalid_argument("threads must be between 1 and 255");
+  if (threads < 1 || threads > 1024) {
+    throw std::invalid_argument("threads must be between 1 and 1024");
   }
   std::lock_guard<std::mutex> lock(g_mu);
   g_threads = threads;

@@ -1,4 +1,6 @@
-// A small thread pool for the kernels: the caller runs task 0 and n - 1 workers run the rest.
+// A small thread pool for the kernels. The caller and the workers claim a job's tasks from one
+// counter, so a worker the OS has not scheduled yet delays nothing: whoever runs takes the next
+// task, and on a busy machine the caller may do them all.
 //
 // Workers spin for a short while after each job before they sleep, so the back-to-back matmuls of
 // a decode step do not pay a futex wake-up each (tens of microseconds on a loaded machine).
@@ -26,21 +28,24 @@ class ThreadPool {
     return size_;
   }
 
-  // Runs fn(0) .. fn(n_tasks - 1), n_tasks <= size(), and returns when all are done. Calls from
-  // several threads are serialised.
+  // Runs fn(0) .. fn(n_tasks - 1) on the caller and the workers and returns when all are done.
+  // Calls from several threads are serialised.
   void run(int n_tasks, const std::function<void(int)>& fn);
 
  private:
-  void work(int id);
+  void work();
+  // Claims and runs tasks of generation `generation` until none is left.
+  void drain(uint64_t generation);
 
   int size_;
   std::vector<std::thread> workers_;
   std::mutex run_mu_;
   std::mutex sleep_mu_;
   std::condition_variable wake_;
-  // generation << 8 | number of tasks: one word, so a worker reads both at once.
-  std::atomic<uint64_t> job_{0};
-  std::atomic<int> pending_{0};
+  // generation << 32 | next unclaimed task: a claim succeeds only within its own job.
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int> done_{0};
+  std::atomic<int> n_tasks_{0};
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
   const std::function<void(int)>* fn_ = nullptr;

@@ -115,11 +115,15 @@ int scale_type(mx::Dtype t) {
   return t == mx::float32 ? kF32 : (t == mx::float16 ? kF16 : kBF16);
 }
 
-// Splits N rows over the pool so that each task reads at least ~16 KB of weights.
+// Splits N rows into tasks that each read at least ~16 KB of weights (8 KB for several rows of x),
+// up to 4 per thread: the pool's threads claim them in turn, so a late or slow thread costs little.
 int task_count(size_t weight_bytes, int M, int threads) {
+  if (threads <= 1) {
+    return 1;
+  }
   const size_t per_task = M > 1 ? 8192 : 16384;
   const size_t wanted = std::max<size_t>(1, weight_bytes / per_task);
-  return int(std::min<size_t>(wanted, size_t(threads)));
+  return int(std::min<size_t>(wanted, size_t(threads) * 4));
 }
 
 void run_qmm(
