@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(VPY) -m mlx_engine.blas --preload)"
 TEST_ENV = HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(BLAS_ENV)
 
-.PHONY: setup kernels chat serve test test-fast lint bench bench-deps bench-cpu clean
+.PHONY: setup kernels chat serve test test-fast lint bench bench-deps bench-cpu mac-check clean
 
 setup: $(STAMP) kernels
 
@@ -61,6 +61,16 @@ bench-deps: $(STAMP)
 
 bench-cpu: bench-deps
 	$(BLAS_ENV) $(VPY) bench/cpu.py
+
+# On a Mac with Apple Silicon: the Apple-marked tests (the Metal kernels and the engine's Metal decode
+# path, for real), then both kernel benchmarks; the output is markdown to paste into an issue.
+mac-check: $(STAMP)
+	@$(VPY) -c "import sys; from metal_kernels.spec import metal_available; sys.exit(0 if metal_available() else 'mac-check needs Apple Silicon with Metal and mlx >= 0.32')"
+	@echo "## Duet mac-check: $$(git rev-parse --short HEAD 2>/dev/null), $$(sysctl -n machdep.cpu.brand_string), $$(sysctl -n hw.memsize | awk '{print $$1 / 2^30}') GiB, mlx $$($(VPY) -c 'import mlx.core as mx; print(mx.__version__)'), macOS $$(sw_vers -productVersion)"
+	@echo; echo '```'; $(TEST_ENV) $(VPY) -m pytest -q -ra -m apple tests/ 2>&1 | tail -n 25; echo '```'; echo
+	$(VPY) bench/kernels.py --json bench/out/kernels.json
+	@echo
+	$(VPY) bench/metal_decode.py --json bench/out/metal_decode.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

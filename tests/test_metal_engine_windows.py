@@ -4,7 +4,7 @@ Gemma 3 and gpt-oss mix sliding-window layers with global ones, and mlx-lm build
 its layer loop. The engine maps each layer's mask back to its window, so the kernel (its exact Metal
 source, run by the CPU emulator) serves the windowed layers with their window and the global layers
 without one, and the greedy tokens equal mlx-lm's own generation loop (rotating caches) on the same
-weights. Windows of 8 tokens are far shorter than the prompts, so a layer given the wrong window (or
+weights. On a Mac the same test runs the kernel for real (``-m apple``). Windows of 8 tokens are far shorter than the prompts, so a layer given the wrong window (or
 none) decodes different tokens.
 """
 
@@ -18,6 +18,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from metal_kernels.spec import metal_available
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.kv_cache import paged_attention
 from mlx_engine.loading.loader import load_model
@@ -77,8 +78,21 @@ def windowed_model(request, tiny_dirs, tmp_path_factory):
     return request.param, load_model(str(tiny_dirs(request.param)))
 
 
+BACKENDS = [
+    "emulator",
+    pytest.param(
+        "metal",
+        marks=[
+            pytest.mark.apple,
+            pytest.mark.skipif(not metal_available(), reason="needs Apple Silicon with Metal"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_bits", [None, 8])
-def test_windowed_and_global_layers_all_use_the_kernel(windowed_model, kv_bits, monkeypatch):
+def test_windowed_and_global_layers_all_use_the_kernel(windowed_model, kv_bits, backend, monkeypatch):
     arch, loaded = windowed_model
     ps = prompts(loaded.tokenizer.vocab_size, [3, 21, 37], seed=31)  # one row shorter than the window
     expected = [reference_greedy(loaded.model, p, 6) for p in ps]
@@ -91,7 +105,7 @@ def test_windowed_and_global_layers_all_use_the_kernel(windowed_model, kv_bits, 
         return out
 
     engine = Engine(loaded, EngineConfig(cache_gb=0.01, kv_bits=kv_bits))
-    paged_attention.use_metal_kernels(True, backend="emulator")
+    paged_attention.use_metal_kernels(True, backend=backend)
     monkeypatch.setattr(paged_attention, "decode_kernel", counting)
     try:
         got = asyncio.run(run_all(engine, [req(p, 6) for p in ps]))
