@@ -205,7 +205,6 @@ def serve(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     policy = security_policy(args)
-    fd_limit = raise_fd_limit()
     sock = listen(args.host, args.port)
     try:
         embedder = _load_embedder(getattr(args, "embedding_model", None))
@@ -213,6 +212,8 @@ def serve(args) -> int:
     except BaseException:
         sock.close()
         raise
+    # after loading: importing mlx_lm.utils (lazily, when a model loads) sets the limit to 2048/4096
+    fd_limit = raise_fd_limit()
     port = sock.getsockname()[1]
     app = create_app(
         engine,
