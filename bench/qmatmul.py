@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--wall", action="store_true", help="wall time instead of process CPU time")
     ap.add_argument("--skip-mlx", action="store_true", help="skip mx.quantized_matmul (slow)")
+    ap.add_argument("--isa", default="", help="force a kernel variant: avx512, avx2 or base")
+    ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
     ap.add_argument("--model-decode", action="store_true", help="whole-model decode, dense vs kernels")
     ap.add_argument("--runs", type=int, default=5, help="--model-decode runs")
     args = ap.parse_args()
@@ -135,6 +137,7 @@ def main() -> None:
     if ext is None:
         sys.exit(f"the CPU kernels are not built: {spec.unavailable_reason()}")
     spec.set_threads(args.threads)
+    ext.set_isa(args.isa)
     if args.model_decode:
         print(
             f"# bundled model, kernel isa={ext.isa()} threads={args.threads}, {args.runs} runs, mlx={mx.__version__}"
@@ -149,7 +152,7 @@ def main() -> None:
     print(f"{'shape':18} {'bits':>4} {'M':>3} | {'duet us':>9} {'GB/s':>6} | {'mlx us':>9} {'GB/s':>6} | "
           f"{'fp32 us':>9} {'GB/s':>6} | {'vs mlx':>6} {'vs fp32':>7}")  # fmt: skip
     gs = args.group_size
-    for name, n, k in SHAPES:
+    for name, n, k in (s for s in SHAPES if args.shapes in s[0]):
         w = mx.random.normal((n, k)) * 0.05
         dense_t = mx.contiguous(w.T)  # the loader stores dense weights input-major (bench/linear_layout.py)
         mx.eval(w, dense_t)
