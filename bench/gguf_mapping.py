@@ -32,7 +32,7 @@ import mlx_engine  # noqa: E402, F401  (before mlx: OpenBLAS)
 from mlx_engine.loading.ggml_blocks import decode, to_8bit_groups_of_32  # noqa: E402
 from tests.gguf_quantize import Q, dequantize, q4_k_m_type, quantize, random_blocks, requantize  # noqa: E402
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def exact_types(rng: np.random.Generator) -> None:

@@ -1,6 +1,6 @@
 """Write quantized GGUF files for tests, without llama.cpp or a network.
 
-- ``quantize(w, qtype)``: float32 rows -> valid ggml blocks of any type we load. Q3_K, Q4_K, Q5_K and Q6_K are
+- ``quantize(w, qtype)``: float32 rows -> valid ggml blocks of any type we load. Q2_K ... Q6_K are
   written here with NumPy from llama.cpp's block layouts (simple round-to-nearest: the files only have
   to be valid, not as good as llama-quantize's); the 32-weight types use the ``gguf`` package's own
   quantizers. ``quantize`` checks every result with ``gguf``'s dequantizer, an implementation
@@ -35,6 +35,7 @@ QK_K = 256
 # what a K-quant's rounded-up 6-bit sub-scales and mins add
 _MAX_ERROR = {
     Q.Q4_0: 1 / 8, Q.Q4_1: 1 / 15, Q.Q5_0: 1 / 16, Q.Q5_1: 1 / 31, Q.Q8_0: 1.1 / 254,
+    Q.Q2_K: 2 / 3 * 0.5 * 17 / 15 + 1 / 15,  # 4 levels over the range (up to 2x the largest |w|)
     Q.Q3_K: 1 / 4 + 1 / 30,  # 8 levels, +4 steps clipped to +3
     Q.Q4_K: 1 / 15 + 1 / 50, Q.Q5_K: 1 / 31 + 1 / 50, Q.Q6_K: 1.1 / 62,
 }  # fmt: skip
@@ -111,6 +112,26 @@ def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1).astype(np.uint8)
 
 
+def _quantize_q2_k(blocks: np.ndarray) -> np.ndarray:
+    """Q2_K: per 16-weight sub-block w = d*sc*q - dmin*m, sc and m 4-bit, d and dmin fp16, q 2-bit."""
+    x = blocks.reshape(-1, 16, 16)
+    n = len(x)
+    low = np.minimum(x.min(-1), 0.0)
+    sub_scale, sub_min = (x.max(-1) - low) / 3, -low
+    d = (sub_scale.max(-1) / 15).astype(np.float16)
+    dmin = (sub_min.max(-1) / 15).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.ceil(sub_scale / d32), 0).clip(0, 15).astype(np.uint8)
+        mn = np.where(dmin32 > 0, np.ceil(sub_min / dmin32), 0).clip(0, 15).astype(np.uint8)
+        step, offset = d32 * sc, dmin32 * mn
+        q = np.where(step[..., None] > 0, np.rint((x + offset[..., None]) / step[..., None]), 0)
+    q = q.clip(0, 3).astype(np.uint8).reshape(n, 2, 4, 32)
+    # half h, bit pair p of byte l holds weight 128h + 32p + l
+    qs = np.bitwise_or.reduce(q << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=2).reshape(n, 64)
+    return np.concatenate([sc | (mn << 4), qs, _f16_bytes(d), _f16_bytes(dmin)], axis=1).astype(np.uint8)
+
+
 def _quantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     """Q3_K: per 16-weight sub-block w = d*(sc - 32)*k, sc 6-bit, d fp16, k in [-4, 3]."""
     x = blocks.reshape(-1, 16, 16)
@@ -137,6 +158,7 @@ def _quantize_q3_k(blocks: np.ndarray) -> np.ndarray:
 
 
 _K_QUANTIZERS: dict[Q, Callable[[np.ndarray], np.ndarray]] = {
+    Q.Q2_K: _quantize_q2_k,
     Q.Q3_K: _quantize_q3_k,
     Q.Q4_K: _quantize_q4_k,
     Q.Q5_K: _quantize_q5_k,
@@ -177,7 +199,7 @@ def quantize_and_decode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray
 # byte offsets of each block's fp16 fields (scale d, and dmin/min where there is one)
 F16_FIELDS = {
     Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
 }  # fmt: skip
 
 

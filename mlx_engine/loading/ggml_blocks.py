@@ -155,6 +155,19 @@ def _q5_k(b: np.ndarray) -> Codes:
     return _k_affine(b, q, 5)
 
 
+def _q2_k(b: np.ndarray) -> Codes:
+    """Q2_K, 84 bytes: scales[16] (low nibble: sub-scale, high nibble: min, per 16 weights), qs[64]
+    (2-bit codes: half h, bit pair p of byte l holds weight 128h + 32p + l), d, dmin:
+    ``w = d * sc * q - dmin * m``."""
+    lead = b.shape[:-1]
+    qs = b[..., 16:80].reshape(*lead, 2, 1, 32)
+    q = ((qs >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & np.uint8(3)).reshape(*lead, QK_K)
+    s = b[..., 0:16]
+    scales = _f16(b[..., 80:82])[..., None] * (s & np.uint8(0x0F)).astype(np.float32)
+    biases = -(_f16(b[..., 82:84])[..., None] * (s >> np.uint8(4)).astype(np.float32))
+    return Codes(q, _per_row(scales), _per_row(biases), 2, 16, None)
+
+
 def _q3_k(b: np.ndarray) -> Codes:
     """Q3_K, 110 bytes: hmask[32], qs[64], scales[12], d. Weight ``w = d * (sc - 32) * k`` with a 6-bit
     ``sc`` per 16 weights and ``k`` in [-4, 3]: low 2 bits in qs (half h, bit pair p of byte l: weight
@@ -209,6 +222,7 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("Q5_0", 32, 22, _q5_0),
         BlockType("Q5_1", 32, 24, _q5_1),
         BlockType("Q8_0", 32, 34, _q8_0),
+        BlockType("Q2_K", QK_K, 84, _q2_k),
         BlockType("Q3_K", QK_K, 110, _q3_k),
         BlockType("Q4_K", QK_K, 144, _q4_k),
         BlockType("Q5_K", QK_K, 176, _q5_k),
@@ -234,7 +248,11 @@ def decode(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Codes:
 
 
 def to_8bit_groups_of_32(codes: Codes) -> Codes:
-    """Q6_K (16-weight groups) as MLX's 8-bit affine form with groups of 32, exact where it can be.
+    """Codes in 16-weight groups (Q6_K, Q2_K) as MLX's 8-bit affine form with groups of 32.
+
+    Q2_K's two sub-blocks in a group have their own minimum, which one bias cannot hold: its values
+    are rounded to the nearest of 256 levels over the group's range (``_round_to_8_bits``), off by at
+    most half a level. Q6_K is exact where it can be:
 
     A group of 32 is two sub-blocks with steps ``s1``, ``s2`` (``d * sc``) and codes ``k`` in [-32, 31].
     With ``b`` the larger of ``|s1|``, ``|s2|``, an 8-bit step ``S = b / m`` holds the larger sub-block
@@ -245,7 +263,9 @@ def to_8bit_groups_of_32(codes: Codes) -> Codes:
     then m = 2 is exact). So every weight is exact (to float32 rounding: ``S * q + bias`` rounds where
     ``d * sc * k`` did not) or within 1/8 of its group's larger Q6_K step ``b``.
     """
-    assert codes.group == 16 and codes.zero is not None
+    assert codes.group == 16
+    if codes.zero is None:
+        return _round_to_8_bits(codes.to_float())
     rows, cols = codes.q.shape
     steps = codes.scales.reshape(rows, cols // 32, 2, 1)
     values = steps * (codes.q.reshape(rows, cols // 32, 2, 16).astype(np.float32) - np.float32(codes.zero))
@@ -269,3 +289,14 @@ def to_8bit_groups_of_32(codes: Codes) -> Codes:
     assert done.all()
     q = chosen_q.reshape(rows, cols).astype(np.uint8)
     return Codes(q, chosen_step, chosen_step * chosen_low, 8, 32, None)
+
+
+def _round_to_8_bits(w: np.ndarray) -> Codes:
+    """Float rows as 8-bit codes in groups of 32, round to nearest: step (max - min) / 255, bias min."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // 32, 32)
+    low, high = groups.min(axis=-1), groups.max(axis=-1)
+    step = (high - low) / np.float32(255)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step[..., None] > 0, np.rint((groups - low[..., None]) / step[..., None]), 0)
+    return Codes(q.clip(0, 255).astype(np.uint8).reshape(rows, cols), step, low, 8, 32, None)

@@ -6,11 +6,11 @@ each tensor's bytes from a memory map: F32/F16/BF16 as float arrays, quantized b
 (``name.weight`` packed uint32, ``name.scales``, ``name.biases``, groups of 32 along each row):
 Q4_0/Q4_1/Q4_K at 4 bits, Q5_0/Q5_1/Q5_K at 5, Q8_0 at 8, Q3_K at 8 (its 16-weight groups
 with 6-bit sub-scales fit 8-bit codes on one step ``d``), all exact (``mx.dequantize`` gives the
-values llama.cpp computes, bit for bit); Q6_K, whose 16-weight groups MLX cannot hold, is re-coded
-at 8 bits in groups of 32, exactly where it can be and otherwise within 1/8 of a Q6_K step
-(``ggml_blocks.to_8bit_groups_of_32``; errors measured in docs/gguf.md). With ``dense=True`` every tensor is
-the exact float values. Quantization is per tensor (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K and Q8_0),
-so each layer gets its own bits. The rest is renaming llama.cpp's tensors and metadata to mlx-lm's,
+values llama.cpp computes, bit for bit); Q6_K and Q2_K, whose 16-weight groups MLX cannot hold, are
+re-coded at 8 bits in groups of 32: Q6_K exactly where it can be and otherwise within 1/8 of a step,
+Q2_K rounded to 256 levels per group (``ggml_blocks.to_8bit_groups_of_32``; errors in
+docs/gguf.md). With ``dense=True`` every tensor is the exact float values. Quantization is per
+tensor (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K and Q8_0), so each layer gets its own bits. The rest is renaming llama.cpp's tensors and metadata to mlx-lm's,
 and undoing what llama.cpp's converter changed:
 
 - ``llama``: Q and K projection rows were permuted from HF's "rotate half" layout to the interleaved
@@ -43,7 +43,7 @@ from mlx_engine.tokenization.tokenizer import Tokenizer
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf"]
 
 GROUP_SIZE = 32  # MLX's group size for every quantized GGUF tensor (the smallest MLX has)
-REQUANTIZED_BITS = 8  # Q6_K's 16-weight groups, re-coded at 8 bits in groups of 32
+REQUANTIZED_BITS = 8  # Q6_K's and Q2_K's 16-weight groups, re-coded at 8 bits in groups of 32
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,8 @@ def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dty
     )
     if dense or not bits:
         return f"dense {dtype_name} (from GGUF {source})"
-    requantized = f"; Q6_K re-quantized to {REQUANTIZED_BITS}-bit" if "Q6_K" in matrix_types else ""
+    recoded = "/".join(t for t in ("Q2_K", "Q6_K") if t in matrix_types)
+    requantized = f"; {recoded} re-quantized to {REQUANTIZED_BITS}-bit" if recoded else ""
     return f"quantized {'/'.join(map(str, bits))}-bit affine, group {GROUP_SIZE} (GGUF {source}{requantized})"
 
 
