@@ -112,14 +112,14 @@ class PagedLayerCache:
         B, H, L, D = keys.shape
         k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
-        self.pool.write(self.layer, self.layout.write_slots, k, v)
+        _write(self.pool, self.layer, self.layout.write_slots, k, v)
         if self.layout.exports:
             # this layer's KV is final now: evaluate the write (in place), then copy the exported
             # rows out, never holding a slice or a pending gather of the pool array
             mx.eval(self.pool.layer_arrays(self.layer))
             for e in self.layout.exports:
                 e.on_layer(self.layer, e.t0, e.t1, self.pool.read_tokens(self.layer, e.blocks, e.t0, e.t1))
-        return self.pool.gather(self.layer, self.layout.read_slots)
+        return _gather(self.pool, self.layer, self.layout.read_slots)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return self.layout.mask(window_size)
@@ -134,6 +134,32 @@ class PagedLayerCache:
     @property
     def nbytes(self) -> int:
         return 0
+
+
+def _write(pool: KVPool, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+    """Store the pass's new K/V. Quantized pools on the kernel path take the fused quantize kernel
+    (one launch per K and V, bit for bit ``mx.quantize`` on the CPU) instead of ``mx.quantize``."""
+    if _kernel_backend_active and pool.kv_bits is not None and pool.group_size in (32, 64, 128):
+        from metal_kernels.kv_quantize import write_quantized
+
+        for pools, x in ((pool.k, k), (pool.v, v)):
+            pools[layer] = write_quantized(
+                pools[layer], slots, x, pool.group_size, pool.kv_bits, backend=_kernel_backend
+            )
+        return
+    pool.write(layer, slots, k, v)
+
+
+def _gather(pool: KVPool, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+    """The rows' K/V as (B, n_kv_heads, S, D). On the kernel path the transposed view is returned
+    as it is: Metal's SDPA needs only a unit last stride, so the copy to contiguous is saved (the
+    pool's own ``gather`` makes one for the CPU)."""
+    if not _kernel_backend_active:
+        return pool.gather(layer, slots)
+    return (
+        pool._load(pool.k[layer], slots).transpose(0, 2, 1, 3),
+        pool._load(pool.v[layer], slots).transpose(0, 2, 1, 3),
+    )
 
 
 # Accelerated decode attention: set by ``use_metal_kernels`` on Metal.
@@ -196,16 +222,19 @@ def _metal_decode(
 
 
 def use_metal_kernels(enabled: bool, backend: str | None = None) -> None:
-    """Route single-token decode attention through the custom paged attention kernel.
+    """Route single-token decode attention through the custom paged attention kernel, quantized
+    pool writes through the fused quantize kernel, and prefill gathers without the contiguous copy.
 
     ``backend`` None picks Metal when available; tests pass "emulator" to run the kernel's exact
     Metal source on the CPU through the engine's real pool layout."""
-    global decode_kernel, _kernel_backend
+    global decode_kernel, _kernel_backend, _kernel_backend_active
     decode_kernel = _metal_decode if enabled else None
     _kernel_backend = backend
+    _kernel_backend_active = enabled
 
 
 _kernel_backend: str | None = None
+_kernel_backend_active = False  # the kernel path also writes quantized KV and gathers prefill K/V
 
 
 def _dispatching_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
