@@ -4,6 +4,10 @@
         .venv/bin/python bench/qmatmul.py [--threads 1] [--rows 1,4,16] [--bits 4,8] [--repeats 7]
     ... bench/qmatmul.py --model-decode [--runs 5] [--threads 1]
 
+``--paths`` also times the two native paths ``quantized_matmul`` chooses between by the number of rows
+of x (the fused kernel, and the dequantize kernel + MLX's GEMM): the measurement behind
+``cpu_kernels.qmm.DEQUANTIZE_ROWS``.
+
 ``--model-decode`` instead measures the whole model: Duet's engine decoding the bundled GGUF (greedy,
 batch 1, 64-token prompt, 128 tokens) with its weights dense float32 through BLAS (the path without
 the kernels) and kept quantized through the kernels, runs interleaved; median tok/s by wall clock and
@@ -122,6 +126,7 @@ def main() -> None:
     ap.add_argument("--skip-mlx", action="store_true", help="skip mx.quantized_matmul (slow)")
     ap.add_argument("--isa", default="", help="force a kernel variant: avx512, avx2 or base")
     ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
+    ap.add_argument("--paths", action="store_true", help="also time the fused kernel and dequantize+GEMM")
     ap.add_argument("--model-decode", action="store_true", help="whole-model decode, dense vs kernels")
     ap.add_argument("--runs", type=int, default=5, help="--model-decode runs")
     args = ap.parse_args()
@@ -170,6 +175,26 @@ def main() -> None:
                     clock,
                     args.repeats,
                 )
+                if args.paths:  # the two native paths quantized_matmul chooses between
+                    fused = _time(
+                        lambda x=x, wq=wq, s=scales, b=biases, bits=bits: mx.eval(
+                            ext.quantized_matmul(x, wq, s, b, gs, bits)
+                        ),
+                        clock,
+                        args.repeats,
+                    )
+                    via_gemm = _time(
+                        lambda x=x, wq=wq, s=scales, b=biases, bits=bits: mx.eval(
+                            x @ ext.dequantize(wq, s, b, gs, bits).T
+                        ),
+                        clock,
+                        args.repeats,
+                    )
+                    print(
+                        f"{name:18} {bits:>4} {m:>3} | fused kernel {fused * 1e6:9.1f} us | "
+                        f"dequantize+GEMM {via_gemm * 1e6:9.1f} us",
+                        flush=True,
+                    )
                 if args.skip_mlx:
                     theirs = float("nan")
                 else:

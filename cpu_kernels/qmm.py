@@ -8,6 +8,10 @@ Kernel design (``src/kernels_impl.inc``): threads take blocks of output rows; wi
 is unpacked once into float lanes (16 at a time, 32 for 4-bit) and used by every row of x, the
 group's scale applied once per group and its bias through the group sums of x, float32 throughout.
 One copy per instruction set (AVX-512, AVX2, baseline/NEON) is chosen at run time.
+
+From ``DEQUANTIZE_ROWS`` rows of x on (prefill), the fused kernel loses to a BLAS GEMM, so the weights
+are dequantized by the ``dequantize`` kernel (~9 Gweights/s per core, a transient float32 copy of one
+matrix) and multiplied by MLX's matmul.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ import mlx.core as mx
 from cpu_kernels.spec import KernelSpec, resolve_backend, run
 
 SPEC = KernelSpec("quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
+DEQUANTIZE_SPEC = KernelSpec("dequantize", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
+# Rows of x from which dequantize + GEMM beats the fused kernel (one thread, 1536 x 576, 4-bit:
+# 48 rows 1.42 vs 1.64 ms, 256 rows 6.0 vs 8.6 ms; bench/qmatmul.py --rows 16,32,48,64,256).
+DEQUANTIZE_ROWS = 48
 
 
 def quantized_matmul(
@@ -42,8 +50,32 @@ def quantized_matmul(
         else "reference"
     )
     if chosen == "native":
+        assert biases is not None
+        k = x.shape[-1]
+        if k and x.size // k >= DEQUANTIZE_ROWS:
+            dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
+            out = x.dtype if x.dtype == scales.dtype else mx.float32
+            return (x.astype(mx.float32) @ dense.T).astype(out)
         return run(SPEC, x, w, scales, biases, group_size, bits)
     return reference(x, w, scales, biases, transpose, group_size, bits, mode)
+
+
+def dequantize(
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int = 64,
+    bits: int = 4,
+    *,
+    backend: str | None = None,
+) -> mx.array:
+    """The float32 (N, K) weights: ``mx.dequantize``'s result, computed by the CPU kernel."""
+    if (
+        resolve_backend(backend, DEQUANTIZE_SPEC, bits=bits, group_size=group_size, dtype=scales.dtype)
+        == "native"
+    ):
+        return run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
+    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(mx.float32)
 
 
 def reference(

@@ -18,7 +18,7 @@ import pytest
 
 from cpu_kernels import spec
 from cpu_kernels.modules import CPUQuantizedEmbedding, CPUQuantizedLinear, use_cpu_kernels
-from cpu_kernels.qmm import quantized_matmul
+from cpu_kernels.qmm import DEQUANTIZE_ROWS, dequantize, quantized_matmul
 
 pytestmark = pytest.mark.skipif(
     mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
@@ -105,6 +105,47 @@ def test_matches_float64_every_variant_shape_batch_and_thread_count(ext, bits, g
         x, wq, scales, biases = case(rng, m, 45, 2 * group_size, group_size, bits)
         y = quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=bits, backend="native")
         check(y, x, wq, scales, biases, group_size, bits, F32_TOL)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_matches_float64_every_variant_and_thread_count(ext, bits):
+    rng = np.random.default_rng(bits)
+    threads = max(2, spec.physical_cores())
+    for isa in variants(ext):
+        ext.set_isa(isa)
+        for group_size in GROUPS:
+            for n, k in ((1, group_size), (37, 3 * group_size), (300, 2 * group_size)):
+                _, wq, scales, biases = case(rng, 1, n, k, group_size, bits)
+                outs = []
+                for t in (1, threads):
+                    spec.set_threads(t)
+                    d = dequantize(wq, scales, biases, group_size, bits, backend="native")
+                    assert d.shape == (n, k) and d.dtype == mx.float32
+                    want = dequantize_f64(wq, scales, biases, group_size, bits)
+                    # one float32 multiply-add per value
+                    assert np.abs(f64(d) - want).max() <= 1e-6 * (np.abs(want).max() + 1e-30), (
+                        isa,
+                        group_size,
+                    )
+                    outs.append(np.array(d))
+                assert np.array_equal(outs[0], outs[1])
+
+
+def test_many_rows_go_through_dequantize_and_gemm(ext):
+    """Prefill-sized x (>= DEQUANTIZE_ROWS rows): the weights are dequantized by the kernel and
+    multiplied by MLX's GEMM; same results as the fused kernel within float32 rounding."""
+    rng = np.random.default_rng(4)
+    for bits in BITS:
+        x, wq, scales, biases = case(rng, DEQUANTIZE_ROWS + 13, 70, 192, 64, bits)
+        y = quantized_matmul(x, wq, scales, biases, group_size=64, bits=bits, backend="native")
+        check(y, x, wq, scales, biases, 64, bits, F32_TOL)
+        fused = ext.quantized_matmul(x, wq, scales, biases, 64, bits)
+        check(fused, x, wq, scales, biases, 64, bits, F32_TOL)
+        xh = x.astype(mx.bfloat16)
+        yh = quantized_matmul(
+            xh, wq, scales.astype(mx.bfloat16), biases.astype(mx.bfloat16), group_size=64, bits=bits
+        )
+        assert yh.dtype == mx.bfloat16 and yh.shape == y.shape
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])

@@ -23,6 +23,17 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "x @ dequantize(w, scales, biases).T for MLX's affine layout (w packed as mx.quantize packs it).");
+  m.def(
+      "dequantize",
+      &duet_cpu::dequantize,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "dequantize(w, scales, biases) as float32 (N, K), multi-threaded.");
   m.def("set_num_threads", &duet_cpu::set_num_threads, "threads"_a, "Threads the kernels use (1..1024).");
   m.def("num_threads", &duet_cpu::num_threads);
   m.def("isa", &duet_cpu::isa, "The instruction set the kernels run with: avx512, avx2 or base.");

@@ -27,15 +27,19 @@ struct QmmArgs {
   int scale_type;
 };
 
-// y[:, n0:n1] for every row of x. Each ISA namespace defines one.
+// qmm_rows: y[:, n0:n1] for every row of x. dequant_rows: rows n0..n1 of the dequantized weights
+// into out (N, K) float32 (x, xsum, y and M unused). Each ISA namespace defines both.
 namespace base {
 void qmm_rows(const QmmArgs& a, int n0, int n1);
+void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx2 {
 void qmm_rows(const QmmArgs& a, int n0, int n1);
+void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx512 {
 void qmm_rows(const QmmArgs& a, int n0, int n1);
+void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 
 } // namespace duet_cpu

@@ -15,10 +15,12 @@ namespace duet_cpu {
 namespace {
 
 using RowsFn = void (*)(const QmmArgs&, int, int);
+using DequantFn = void (*)(const QmmArgs&, int, int, float*);
 
 struct Variant {
   const char* name;
   RowsFn fn;
+  DequantFn dequant;
 };
 
 Variant best_variant() {
@@ -26,27 +28,43 @@ Variant best_variant() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
-    return {"avx512", avx512::qmm_rows};
+    return {"avx512", avx512::qmm_rows, avx512::dequant_rows};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return {"avx2", avx2::qmm_rows};
+    return {"avx2", avx2::qmm_rows, avx2::dequant_rows};
   }
 #endif
-  return {"base", base::qmm_rows};
+  return {"base", base::qmm_rows, base::dequant_rows};
 }
 
-std::atomic<RowsFn> g_rows{nullptr};
-std::atomic<const char*> g_isa{""};
+std::atomic<const Variant*> g_variant{nullptr};
+
+const Variant& variant_named(const std::string& name) {
+  static const Variant base_v{"base", base::qmm_rows, base::dequant_rows};
+#if defined(DUET_X86)
+  static const Variant avx2_v{"avx2", avx2::qmm_rows, avx2::dequant_rows};
+  static const Variant avx512_v{"avx512", avx512::qmm_rows, avx512::dequant_rows};
+  if (name == "avx512") {
+    return avx512_v;
+  }
+  if (name == "avx2") {
+    return avx2_v;
+  }
+#endif
+  return base_v;
+}
+
+const Variant& variant() {
+  const Variant* v = g_variant.load();
+  if (v == nullptr) {
+    v = &variant_named(best_variant().name);
+    g_variant.store(v);
+  }
+  return *v;
+}
 
 RowsFn rows_fn() {
-  RowsFn fn = g_rows.load();
-  if (fn == nullptr) {
-    const Variant v = best_variant();
-    g_isa.store(v.name);
-    g_rows.store(v.fn);
-    fn = v.fn;
-  }
-  return fn;
+  return variant().fn;
 }
 
 bool supported_float(mx::Dtype t) {
@@ -224,45 +242,97 @@ void run_qmm(
   }
 }
 
+void check_format(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument("w must be a 2-D uint32 array (N, K * bits / 32)");
+  }
+  if (!supported_float(scales.dtype()) || biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument("scales and biases must share one float dtype");
+  }
+}
+
+void check_groups(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size) {
+  if (K % group_size != 0) {
+    throw std::invalid_argument("K must be a multiple of group_size");
+  }
+  const mx::Shape sshape = {w.shape(0), K / group_size};
+  if (scales.shape() != sshape || biases.shape() != sshape) {
+    throw std::invalid_argument("scales and biases must be (N, K / group_size)");
+  }
+}
+
+void run_dequant(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    mx::array& out,
+    int group_size,
+    int bits) {
+  const int N = out.shape(0);
+  const int K = out.shape(1);
+  if (N == 0 || K == 0) {
+    return;
+  }
+  const Dense wd = dense_bytes(w);
+  const Dense sd = dense_bytes(scales);
+  const Dense bd = dense_bytes(biases);
+  QmmArgs a{
+      nullptr,
+      nullptr,
+      static_cast<const uint8_t*>(wd.data),
+      sd.data,
+      bd.data,
+      nullptr,
+      0,
+      N,
+      K,
+      group_size,
+      bits,
+      scale_type(scales.dtype())};
+  const DequantFn fn = variant().dequant;
+  float* o = out.data<float>();
+  auto pool = shared_pool();
+  const int tasks = task_count(out.nbytes(), 1, pool->size());
+  if (tasks <= 1) {
+    fn(a, 0, N, o);
+    return;
+  }
+  pool->run(tasks, [&](int t) {
+    const int n0 = int(int64_t(N) * t / tasks);
+    const int n1 = int(int64_t(N) * (t + 1) / tasks);
+    if (n0 < n1) {
+      fn(a, n0, n1, o);
+    }
+  });
+}
+
 } // namespace
 
 std::string isa() {
-  rows_fn();
-  return g_isa.load();
+  return variant().name;
 }
 
 void set_isa(const std::string& name) {
+  const Variant best = best_variant();
   if (name.empty()) {
-    const Variant v = best_variant();
-    g_isa.store(v.name);
-    g_rows.store(v.fn);
+    g_variant.store(&variant_named(best.name));
     return;
   }
-  const Variant best = best_variant();
   const std::vector<std::string> order = {"avx512", "avx2", "base"};
-  auto rank = [&](const std::string& n) {
-    return std::find(order.begin(), order.end(), n) - order.begin();
-  };
+  auto rank = [&](const std::string& n) { return std::find(order.begin(), order.end(), n) - order.begin(); };
   if (rank(name) == long(order.size())) {
     throw std::invalid_argument("unknown kernel variant '" + name + "'");
   }
   if (rank(name) < rank(best.name)) {
     throw std::invalid_argument("this CPU cannot run the '" + name + "' kernels (best: " + best.name + ")");
   }
-#if defined(DUET_X86)
-  if (name == "avx512") {
-    g_rows.store(avx512::qmm_rows);
-    g_isa.store("avx512");
-    return;
-  }
-  if (name == "avx2") {
-    g_rows.store(avx2::qmm_rows);
-    g_isa.store("avx2");
-    return;
-  }
-#endif
-  g_rows.store(base::qmm_rows);
-  g_isa.store("base");
+  g_variant.store(&variant_named(name));
 }
 
 mx::array quantized_matmul(
@@ -273,36 +343,18 @@ mx::array quantized_matmul(
     int group_size,
     int bits,
     mx::StreamOrDevice s) {
-  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
-    throw std::invalid_argument("quantized_matmul: bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
-  }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument(
-        "quantized_matmul: group_size must be 32, 64 or 128, got " + std::to_string(group_size));
-  }
-  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
-    throw std::invalid_argument("quantized_matmul: w must be a 2-D uint32 array (N, K * bits / 32)");
-  }
+  check_format(w, scales, biases, group_size, bits);
   if (x.ndim() < 1 || !supported_float(x.dtype())) {
-    throw std::invalid_argument("quantized_matmul: x must be float32, float16 or bfloat16 with at least 1 dim");
-  }
-  if (!supported_float(scales.dtype()) || biases.dtype() != scales.dtype()) {
-    throw std::invalid_argument("quantized_matmul: scales and biases must share one float dtype");
+    throw std::invalid_argument("x must be float32, float16 or bfloat16 with at least 1 dim");
   }
   const int K = x.shape(-1);
   const int N = w.shape(0);
   if (int64_t(w.shape(1)) * 32 != int64_t(K) * bits) {
     throw std::invalid_argument(
-        "quantized_matmul: x has K=" + std::to_string(K) + " but w packs " +
-        std::to_string(int64_t(w.shape(1)) * 32 / bits) + " values per row");
+        "x has K=" + std::to_string(K) + " but w packs " + std::to_string(int64_t(w.shape(1)) * 32 / bits) +
+        " values per row");
   }
-  if (K % group_size != 0) {
-    throw std::invalid_argument("quantized_matmul: K must be a multiple of group_size");
-  }
-  const mx::Shape sshape = {N, K / group_size};
-  if (scales.shape() != sshape || biases.shape() != sshape) {
-    throw std::invalid_argument("quantized_matmul: scales and biases must be (N, K / group_size)");
-  }
+  check_groups(w, scales, biases, K, group_size);
   auto out_shape = x.shape();
   out_shape.back() = N;
   const auto dtype = mx::promote_types(x.dtype(), scales.dtype());
@@ -325,6 +377,51 @@ void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vec
                     group_size = group_size_, bits = bits_]() mutable {
     run_qmm(x, w, scales, biases, out, group_size, bits);
   });
+}
+
+mx::array dequantize(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  check_format(w, scales, biases, group_size, bits);
+  if ((int64_t(w.shape(1)) * 32) % bits != 0) {
+    throw std::invalid_argument("w's row length is not a whole number of values");
+  }
+  const int K = int(int64_t(w.shape(1)) * 32 / bits);
+  check_groups(w, scales, biases, K, group_size);
+  return mx::array(
+      {w.shape(0), K},
+      mx::float32,
+      std::make_shared<DequantizeCPU>(mx::to_stream(s, mx::Device::cpu), group_size, bits),
+      {w, scales, biases});
+}
+
+void DequantizeCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([w = inputs[0], scales = inputs[1], biases = inputs[2], out, group_size = group_size_,
+                    bits = bits_]() mutable { run_dequant(w, scales, biases, out, group_size, bits); });
+}
+
+void DequantizeCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DuetDequantizeCPU runs on the CPU stream only");
+}
+
+bool DequantizeCPU::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DequantizeCPU&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> DequantizeCPU::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), int(int64_t(inputs[0].shape(1)) * 32 / bits_)}};
 }
 
 void QuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

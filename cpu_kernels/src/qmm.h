@@ -22,6 +22,16 @@ mx::array quantized_matmul(
     int bits,
     mx::StreamOrDevice s = {});
 
+// dequantize(w, scales, biases) as float32 (N, K): the operand of a dense GEMM when x has many rows
+// (prefill), where a BLAS GEMM beats the fused kernel.
+mx::array dequantize(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
 // The instruction set the kernels run with on this CPU: "avx512", "avx2" or "base".
 std::string isa();
 // Force a kernel variant ("avx512", "avx2", "base"; "" = best available); for tests and benchmarks.
@@ -37,6 +47,25 @@ class QuantizedMatmulCPU : public mx::Primitive {
 
   const char* name() const override {
     return "DuetQuantizedMatmulCPU";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+class DequantizeCPU : public mx::Primitive {
+ public:
+  DequantizeCPU(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "DuetDequantizeCPU";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
