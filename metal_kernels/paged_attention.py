@@ -36,7 +36,7 @@ KERNEL_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # NE is a multiple of the elements per word, one shifted word when the run lies inside one word.
 _LOAD_QUANT_WORDS = """
       {{
-        const device uint* wp = {pool}_q + row * (D / PER_WORD);
+        const device uint* wp = {pool}_q + {row} * (D / PER_WORD);
         if (NE % PER_WORD == 0) {{
           for (int w = 0; w < NE / PER_WORD; ++w) {{
             const uint word = wp[d0 / PER_WORD + w];
@@ -57,18 +57,18 @@ _LOAD_QUANT_WORDS = """
         }}
         if (!FOLD) {{  // the run crosses a group edge: dequantize per element
           for (int j = 0; j < NE; ++j) {{
-            const size_t g = row * (D / GS) + (d0 + j) / GS;
+            const size_t g = {row} * (D / GS) + (d0 + j) / GS;
             {dst}[j] = float({pool}_scales[g]) * {dst}[j] + float({pool}_biases[g]);
           }}
         }}
       }}
-      const size_t {pre}g = row * (D / GS) + d0 / GS;
+      const size_t {pre}g = {row} * (D / GS) + d0 / GS;
       const float {pre}sc = FOLD ? float({pool}_scales[{pre}g]) : 1.0f;
       const float {pre}bi = FOLD ? float({pool}_biases[{pre}g]) : 0.0f;"""
 
 _LOAD_PLAIN = """
       {{
-        const device T* src = {pool} + row * D + d0;
+        const device T* src = {pool} + {row} * D + d0;
         for (int j = 0; j < NE; ++j) {{
           {dst}[j] = (D % 32 == 0 || d0 + j < D) ? float(src[j]) : 0.0f;
         }}
@@ -125,27 +125,41 @@ _BODY = """
     const int nb = min(32, bhi - cb);
     const int my_blk = int(lane) < nb ? block_tables[size_t(b) * max_blocks + cb + int(lane)] : 0;
     const int t_end = min(hi, (cb + nb) * BS);
-    for (int t = max(lo, cb * BS) + int(sg); t < t_end; t += NS) {{
-      const int blk = simd_shuffle(my_blk, ushort(t / BS - cb));
-      const size_t row = (size_t(blk) * BS + t % BS) * n_kv + kvh;
-      float kv[NE];
-      float vv[NE];
+    // Two tokens per iteration (t and t + NS): both rows' loads are in flight together, and the
+    // running max and sum are rescaled once per pair. Without a second token the first row is
+    // loaded again (a cache hit) and its weight is 0.
+    for (int t = max(lo, cb * BS) + int(sg); t < t_end; t += 2 * NS) {{
+      const bool two = t + NS < t_end;
+      const int t2 = two ? t + NS : t;
+      const int blk1 = simd_shuffle(my_blk, ushort(t / BS - cb));
+      const int blk2 = simd_shuffle(my_blk, ushort(t2 / BS - cb));
+      const size_t row1 = (size_t(blk1) * BS + t % BS) * n_kv + kvh;
+      const size_t row2 = (size_t(blk2) * BS + t2 % BS) * n_kv + kvh;
+      float kv1[NE];
+      float kv2[NE];
+      float vv1[NE];
+      float vv2[NE];
 {load_k}
-      float s[HG];
+      float s1[HG];
+      float s2[HG];
       for (int r = 0; r < HG; ++r) {{
-        float partial = 0.0f;
+        float partial1 = 0.0f;
+        float partial2 = 0.0f;
         for (int j = 0; j < NE; ++j) {{
-          partial += qr[r][j] * kv[j];
+          partial1 += qr[r][j] * kv1[j];
+          partial2 += qr[r][j] * kv2[j];
         }}
 {fold_k}
-        s[r] = simd_sum(partial);
+        s1[r] = simd_sum(partial1);
+        s2[r] = simd_sum(partial2);
       }}
 {load_v}
       for (int r = 0; r < HG; ++r) {{
-        const float m_new = max(m[r], s[r]);
+        const float m_new = max(m[r], two ? max(s1[r], s2[r]) : s1[r]);
         const float f = fast::exp2(m[r] - m_new);
-        const float p = fast::exp2(s[r] - m_new);
-        l[r] = l[r] * f + p;
+        const float p1 = fast::exp2(s1[r] - m_new);
+        const float p2 = two ? fast::exp2(s2[r] - m_new) : 0.0f;
+        l[r] = l[r] * f + p1 + p2;
 {accumulate}
         m[r] = m_new;
       }}
@@ -274,6 +288,13 @@ _REDUCE = """
 """
 
 
+def _pair(template: str, dst: str, pool: str, pre: str) -> str:
+    """A row load for both tokens of an iteration: ``{dst}1`` from ``row1``, ``{dst}2`` from ``row2``."""
+    return "".join(
+        template.format(dst=f"{dst}{u}", pool=pool, pre=f"{pre}{u}", row=f"row{u}") for u in (1, 2)
+    )
+
+
 @cache
 def _attention_spec(quantized: bool, final: bool, sinks: bool) -> KernelSpec:
     """The kernel's source for one variant, built once (the key is cheap to hash)."""
@@ -288,22 +309,27 @@ def _attention_spec(quantized: bool, final: bool, sinks: bool) -> KernelSpec:
             "  constexpr int PER_WORD = 32 / BITS;\n  constexpr uint MASK = (1u << BITS) - 1u;\n"
             "  constexpr bool FOLD = GS % NE == 0;  // a lane's run of dims lies in one group"
         )
-        load_k = _LOAD_QUANT_WORDS.format(dst="kv", pool="k", pre="k")
-        load_v = _LOAD_QUANT_WORDS.format(dst="vv", pool="v", pre="v")
+        load_k = _pair(_LOAD_QUANT_WORDS, "kv", "k", "k")
+        load_v = _pair(_LOAD_QUANT_WORDS, "vv", "v", "v")
         # q.k = sc * sum(q w) + bi * sum(q): the affine form folded, sum(q) once per query
-        fold_k = "        partial = ksc * partial + kbi * qsum[r];"
-        accumulate = """        const float ps = p * vsc;
-        const float pb = p * vbi;
+        fold_k = (
+            "        partial1 = k1sc * partial1 + k1bi * qsum[r];\n"
+            "        partial2 = k2sc * partial2 + k2bi * qsum[r];"
+        )
+        # acc += p (sc w + bi) = (p sc) w + p bi
+        accumulate = """        const float ps1 = p1 * v1sc;
+        const float ps2 = p2 * v2sc;
+        const float pb = p1 * v1bi + p2 * v2bi;
         for (int j = 0; j < NE; ++j) {
-          acc[r][j] = acc[r][j] * f + (ps * vv[j] + pb);
+          acc[r][j] = acc[r][j] * f + (ps1 * vv1[j] + ps2 * vv2[j] + pb);
         }"""
     else:
         quant_consts = ""
-        load_k = _LOAD_PLAIN.format(dst="kv", pool="k_pool")
-        load_v = _LOAD_PLAIN.format(dst="vv", pool="v_pool")
+        load_k = _pair(_LOAD_PLAIN, "kv", "k_pool", "k")
+        load_v = _pair(_LOAD_PLAIN, "vv", "v_pool", "v")
         fold_k = ""
         accumulate = """        for (int j = 0; j < NE; ++j) {
-          acc[r][j] = acc[r][j] * f + p * vv[j];
+          acc[r][j] = acc[r][j] * f + (p1 * vv1[j] + p2 * vv2[j]);
         }"""
     if final:
         epilogue = _EPILOGUE_FINAL.format(

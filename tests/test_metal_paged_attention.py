@@ -368,14 +368,14 @@ def test_injected_missing_barrier_is_caught():
 
 def test_injected_off_by_one_block_index_is_caught():
     case = Case(BLOCK_EDGE_LENS, n_kv=1, gqa=2, dim=64, dtype=mx.float32, seed=7)
-    out = run_modified(case, "ushort(t / BS - cb)", "ushort((t + 1) / BS - cb)", "pa_off_by_one")
+    out = run_modified(case, "ushort(t2 / BS - cb)", "ushort((t2 + 1) / BS - cb)", "pa_off_by_one")
     assert not is_correct(case, out)
 
 
 def test_injected_divergent_simd_sum_is_caught():
     case = Case(BLOCK_EDGE_LENS, n_kv=1, gqa=2, dim=64, dtype=mx.float32, seed=8)
-    old = "        s[r] = simd_sum(partial);"
-    new = "        s[r] = lane < 31 ? simd_sum(partial) : partial;"
+    old = "        s1[r] = simd_sum(partial1);"
+    new = "        s1[r] = lane < 31 ? simd_sum(partial1) : partial1;"
     with options(strict=True), pytest.raises(EmulatorError, match="divergent"):
         run_modified(case, old, new, "pa_divergent")
     assert not is_correct(case, run_modified(case, old, new, "pa_divergent"))
@@ -414,3 +414,10 @@ def test_old_mlx_keeps_the_reference_path():
     assert mlx_version_ok()  # the pinned MLX
     assert mlx_version_ok("0.32.0") and mlx_version_ok("0.33.1.dev20260101") and mlx_version_ok("1.0")
     assert not mlx_version_ok("0.31.2") and not mlx_version_ok("0.29.0")
+
+
+def test_injected_unpaired_tail_token_is_caught():
+    """Two tokens per iteration: a SIMD-group whose second token is past the end must not read it."""
+    case = Case(BLOCK_EDGE_LENS, n_kv=1, gqa=2, dim=64, dtype=mx.float32, seed=18)
+    out = run_modified(case, "const bool two = t + NS < t_end;", "const bool two = true;", "pa_unpaired")
+    assert not is_correct(case, out)
