@@ -23,8 +23,9 @@ from cpu_kernels.spec import KernelSpec, resolve_backend, run
 SPEC = KernelSpec("quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
 DEQUANTIZE_SPEC = KernelSpec("dequantize", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
 # Rows of x from which dequantize + GEMM beats the fused kernel (one thread, 1536 x 576, 4-bit:
-# 48 rows 1.42 vs 1.64 ms, 256 rows 6.0 vs 8.6 ms; bench/qmatmul.py --rows 16,32,48,64,256).
-DEQUANTIZE_ROWS = 48
+# 16 rows 0.53 vs 0.70 ms, 32 rows 1.07 vs 1.00 ms, 256 rows 8.5 vs 5.3 ms; docs/BENCHMARKS.md,
+# bench/qmatmul.py --paths).
+DEQUANTIZE_ROWS = 32
 
 
 def quantized_matmul(
