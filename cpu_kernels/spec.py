@@ -101,8 +101,8 @@ def physical_cores() -> int:
     """Physical cores this process may run on (hyper-threads of one core count once)."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return max(1, (os.cpu_count() or 2) // 1)
+    except AttributeError:  # macOS: no affinity API; its CPUs have no SMT siblings
+        return max(1, os.cpu_count() or 1)
     cores = set()
     for cpu in cpus:
         siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
