@@ -166,8 +166,8 @@ class LlamaCppRunner:
         self.long_state = self.llm.save_state()
 
     def decode_long(self, n: int) -> tuple[float, list[float]]:
-        self.llm.load_state(self.long_state)  # generate() reuses the common prefix: one token to eval
-        return self.generate(self.long, n, reset=False)
+        self.llm.load_state(self.long_state)  # the first 1023 tokens' KV: one token left to eval
+        return self.generate(self.long[-1:], n, reset=False)
 
     def shutdown(self) -> None:
         self.llm.close()
@@ -418,7 +418,7 @@ def cold_worker(system: str, model: str, threads: int) -> None:
 
 def env(threads: int) -> dict[str, str]:
     e = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
-    e.update(OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+    e.update(OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads), DUET_CPU_THREADS=str(threads))
     try:
         from mlx_engine.blas import openblas_path
 
@@ -473,7 +473,7 @@ def q4_k_m(src: str) -> str:
     llama-cpp-python, the same type mix by tests/gguf_quantize.py (round-to-nearest blocks)."""
     OUT.mkdir(parents=True, exist_ok=True)
     if not have_llama_cpp():
-        dst = OUT / (Path(src).stem.rsplit("-", 1)[0] + "-Q4_K_M-rtn.gguf")
+        dst = OUT / (Path(src).name.split(".")[0] + "-Q4_K_M-rtn.gguf")
         if not dst.exists():
             import gguf
 
@@ -484,7 +484,7 @@ def q4_k_m(src: str) -> str:
             tied = not any(t.name == "output.weight" for t in reader.tensors)
             requantize(Path(src), dst, lambda name, cols: q4_k_m_type(name, cols, n_layers, tied))
         return str(dst)
-    dst = OUT / (Path(src).stem.rsplit("-", 1)[0] + "-Q4_K_M.gguf")
+    dst = OUT / (Path(src).name.split(".")[0] + "-Q4_K_M.gguf")
     if dst.exists():
         return str(dst)
     import ctypes
