@@ -139,13 +139,13 @@ class PagedLayerCache:
 def _write(pool: KVPool, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
     """Store the pass's new K/V. Quantized pools on the kernel path take the fused quantize kernel
     (one launch per K and V, bit for bit ``mx.quantize`` on the CPU) instead of ``mx.quantize``."""
-    if _kernel_backend_active and pool.kv_bits is not None and pool.group_size in (32, 64, 128):
+    gs = pool.group_size
+    fused = gs in (32, 64, 128) and not k.shape[-1] % gs and not v.shape[-1] % gs
+    if _kernel_backend_active and pool.kv_bits is not None and fused:
         from metal_kernels.kv_quantize import write_quantized
 
         for pools, x in ((pool.k, k), (pool.v, v)):
-            pools[layer] = write_quantized(
-                pools[layer], slots, x, pool.group_size, pool.kv_bits, backend=_kernel_backend
-            )
+            pools[layer] = write_quantized(pools[layer], slots, x, gs, pool.kv_bits, backend=_kernel_backend)
         return
     pool.write(layer, slots, k, v)
 
