@@ -60,15 +60,18 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     """Pack ``bits``-wide codes (uint8, last axis a multiple of 32) into a little-endian bit stream of
     uint32 words, element ``i`` at bits ``[i * bits, (i + 1) * bits)``: MLX's affine layout."""
     rows, cols = q.shape
+    q = np.ascontiguousarray(q, dtype=np.uint8)
     if bits == 8:
-        packed = np.ascontiguousarray(q, dtype=np.uint8)
-    elif bits == 4:
-        packed = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))
-    else:  # 8 codes of ``bits`` bits fill exactly ``bits`` bytes
-        eight = q.reshape(rows, cols // 8, 8).astype(np.uint64)
-        shifts = np.arange(0, 8 * bits, bits, dtype=np.uint64)
-        stream = np.bitwise_or.reduce(eight << shifts, axis=-1)
-        packed = stream[..., None].view(np.uint8).reshape(rows, cols // 8, 8)[..., :bits]
+        packed = q
+    elif bits == 4:  # code pairs as little-endian uint16: low byte 2k, high byte 2k + 1
+        pairs = q.view("<u2")
+        packed = ((pairs | (pairs >> np.uint16(4))) & np.uint16(0xFF)).astype(np.uint8)
+    else:  # 8 codes of ``bits`` bits fill exactly ``bits`` bytes of a little-endian uint64
+        eight = q.reshape(rows, cols // 8, 8)
+        stream = np.zeros((rows, cols // 8), np.uint64)
+        for i in range(8):
+            stream |= eight[..., i].astype(np.uint64) << np.uint64(i * bits)
+        packed = stream[..., None].view(np.uint8)[..., :bits]
     return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32)
 
 
@@ -79,7 +82,10 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """ggml's 4-bit packing of 32 weights: byte j holds weight j (low) and j + 16 (high)."""
-    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+    out = np.empty((*qs.shape[:-1], 32), np.uint8)
+    np.bitwise_and(qs, np.uint8(0x0F), out=out[..., :16])
+    np.right_shift(qs, np.uint8(4), out=out[..., 16:])
+    return out
 
 
 def _bits_of_u32(b: np.ndarray) -> np.ndarray:
