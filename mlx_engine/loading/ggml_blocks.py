@@ -5,16 +5,16 @@ integer codes ``q``:
 
 - symmetric (Q4_0, Q5_0, Q8_0, Q6_K): ``w = scale * (q - zero)`` with a fixed ``zero`` (8, 16, 128, 32),
   and Q3_K, decoded straight to 8-bit codes in groups of 32 (see ``_q3_k``);
-- with a minimum (Q4_1, Q5_1, Q4_K, Q5_K): ``w = scale * q + bias``.
+- with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K): ``w = scale * q + bias``.
 
 ``decode()`` unpacks a tensor's bytes into ``Codes``: the codes, one scale and bias per group, the bit
 width and group size. ``Codes.to_float()`` gives the values llama.cpp computes, bit for bit (every
 product is exact in float32: an fp16 scale has 11 significant bits, a 6-bit sub-scale 6, a code at
 most 8), and ``Codes.pack()`` writes the codes in MLX's packed affine layout: a little-endian bit
 stream of ``bits``-wide fields in uint32 words, which is what ``mx.quantize`` produces for every bit
-width. MLX's group size starts at 32, so the types decoded in groups of 32 (all but Q6_K) map to
-MLX exactly: ``mx.dequantize`` of the packed form gives the same float32 values. Q6_K has 16-weight
-groups; ``to_8bit_groups_of_32`` re-codes it for MLX, exactly where it can (see there).
+width. MLX's group size starts at 32, so the types decoded in groups of 32 (all but Q2_K and Q6_K)
+map to MLX exactly: ``mx.dequantize`` of the packed form gives the same float32 values. Q2_K and Q6_K
+have 16-weight groups; ``to_8bit_groups_of_32`` re-codes them for MLX (Q6_K exactly where it can).
 
 Block layouts: llama.cpp's ``ggml/src/ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``); K-quants
 pack 256 weights in a super-block with an fp16 ``d`` (and ``dmin``) and 6-bit or int8 sub-scales.
