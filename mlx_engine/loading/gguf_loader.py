@@ -251,7 +251,7 @@ def _tensor_arrays(t: TensorInfo, data: np.ndarray, dense: bool) -> dict[str, mx
         if as_float:
             parts.append((codes.to_float(),))
             continue
-        if codes.group != GROUP_SIZE:  # Q6_K: 16-weight groups
+        if codes.group != GROUP_SIZE:  # Q2_K, Q6_K: 16-weight groups
             codes = to_8bit_groups_of_32(codes)
         parts.append((codes.pack(), codes.scales, codes.biases))
     arrays = [mx.array(np.concatenate(p) if len(p) > 1 else p[0]) for p in zip(*parts, strict=True)]
@@ -284,17 +284,16 @@ def load_gguf(
     path = Path(path)
     contents = read_gguf(path)
     tensors, md = contents.tensors, contents.metadata
-    # decoded once per model, variant and loader version; later starts read the result back
-    weights = weight_cache.load_or_build(
-        path, "dense" if dense else "quantized", lambda: _read_tensors(path, tensors, dense)
-    )
-
     arch = _py(md.get("general.architecture"))
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in SUPPORTED_ARCHITECTURES:  # before any tensor is decoded
         raise GGUFError(
             f"unsupported GGUF architecture {arch!r} in {path.name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     spec = SUPPORTED_ARCHITECTURES[arch]
+    # decoded once per model, variant and loader version; later starts read the result back
+    weights = weight_cache.load_or_build(
+        path, "dense" if dense else "quantized", lambda: _read_tensors(path, tensors, dense)
+    )
     if "token_embd.weight" not in weights:
         raise GGUFError(f"{path.name} has no token_embd.weight tensor")
     config = _config(arch, md, weights)
