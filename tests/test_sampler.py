@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_engine.sampling import sampler as sampler_module
 from mlx_engine.request import SamplingParams
+from mlx_engine.sampling import sampler as sampler_module
 from mlx_engine.sampling.sampler import CANDIDATES, SampleResult, SamplerRow, make_rng, sample
 
 V = 49152  # SmolLM2's vocabulary
