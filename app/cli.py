@@ -68,11 +68,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speculative",
-        choices=("ngram", "off"),
-        default="ngram",
-        help="speculative decoding: ngram proposes tokens found earlier in the prompt or reply and "
-        "verifies them in one pass, only when the measured acceptance and batch make it pay; the "
-        "output is the same (default ngram)",
+        choices=("ngram", "draft", "off"),
+        default=None,
+        help="speculative decoding: ngram proposes tokens found earlier in the prompt or reply, draft "
+        "the --draft-model's greedy guesses; they are verified in one pass, only when the measured "
+        "acceptance and batch make it pay; the output is the same (default ngram, or draft with "
+        "--draft-model)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="M",
+        help="a small model with the same tokenizer that proposes tokens for --speculative draft "
+        "(GGUF file, model directory or Hugging Face repo id, as --model)",
     )
 
 
@@ -219,7 +227,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache_gb=args.cache_gb,
         cache_fraction=args.cache_fraction,
         weights=args.weights,
-        speculative=getattr(args, "speculative", "ngram"),
+        speculative=getattr(args, "speculative", None)
+        or ("draft" if getattr(args, "draft_model", None) else "ngram"),
+        draft_model=getattr(args, "draft_model", None),
         **extra,
     )
     config.validate(spell=flag)
@@ -259,6 +269,8 @@ def _check_model(args: argparse.Namespace) -> None:
     from mlx_engine.loading.preflight import check_model
 
     check_model(args.model)
+    if getattr(args, "draft_model", None) is not None:
+        check_model(args.draft_model)
 
 
 def _use_fast_blas() -> None:

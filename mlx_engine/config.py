@@ -20,7 +20,7 @@ GiB = 2**30
 MAX_MEMORY_FRACTION = 0.9
 WEIGHT_FORMATS = ("auto", "dense", "quantized")
 KV_BITS = (4, 8)
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")
 KV_GROUP_SIZES = (32, 64, 128)
 # The KV pool starts with room for this many tokens and grows (doubling) as sequences need
 # blocks, up to the budget: memory is taken when used, not reserved at start.
@@ -49,8 +49,12 @@ class EngineConfig:
     # KV sources asked after the disk tier (``kv_source.KVSource``, e.g. remote prefill peers); the
     # engine calls a source's ``attach(engine)`` once its pool exists and ``close()`` at shutdown
     kv_sources: list[Any] = field(default_factory=list)
-    # speculative decoding: "ngram" (prompt lookup, adaptive: it proposes only when that pays) or "off"
+    # speculative decoding: "ngram" (prompt lookup, adaptive: it proposes only when that pays), "draft"
+    # (a draft model's greedy proposals, draft_model.py) or "off"
     speculative: str = "ngram"
+    # the draft model of speculative="draft": a model spec as --model takes, or a LoadedModel; it must
+    # share the model's tokenizer
+    draft_model: Any = None
 
     def validate(self, memory_bytes: int | None = None, spell: Callable[[str], str] = _plain) -> None:
         """Raise ``ConfigError`` for the first option that cannot work; allocate nothing.
@@ -79,6 +83,13 @@ class EngineConfig:
             raise fail("kv_group_size", f"{spell('kv_group_size')} must be 32, 64 or 128")
         if self.speculative not in SPECULATIVE_MODES:
             raise fail("speculative", f"{spell('speculative')} must be one of {', '.join(SPECULATIVE_MODES)}")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise fail("draft_model", f"{spell('speculative')} draft needs {spell('draft_model')}")
+        if self.speculative != "draft" and self.draft_model is not None:
+            raise fail(
+                "draft_model",
+                f"{spell('draft_model')} is used only with {spell('speculative')} draft, not {self.speculative}",
+            )
         if self.weights not in WEIGHT_FORMATS:
             raise fail("weights", f"{spell('weights')} must be one of {', '.join(WEIGHT_FORMATS)}")
         for option in ("block_size", "max_batch_tokens", "prefill_chunk", "max_running", "max_queue"):

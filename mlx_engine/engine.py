@@ -42,6 +42,7 @@ import numpy as np
 from mlx_engine.backend import backend_name, total_memory_bytes
 from mlx_engine.blas import active_blas, warn_if_slow
 from mlx_engine.config import EngineConfig
+from mlx_engine.draft_model import DraftModelProposer, check_same_tokenizer, output_rows
 from mlx_engine.errors import (
     ConfigError,
     ContextLengthError,
@@ -314,6 +315,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.replies = ReplyMemory()  # generated ids behind reply text, for multi-turn prefix hits
         self.speculation = SpeculationPolicy()  # how many tokens to propose (config.speculative)
+        self.draft = self._load_draft()  # the draft model (speculative="draft"), else None
+        self._proposer: NgramProposer | DraftModelProposer | None = None
         self.model_name = loaded.name
         self.context_length = loaded.context_length
         self._mailbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -351,12 +354,32 @@ class Engine:
         config.validate()
         return cls(load_model(model, weights=config.weights), config)
 
+    def _load_draft(self) -> LoadedModel | None:
+        """The draft model of ``speculative="draft"``, loaded (or given loaded), checked to share the
+        target's tokenizer (ConfigError otherwise)."""
+        spec = self.config.draft_model
+        if self.config.speculative != "draft" or spec is None:
+            return None
+        draft = spec if isinstance(spec, LoadedModel) else load_model(spec, weights=self.config.weights)
+        check_same_tokenizer(self.loaded, draft)
+        return draft
+
+    def _kv_bytes_per_token(self, m: LoadedModel) -> int:
+        c = self.config
+        return m.num_layers * KVPool.bytes_per_token_per_layer(
+            m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
+        )
+
     # --- set-up on the worker thread (MLX streams are per thread) -----------------
     def _build(self) -> None:
         c, m = self.config, self.loaded
         memory = total_memory_bytes()
+        budget = c.kv_budget_bytes(memory)
+        if self.draft is not None:  # each block holds the draft's KV too (draft_model.py): split the budget
+            target = self._kv_bytes_per_token(m)
+            budget *= target / (target + self._kv_bytes_per_token(self.draft))
         num_blocks = KVPool.blocks_for_budget(
-            c.kv_budget_bytes(memory),
+            budget,
             m.num_layers,
             m.n_kv_heads,
             m.head_dim,
@@ -371,6 +394,8 @@ class Engine:
         per_block *= KVPool.bytes_per_token_per_layer(
             m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
         )
+        if self.draft is not None:
+            per_block += c.block_size * self._kv_bytes_per_token(self.draft)
         kv_bytes, weight_bytes = num_blocks * per_block, m.weight_bytes  # the budget, taken as used
         if kv_bytes + weight_bytes > memory:
             raise ConfigError(
@@ -393,6 +418,27 @@ class Engine:
             num_blocks, c.block_size, enable_prefix_cache=c.prefix_cache, initial_blocks=first
         )
         self.allocator.on_grow = self.pool.grow
+        self.draft_pool: KVPool | None = None
+        if self.draft is not None:  # the draft's KV, at the same block ids (draft_model.py)
+            d = self.draft
+            self.draft_pool = draft_pool = KVPool(
+                d.num_layers,
+                num_blocks,
+                c.block_size,
+                d.n_kv_heads,
+                d.head_dim,
+                d.dtype,
+                c.kv_bits,
+                c.kv_group_size,
+                capacity=first,
+            )
+            pool = self.pool
+
+            def grow(capacity: int) -> None:
+                pool.grow(capacity)
+                draft_pool.grow(capacity)
+
+            self.allocator.on_grow = grow
         self.scheduler = Scheduler(
             self.allocator,
             SchedulerConfig(
@@ -403,6 +449,10 @@ class Engine:
         self.runner = ModelRunner(m.model, self.pool)
         if c.speculative == "ngram":
             self._proposer = NgramProposer()
+            self.scheduler.drafter = self._draft
+        elif self.draft is not None and self.draft_pool is not None:
+            vocab = min(output_rows(m.model), output_rows(self.draft.model))
+            self._proposer = DraftModelProposer(self.draft, self.draft_pool, vocab, c.prefill_chunk)
             self.scheduler.drafter = self._draft
         self.disk: PrefixDiskTier | None = None
         if c.disk_cache_dir and c.prefix_cache:
@@ -949,6 +999,10 @@ class Engine:
         self._steps += 1
         for src, dst in step.copies:  # copy-on-write of blocks shared by n > 1 choices
             self.pool.copy_block(src, dst)
+            if self.draft_pool is not None:
+                self.draft_pool.copy_block(src, dst)
+        if isinstance(self._proposer, DraftModelProposer):  # the step's proposals, in one batch
+            self._proposer.fill(list(step.seqs.values()))
         rows = [self._row(step, rid, n) for rid, n in step.tokens.items()]
         prefill = sum(
             max(min(seq.num_computed + n, seq.num_prompt) - seq.num_computed, 0)
@@ -1020,6 +1074,7 @@ class Engine:
         k = self.speculation.choose(seq.spec_proposed, seq.spec_accepted, decoding_rows)
         if k == 0 and seq.num_generated % 16 == 0 and decoding_rows <= 2:
             k = 1  # probe now and then: what the text does may have changed
+        assert self._proposer is not None
         return self._proposer.propose(seq.tokens, min(k, max_k))
 
     def _row(self, step: Step, rid: str, n: int) -> Row:
@@ -1158,6 +1213,8 @@ class Engine:
         a.done = True
         for src, load_id in self.scheduler.finish(a.seq):
             self._cancel_at_source(src, load_id)
+        if isinstance(self._proposer, DraftModelProposer):
+            self._proposer.forget(a.req.request_id)
         del self._active[a.req.request_id]
         with self._lock:
             self._live.discard(a.req.request_id)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MODES = ("off", "ngram")
+MODES = ("off", "ngram", "draft")  # draft: draft_model.DraftModelProposer
 
 
 class NgramProposer:

@@ -71,6 +71,17 @@ def test_speculative_decoding_is_reported_and_does_not_change_the_output(tiny_di
     assert off["usage"]["speculative"] is None
 
 
+def test_a_draft_model_proposes_and_does_not_change_the_output(tiny_dirs):
+    """--draft-model alone selects --speculative draft; the same weights as the target: its
+    proposals are kept."""
+    args = ("--max-tokens", "40", "--temperature", "0", "--speculative")
+    off = generate_json(tiny_dirs("qwen3"), *args, "off")
+    on = generate_json(tiny_dirs("qwen3"), *args[:-1], "--draft-model", str(tiny_dirs("qwen3")))
+    assert on["token_ids"] == off["token_ids"]
+    spec = on["usage"]["speculative"]
+    assert 0 < spec["accepted"] <= spec["proposed"], spec
+
+
 def test_generate_applies_the_chat_template_unless_raw(tiny_dirs):
     """Like `ollama run`: the prompt is a user message in the model's chat template by default;
     --raw sends the text as is, for plain completion."""
@@ -163,6 +174,11 @@ BAD_OPTIONS = {
     "both budgets": (
         ["--cache-gb", "1", "--cache-fraction", "0.3"],
         "give --cache-gb or --cache-fraction, not both",
+    ),
+    "draft without a draft model": (["--speculative", "draft"], "--speculative draft needs --draft-model"),
+    "draft model without draft": (
+        ["--speculative", "ngram", "--draft-model", "x"],
+        "--draft-model is used only with --speculative draft, not ngram",
     ),
 }
 GENERATE_ONLY = {

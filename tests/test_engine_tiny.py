@@ -55,6 +55,8 @@ def req(p, n=12, **kw):
 def assert_no_leaks(engine: Engine):
     engine.allocator.check_invariants()
     assert engine.allocator.num_used == 0, "KV blocks still held after every request ended"
+    # the draft model's per-sequence state goes with its sequence (its KV lives in their blocks)
+    assert not getattr(getattr(engine, "_proposer", None), "states", {}), "draft state of ended requests"
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -1,0 +1,227 @@
+"""Speculative decoding with a draft model (``speculative="draft"``, mlx_engine/draft_model.py).
+
+Tiny random-weight pairs that share a tokenizer: a draft with the target's own weights (nearly
+every proposal kept) and one with other random weights (few kept). Whatever the draft proposes,
+the output must be plain decoding's: greedy token-identical and seeded sampling the same tokens,
+across batch sizes, chunked prefill, prefix hits, preemption and ``n > 1`` forks; the draft's KV
+lives in the sequences' own blocks, so nothing may leak (``assert_no_leaks`` also checks that no
+draft state outlives its request).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+
+from mlx_engine.draft_model import DraftModelProposer, output_rows
+from mlx_engine.engine import Engine, EngineConfig
+from mlx_engine.errors import ConfigError
+from mlx_engine.loading.loader import load_model
+from mlx_engine.request import GenerationRequest, SamplingParams
+from tests.test_speculative import N, generate, greedy_reqs, repetitive_prompts, run_all
+from tests.tiny_models import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def pair(request, tiny_dirs, tmp_path_factory):
+    """(target, same-weights draft, other-weights draft) of one architecture."""
+    path = tiny_dirs(request.param)
+    other = make_tiny_model_dir(tmp_path_factory.mktemp("draft") / request.param, request.param, seed=7)
+    return load_model(str(path)), load_model(str(path)), load_model(str(other))
+
+
+def totals(lasts) -> tuple[int, int]:
+    spec = [ev.usage.speculative for ev in lasts]
+    assert all(s is not None and 0 <= s["accepted"] <= s["proposed"] for s in spec), spec
+    return sum(s["proposed"] for s in spec), sum(s["accepted"] for s in spec)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_identical_and_a_same_weights_draft_is_kept(pair, batch):
+    target, same, _ = pair
+    ps = repetitive_prompts(target.tokenizer.vocab_size, batch, seed=batch)
+    off, _ = generate(target, greedy_reqs(ps), "off")
+    on, lasts = generate(target, greedy_reqs(ps), "draft", draft_model=same)
+    assert on == off
+    proposed, accepted = totals(lasts)
+    assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
+    assert all(len(ids) == N for ids in on)  # max_tokens holds with several tokens per step
+
+
+def test_greedy_identical_with_a_draft_that_guesses_badly(pair):
+    target, _, other = pair
+    ps = repetitive_prompts(target.tokenizer.vocab_size, 3, seed=11)
+    off, _ = generate(target, greedy_reqs(ps), "off")
+    on, lasts = generate(target, greedy_reqs(ps), "draft", draft_model=other)
+    assert on == off
+    proposed, accepted = totals(lasts)
+    assert 0 < proposed and accepted <= 0.5 * proposed, (proposed, accepted)
+
+
+def test_greedy_identical_with_chunked_prefill_prefix_hits_and_preemption(pair):
+    target, same, _ = pair
+    ps = repetitive_prompts(target.tokenizer.vocab_size, 6, seed=7)
+    ps += [ps[0] + ps[1], ps[0]]  # prefix hits on blocks the first requests computed
+    # a pool so small that sequences are preempted and recomputed (the draft's context too, in
+    # pieces of prefill_chunk); small prefill chunks
+    cfg = dict(cache_gb=0.0008, block_size=8, prefill_chunk=16, max_batch_tokens=32)
+    off, _ = generate(target, greedy_reqs(ps), "off", **cfg)
+    on, lasts = generate(target, greedy_reqs(ps), "draft", draft_model=same, **cfg)
+    assert on == off
+    proposed, accepted = totals(lasts)
+    assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
+
+
+def test_forked_choices_are_identical(pair):
+    """``n > 1``: choices share the leader's prompt blocks (copy-on-write in both pools)."""
+    target, same, _ = pair
+    (p,) = repetitive_prompts(target.tokenizer.vocab_size, 1, seed=5)
+
+    def reqs():
+        lead = GenerationRequest(
+            prompt=p, max_tokens=N, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=1)
+        )
+        return [lead] + [
+            GenerationRequest(
+                prompt=p,
+                max_tokens=N,
+                ignore_eos=True,
+                sampling=SamplingParams(temperature=0.8, seed=2 + i),
+                fork_of=lead.request_id,
+            )
+            for i in range(3)
+        ]
+
+    off, _ = generate(target, reqs, "off", block_size=8)
+    on, lasts = generate(target, reqs, "draft", draft_model=same, block_size=8)
+    assert on == off
+    assert totals(lasts)[0] > 0
+
+
+def test_seeded_sampling_gives_the_same_tokens(pair):
+    target, same, _ = pair
+    ps = repetitive_prompts(target.tokenizer.vocab_size, 4, seed=3)
+
+    def reqs():
+        return [
+            GenerationRequest(
+                prompt=p,
+                max_tokens=N,
+                ignore_eos=True,
+                sampling=SamplingParams(temperature=0.7, top_p=0.95, seed=1000 + i, repetition_penalty=1.1),
+            )
+            for i, p in enumerate(ps)
+        ]
+
+    off, _ = generate(target, reqs, "off")
+    on, lasts = generate(target, reqs, "draft", draft_model=same)
+    assert on == off
+    assert totals(lasts)[1] > 0
+
+
+def test_the_draft_runs_batched_across_sequences(pair):
+    """One draft pass per proposal position for the whole step, not one per sequence."""
+    import asyncio
+
+    target, same, _ = pair
+    ps = repetitive_prompts(target.tokenizer.vocab_size, 8, seed=8)
+    engine = Engine(target, EngineConfig(cache_gb=0.01, speculative="draft", draft_model=same))
+    engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
+    try:
+        outs = asyncio.run(run_all(engine, greedy_reqs(ps)()))
+        proposer = engine._proposer
+        assert isinstance(proposer, DraftModelProposer)
+        proposed = sum(last.usage.speculative["proposed"] for _, last in outs)
+        max_k = engine.speculation.max_k
+        # unbatched, the draft would need a pass per proposal (plus catch-ups) of every sequence
+        assert 0 < proposer.passes < proposed / 3, (proposer.passes, proposed, max_k)
+    finally:
+        engine.shutdown()
+
+
+# --- the proposer alone: its KV bookkeeping ---------------------------------------------------
+
+
+def test_proposals_are_the_drafts_greedy_continuation_after_any_rollback(pair):
+    """Whatever verification kept (all, some, none) and after a preemption (new blocks), the
+    proposals are the draft's greedy continuation of the real context, as mlx-lm computes it: the
+    draft's KV of kept proposals is reused, that of rejected ones recomputed, never stale."""
+    import random
+
+    from mlx_engine.kv_cache.kv_pool import KVPool
+    from mlx_engine.model_runner import ModelRunner, Row
+    from mlx_engine.scheduler import Sequence
+    from tests.test_engine_tiny import reference_greedy
+
+    _, draft, _ = pair
+    vocab = draft.tokenizer.vocab_size
+    bs = 8
+    pool = KVPool(draft.num_layers, 64, bs, draft.n_kv_heads, draft.head_dim, draft.dtype)
+    proposer = DraftModelProposer(draft, pool, output_rows(draft.model), chunk=8)  # context in pieces
+    rng = random.Random(0)
+    free = list(range(1, 64))
+    seqs = []
+    for i in range(2):  # two sequences: proposals computed in one batch
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 30))]
+        seqs.append(Sequence(f"s{i}", list(prompt), len(prompt), 10_000))
+    for seq in seqs:
+        seq.blocks = [free.pop(0) for _ in range(12)]
+    for round_ in range(12):
+        for seq in seqs:
+            seq.num_draft = rng.randrange(1, 6)
+            seq.tokens += [0] * seq.num_draft
+        proposer.fill(seqs)
+        for seq in seqs:
+            real, drafts = seq.tokens[: seq.num_verified], seq.tokens[seq.num_verified :]
+            assert drafts == reference_greedy(draft.model, real, len(drafts)), (round_, seq.request_id)
+            # the draft's KV of the context and every proposal but the last: as computed afresh
+            ctx = seq.tokens[:-1]
+            fresh = KVPool(draft.num_layers, 64, bs, draft.n_kv_heads, draft.head_dim, draft.dtype)
+            ModelRunner(draft.model, fresh).forward([Row(ctx, 0, seq.blocks)])
+            for layer in range(draft.num_layers):
+                got = pool.read_tokens(layer, seq.blocks, 0, len(ctx))
+                want = fresh.read_tokens(layer, seq.blocks, 0, len(ctx))
+                for g, w in zip(got, want, strict=True):
+                    assert mx.allclose(g, w, atol=1e-4).item(), (round_, seq.request_id, layer)
+            # verification: keep some, then a token other than the next proposal
+            kept = rng.randrange(len(drafts) + 1)
+            nxt = drafts[kept] if kept < len(drafts) else -1
+            other = rng.choice([t for t in range(3, vocab) if t != nxt])
+            seq.tokens[seq.num_verified :] = drafts[:kept] + [other]
+            seq.num_draft = 0
+        if round_ == 6:  # preempted and re-admitted: other blocks, the draft's KV is not there
+            seqs[0].preemptions += 1
+            seqs[0].blocks = [free.pop(0) for _ in range(12)]
+    for seq in seqs:
+        proposer.forget(seq.request_id)
+    assert not proposer.states
+
+
+# --- options -----------------------------------------------------------------------------------
+
+
+def test_draft_mode_and_draft_model_go_together():
+    with pytest.raises(ConfigError, match="draft_model") as e:
+        EngineConfig(speculative="draft").validate(memory_bytes=8 << 30)
+    assert e.value.option == "draft_model"
+    with pytest.raises(ConfigError, match="only with"):
+        EngineConfig(speculative="ngram", draft_model="x").validate(memory_bytes=8 << 30)
+    EngineConfig(speculative="draft", draft_model="x").validate(memory_bytes=8 << 30)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_dirs, tmp_path):
+    path = tiny_dirs("llama")
+    target = load_model(str(path))
+    other = tmp_path / "other-ids"
+    shutil.copytree(path, other)
+    tj = json.loads((other / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]  # same tokens, two of them with each other's ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ConfigError, match="tokenizer") as e:
+        Engine(target, EngineConfig(cache_gb=0.01, speculative="draft", draft_model=str(other)))
+    assert e.value.option == "draft_model"
