@@ -1,7 +1,9 @@
-"""Speculative decoding (n-gram prompt lookup): decode tok/s with it off, at a fixed k, and adaptive.
+"""Speculative decoding (n-gram prompt lookup, a draft model): decode tok/s with it off, at a fixed k,
+and adaptive.
 
     LD_PRELOAD=$(.venv/bin/python -m mlx_engine.blas --preload) \\
-        .venv/bin/python bench/speculative.py [--model M] [--streams 1,4,16] [--runs 3] [--tokens 128]
+        .venv/bin/python bench/speculative.py [--model M] [--draft-model D | --tiny-pair] \\
+        [--streams 1,4,16] [--runs 3] [--tokens 128]
 
 Two chat prompts on the bundled model (greedy): an *edit* prompt (rewrite a given paragraph with
 one change: the reply copies most of the prompt, which prompt lookup can propose) and a free-form
@@ -11,6 +13,13 @@ one change: the reply copies most of the prompt, which prompt lookup can propose
 default: k from the measured acceptance and per-token pass cost, 0 when it does not pay).
 Modes alternate within each run; medians over ``--runs`` and the ratio to ``off`` are printed,
 and every mode's output is checked to be token-identical to ``off``.
+
+``--draft-model D`` adds ``draft k=N`` and ``draft adaptive`` (speculative="draft" with D, which must
+share the model's tokenizer). No real draft/target pair that shares a tokenizer is available
+offline here, so ``--tiny-pair`` runs the modes on tiny random-weight models instead
+(tests/tiny_models.py: the target, a draft with its own weights, which keeps nearly every proposal,
+and one with other random weights, which keeps few): for correctness (same tokens as ``off``,
+proposed and kept counts), not speed.
 """
 
 from __future__ import annotations
@@ -78,13 +87,38 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5, help="the fixed-k mode's proposals per step")
+    ap.add_argument("--draft-model", default=None, help="add draft-model modes with this draft")
+    ap.add_argument(
+        "--tiny-pair",
+        action="store_true",
+        help="tiny random-weight target and drafts (correctness only: no real pair offline)",
+    )
     args = ap.parse_args()
-    loaded = load_model(args.model)
+    drafts: dict[str, object] = {}
+    if args.tiny_pair:
+        import tempfile
+
+        from tests.tiny_models import make_tiny_model_dir
+
+        root = Path(tempfile.mkdtemp(prefix="duet-bench-spec-"))
+        target_dir = make_tiny_model_dir(root / "target", "llama")
+        loaded = load_model(str(target_dir))
+        drafts["draft(same)"] = load_model(str(target_dir))
+        drafts["draft(other)"] = load_model(str(make_tiny_model_dir(root / "other", "llama", seed=7)))
+    else:
+        loaded = load_model(args.model)
+        if args.draft_model:
+            drafts["draft"] = load_model(args.draft_model)
     modes = {"off": "off", f"k={args.k}": "ngram", "adaptive": "ngram"}
+    for d in drafts:
+        modes |= {f"{d} k={args.k}": d, f"{d} adaptive": d}
     engines = {}
     for name, spec in modes.items():
-        e = engines[name] = Engine(loaded, EngineConfig(speculative=spec, prefix_cache=False))
-        if name.startswith("k="):
+        cfg = EngineConfig(speculative=spec, prefix_cache=False)
+        if spec in drafts:
+            cfg.speculative, cfg.draft_model = "draft", drafts[spec]
+        e = engines[name] = Engine(loaded, cfg)
+        if name.endswith(f"k={args.k}"):
             e.speculation.measure, e.speculation.cost_ratio, e.speculation.max_k = False, 0.0, args.k
     print(
         f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, greedy, "
