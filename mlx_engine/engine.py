@@ -1002,7 +1002,9 @@ class Engine:
             if self.draft_pool is not None:
                 self.draft_pool.copy_block(src, dst)
         if isinstance(self._proposer, DraftModelProposer):  # the step's proposals, in one batch
+            passes, t_draft = self._proposer.passes, time.perf_counter()
             self._proposer.fill(list(step.seqs.values()))
+            self.speculation.observe_draft(self._proposer.passes - passes, time.perf_counter() - t_draft)
         rows = [self._row(step, rid, n) for rid, n in step.tokens.items()]
         prefill = sum(
             max(min(seq.num_computed + n, seq.num_prompt) - seq.num_computed, 0)

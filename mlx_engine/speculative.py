@@ -63,16 +63,23 @@ class SpeculationPolicy:
     cost, fitted online from the engine's own passes (``observe``): a pass of ``T`` tokens takes
     ``a + c * T`` seconds, r = c / a. A step of ``B`` decoding rows then costs ``1 + r * B`` and
     with ``k`` proposals per row ``1 + r * B * (1 + k)``, for ``(1 - p^(k+1)) / (1 - p)`` tokens
-    per row instead of one, ``p`` being the measured chance that a proposal is kept.
+    per row instead of one, ``p`` being the measured chance that a proposal is kept. A draft model
+    adds ``q * k`` (``draft_cost`` q: one draft pass per proposal position, for the whole step,
+    relative to ``a``; measured by ``observe_draft``).
     """
 
     max_k: int = 5
     cost_ratio: float = 0.1  # prior, until passes have been measured
     measure: bool = True
     min_proposals: int = 8  # proposals seen before the measured rate replaces the prior
+    # a draft model's pass (one per proposal position, shared by the step's rows) relative to the
+    # target pass's fixed cost; 0 for proposers that cost nothing (n-gram lookup)
+    draft_cost: float = 0.0
     prior_accept: float = 0.6
     decay: float = 0.98
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # pp, pt, tt, py, ty
+    _fixed: float | None = None  # a, the fitted fixed cost of a target pass (seconds)
+    _draft_pass: float | None = None  # EWMA of a draft pass's seconds
 
     def acceptance(self, proposed: int, accepted: int) -> float:
         if proposed < self.min_proposals:
@@ -95,13 +102,27 @@ class SpeculationPolicy:
         c = (s[0] * s[4] - s[1] * s[3]) / det
         if a > 0:
             self.cost_ratio = max(c, 0.0) / a
+            self._fixed = a
+            self._update_draft_cost()
+
+    def observe_draft(self, passes: int, seconds: float) -> None:
+        """A draft model ran ``passes`` forward passes in ``seconds`` for one step's proposals."""
+        if not self.measure or passes <= 0:
+            return
+        t = seconds / passes
+        self._draft_pass = t if self._draft_pass is None else 0.8 * self._draft_pass + 0.2 * t
+        self._update_draft_cost()
+
+    def _update_draft_cost(self) -> None:
+        if self._fixed and self._draft_pass is not None:
+            self.draft_cost = self._draft_pass / self._fixed
 
     def choose(self, proposed: int, accepted: int, decoding_rows: int) -> int:
         p = self.acceptance(proposed, accepted)
         rb = self.cost_ratio * max(decoding_rows, 1)
         best_k, best = 0, 1.0
         for k in range(1, self.max_k + 1):
-            gain = (1 - p ** (k + 1)) / (1 - p) * (1 + rb) / (1 + rb * (1 + k))
+            gain = (1 - p ** (k + 1)) / (1 - p) * (1 + rb) / (1 + rb * (1 + k) + self.draft_cost * k)
             if gain > best * 1.02:  # a clear win only
                 best_k, best = k, gain
         return best_k

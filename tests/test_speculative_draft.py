@@ -200,6 +200,19 @@ def test_proposals_are_the_drafts_greedy_continuation_after_any_rollback(pair):
     assert not proposer.states
 
 
+def test_the_policy_counts_what_a_draft_pass_costs():
+    from mlx_engine.speculative import SpeculationPolicy
+
+    free, costly = SpeculationPolicy(), SpeculationPolicy()
+    for pol in (free, costly):
+        for passes, tokens in [(1, 1), (1, 4), (2, 8), (1, 16)]:
+            pol.observe(passes, tokens, 0.010 * passes + 0.0001 * tokens)  # a = 10 ms
+    costly.observe_draft(5, 5 * 0.008)  # a draft pass: 8 ms, most of a target pass
+    assert costly.draft_cost == pytest.approx(0.8, rel=1e-6)
+    assert free.choose(100, 80, decoding_rows=1) > costly.choose(100, 80, decoding_rows=1)
+    assert costly.choose(100, 40, decoding_rows=1) == 0  # proposals often rejected: not worth a pass
+
+
 # --- options -----------------------------------------------------------------------------------
 
 
