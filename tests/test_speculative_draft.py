@@ -21,6 +21,7 @@ from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.errors import ConfigError
 from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, SamplingParams
+from tests.test_engine_tiny import assert_no_leaks
 from tests.test_speculative import N, generate, greedy_reqs, repetitive_prompts, run_all
 from tests.tiny_models import make_tiny_model_dir
 
@@ -138,6 +139,46 @@ def test_the_draft_runs_batched_across_sequences(pair):
         max_k = engine.speculation.max_k
         # unbatched, the draft would need a pass per proposal (plus catch-ups) of every sequence
         assert 0 < proposer.passes < proposed / 3, (proposer.passes, proposed, max_k)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smaller_draft(tmp_path_factory):
+    """A draft of another shape with the same tokenizer: one layer, float16, qwen3."""
+    import mlx.core as mx
+
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("small") / "qwen3-1l", "qwen3", seed=3)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    weights = mx.load(str(path / "model.safetensors"))
+    weights = {k: v.astype(mx.float16) for k, v in weights.items() if ".layers.1." not in k}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return load_model(str(path))
+
+
+def test_a_draft_of_another_shape_shares_the_blocks_and_the_budget(tiny_dirs, smaller_draft):
+    import asyncio
+
+    target = load_model(str(tiny_dirs("llama")))
+    assert (smaller_draft.num_layers, smaller_draft.dtype) != (target.num_layers, target.dtype)
+    ps = repetitive_prompts(target.tokenizer.vocab_size, 8, seed=2)
+    off, _ = generate(target, greedy_reqs(ps), "off")
+    gib = 0.01
+    engine = Engine(target, EngineConfig(cache_gb=gib, speculative="draft", draft_model=smaller_draft))
+    engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
+    try:
+        outs = asyncio.run(run_all(engine, greedy_reqs(ps)()))
+        assert [ids for ids, _ in outs] == off
+        assert totals([last for _, last in outs])[0] > 0
+        pool, draft_pool = engine.pool, engine.draft_pool
+        assert draft_pool is not None and draft_pool.num_blocks == pool.num_blocks
+        assert draft_pool.num_layers == 1 and draft_pool.dtype == smaller_draft.dtype
+        # the pools grew together (8 sequences outgrow the first 512 tokens), within one budget
+        assert draft_pool.capacity == pool.capacity > engine.config.kv_first_blocks()
+        assert pool.max_nbytes + draft_pool.max_nbytes <= gib * 2**30
+        assert pool.max_nbytes + 2 * draft_pool.max_nbytes > gib * 2**30  # the budget is used
+        assert_no_leaks(engine)
     finally:
         engine.shutdown()
 
