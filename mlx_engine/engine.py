@@ -1076,8 +1076,11 @@ class Engine:
         k = self.speculation.choose(seq.spec_proposed, seq.spec_accepted, decoding_rows)
         if k == 0 and seq.num_generated % 16 == 0 and decoding_rows <= 2:
             k = 1  # probe now and then: what the text does may have changed
+        k = min(k, max_k)
+        if self.draft is not None and len(seq.tokens) + k > self.draft.context_length:
+            return []  # past the draft model's context: its guesses would be noise
         assert self._proposer is not None
-        return self._proposer.propose(seq.tokens, min(k, max_k))
+        return self._proposer.propose(seq.tokens, k)
 
     def _row(self, step: Step, rid: str, n: int) -> Row:
         seq = step.seqs[rid]

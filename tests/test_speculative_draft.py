@@ -183,6 +183,17 @@ def test_a_draft_of_another_shape_shares_the_blocks_and_the_budget(tiny_dirs, sm
         engine.shutdown()
 
 
+def test_no_proposals_past_the_drafts_context(tiny_dirs, short_context_dir):
+    target, draft = load_model(str(tiny_dirs("llama"))), load_model(str(short_context_dir))
+    assert draft.context_length == 48
+    (p,) = repetitive_prompts(target.tokenizer.vocab_size, 1, seed=4)
+    off, _ = generate(target, greedy_reqs([p]), "off")
+    on, lasts = generate(target, greedy_reqs([p]), "draft", draft_model=draft)
+    assert on == off and len(on[0]) == N  # the target's context goes on
+    proposed, _ = totals(lasts)
+    assert 0 < proposed <= 48 - len(p)
+
+
 # --- the proposer alone: its KV bookkeeping ---------------------------------------------------
 
 
