@@ -438,16 +438,17 @@ def report_sweep(results: dict[str, Any]) -> None:
     sweep = next((c["raw"].get("sweep") for c in results["configs"] if c["raw"].get("sweep")), None)
     if not sweep:
         return
-    print("tokens  local TTFT  predicted  remote TTFT  predicted  (medians of rounds after the first)")
+    print(
+        "tokens  local TTFT  predicted  ratio  remote TTFT  predicted  ratio  (medians of rounds after the first)"
+    )
     for m in sorted({s["tokens"] for s in sweep}):
         rows = [s for s in sweep if s["tokens"] == m and s["round"] > 0] or [
             s for s in sweep if s["tokens"] == m
         ]
         med = lambda f, rows=rows: _median([f(s) for s in rows if f(s) is not None] or [float("nan")])  # noqa: E731
-        print(
-            f"{m:6}  {med(lambda s: s['local']['ttft']):10.3f}  {med(lambda s: s['local']['predicted']):9.3f}"
-            f"  {med(lambda s: s['remote']['ttft']):11.3f}  {med(lambda s: s['remote']['predicted_remote']):9.3f}"
-        )
+        lm, lp = med(lambda s: s["local"]["ttft"]), med(lambda s: s["local"]["predicted"])
+        rm, rp = med(lambda s: s["remote"]["ttft"]), med(lambda s: s["remote"]["predicted_remote"])
+        print(f"{m:6}  {lm:10.3f}  {lp:9.3f}  {lp / lm:5.2f}  {rm:11.3f}  {rp:9.3f}  {rp / rm:5.2f}")
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -457,14 +458,19 @@ def plot(results: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    labels, over, ctrl = [], [], []
+    labels, over, ctrl, over_run, ctrl_run = [], [], [], [], []
     for c in results["configs"]:
         labels.append(f"{c['link']}\n{'pinned' if c['pinned'] else 'unpinned'}")
         over.append(c["summary"]["overlap"]["E"])
         ctrl.append(c["summary"]["control"]["E"])
+        over_run.append(c["summary"]["overlap"].get("E_run"))
+        ctrl_run.append(c["summary"]["control"].get("E_run"))
     x = range(len(labels))
     ax1.bar([i - 0.2 for i in x], over, 0.4, label="layer-streamed (Duet)")
     ax1.bar([i + 0.2 for i in x], ctrl, 0.4, label="send after prefill (control)")
+    if all(v is not None for v in over_run + ctrl_run):
+        ax1.plot([i - 0.2 for i in x], over_run, "k.", label="E against the run's own peer compute")
+        ax1.plot([i + 0.2 for i in x], ctrl_run, "k.")
     ax1.axhline(1.15, color="g", ls="--", lw=1)
     ax1.axhline(1.7, color="r", ls="--", lw=1)
     ax1.set_xticks(list(x), labels, fontsize=7)
