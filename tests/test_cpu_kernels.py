@@ -163,6 +163,10 @@ def test_half_precision_inputs_and_scales(ext, dtype):
 def test_batch_dims_and_strided_inputs(ext):
     rng = np.random.default_rng(3)
     x, wq, scales, biases = case(rng, 6, 40, 96, 32, 4)
+    y1 = quantized_matmul(x[0], wq, scales, biases, group_size=32, bits=4, backend="native")  # 1-D x
+    check(y1, x[0], wq, scales, biases, 32, 4, F32_TOL)
+    empty = quantized_matmul(x[:0], wq, scales, biases, group_size=32, bits=4, backend="native")
+    assert empty.shape == (0, 40) and empty.size == 0
     x3 = x.reshape(2, 3, 96)
     y = quantized_matmul(x3, wq, scales, biases, group_size=32, bits=4, backend="native")
     check(y, x3, wq, scales, biases, 32, 4, F32_TOL)
