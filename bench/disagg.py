@@ -4,7 +4,8 @@ Two network namespaces joined by a veth pair (root; deleted with every process i
 ``duet``'s prefill peer in one, a decoding engine in the other, the peer's egress shaped with
 ``tc ... tbf``. In the same run, per round (medians of ``--rounds`` interleaved rounds):
 
-- C0: the peer's prefill compute alone (its export path, frames dropped: no network);
+- C0: the peer's prefill compute alone (its export path, frames dropped: no network), the mean of
+  one run before and one after the round's two TTFT runs;
 - T0: the same KV bytes alone over the shaped link (raw TCP, frames of the same size);
 - O: fixed overheads: the PREFILL -> ACCEPT round trip and the decoder's last-token step (a prompt
   whose first N - 1 tokens are cached here);
@@ -297,10 +298,13 @@ def role_decoder(args: argparse.Namespace) -> int:
         remote(control, 64)
         generate(fresh(64))
     for r in range(args.rounds):
-        row: dict[str, Any] = {"C0": c0(n), "T0": t0(nbytes, frame), "step": last_token_step(n)}
+        row: dict[str, Any] = {"C0_before": c0(n), "T0": t0(nbytes, frame), "step": last_token_step(n)}
         order = [(overlap, "overlap"), (control, "control")]
         for src, key in order if r % 2 == 0 else order[::-1]:
             row[key] = remote(src, n)
+        # C0 brackets the two TTFT runs: on a shared machine its speed drifts between runs
+        row["C0_after"] = c0(n)
+        row["C0"] = (row["C0_before"] + row["C0_after"]) / 2
         out["rounds"].append(row)
     out["bytes"] = nbytes
     if args.sweep:
