@@ -20,9 +20,11 @@ target storage unused, and the draft's memory would cost as much per token as th
 and the proposals whose KV it wrote last step; after verification the kept proposals' KV stays
 valid and the rest is simply overwritten next time: no copies on rollback. A preemption (or a
 first admission with a prefix hit) gives the sequence blocks whose draft KV this proposer did not
-write, so ``valid`` restarts at 0 and the draft recomputes the context (its own prefill, in
-``chunk``-token pieces). Draft writes below the target's ``num_computed`` may land in blocks shared
-with another sequence; those hold the same tokens there, so the values written are the same.
+write, so ``valid`` restarts at 0 and the draft recomputes the context: its own prefill, one
+``chunk``-token piece per step while the sequence decodes plainly, proposing again once it is at
+most a piece behind (no step waits for a whole draft prefill). Draft writes below the target's
+``num_computed`` may land in blocks shared with another sequence; those hold the same tokens
+there, so the values written are the same.
 
 **Batching.** ``propose`` only reserves: it returns ``k`` placeholders, so the scheduler sizes the
 step and gives the sequence blocks for all ``1 + k`` positions (copy-on-write included). Once the
@@ -111,43 +113,44 @@ class DraftModelProposer:
             n += 1
         return min(n, seq.num_verified - 1)  # the last real token is never in the draft yet
 
-    def fill(self, seqs: list[Sequence]) -> None:
-        """Write the proposals of sequences whose ``num_draft`` placeholders ``propose`` reserved."""
+    def fill(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Write the proposals of sequences whose ``num_draft`` placeholders ``propose`` reserved.
+        A sequence whose draft is more than ``chunk`` tokens behind (a new or re-admitted one)
+        catches up by one ``chunk`` in this step and gets no proposals: it is returned, for the
+        caller to withdraw its placeholders (so no step waits for a whole draft prefill)."""
         seqs = [s for s in seqs if s.num_draft]
         if not seqs:
-            return
+            return []
         starts = [self._valid(s) for s in seqs]
-        # catch up on the tokens the draft has not seen, in pieces of at most ``chunk``
         ends = [s.num_verified for s in seqs]
-        pos = list(starts)
-        while True:
-            rows, idx = [], []
-            for i, s in enumerate(seqs):
-                if ends[i] - pos[i] > self.chunk:
-                    rows.append(Row(s.tokens[pos[i] : pos[i] + self.chunk], pos[i], s.blocks))
-                    idx.append(i)
-            if not rows:
-                break
-            self.runner.forward(rows)
-            self.passes += 1
-            for i in idx:
-                pos[i] += self.chunk
-        rows = [Row(s.tokens[pos[i] : ends[i]], pos[i], s.blocks) for i, s in enumerate(seqs)]
-        nxt = self._greedy(self.runner.forward(rows))
+        behind = [i for i, s in enumerate(seqs) if ends[i] - starts[i] > self.chunk]
+        ready = [i for i in range(len(seqs)) if ends[i] - starts[i] <= self.chunk]
+        rows = [
+            Row(seqs[i].tokens[starts[i] : starts[i] + self.chunk], starts[i], seqs[i].blocks) for i in behind
+        ]
+        rows += [Row(seqs[i].tokens[starts[i] : ends[i]], starts[i], seqs[i].blocks) for i in ready]
+        logits = self.runner.forward(rows)  # rows of equal length share a pass
         self.passes += 1
-        proposals: list[list[int]] = [[t] for t in nxt]
-        live = list(range(len(seqs)))
-        for j in range(1, max(s.num_draft for s in seqs)):
+        for i in behind:
+            self.states[seqs[i].request_id] = _State(seqs[i].preemptions, starts[i] + self.chunk)
+        if not ready:
+            return [seqs[i] for i in behind]
+        nxt = self._greedy(logits[len(behind) :])
+        proposals: dict[int, list[int]] = {i: [t] for i, t in zip(ready, nxt, strict=True)}
+        live = ready
+        for j in range(1, max(seqs[i].num_draft for i in ready)):
             live = [i for i in live if seqs[i].num_draft > j]
             rows = [Row([proposals[i][-1]], ends[i] - 1 + j, seqs[i].blocks) for i in live]
             for i, t in zip(live, self._greedy(self.runner.forward(rows)), strict=True):
                 proposals[i].append(t)
             self.passes += 1
-        for i, s in enumerate(seqs):
+        for i in ready:
+            s = seqs[i]
             drafts = proposals[i][: s.num_draft]
             s.tokens[s.num_verified :] = drafts
             # KV written: the sequence's tokens, and every proposal but the last
             self.states[s.request_id] = _State(s.preemptions, ends[i], drafts[:-1])
+        return [seqs[i] for i in behind]
 
     def _greedy(self, logits: mx.array) -> list[int]:
         ids = np.asarray(mx.argmax(logits[:, : self.vocab_limit], axis=-1))

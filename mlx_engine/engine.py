@@ -1003,7 +1003,8 @@ class Engine:
                 self.draft_pool.copy_block(src, dst)
         if isinstance(self._proposer, DraftModelProposer):  # the step's proposals, in one batch
             passes, t_draft = self._proposer.passes, time.perf_counter()
-            self._proposer.fill(list(step.seqs.values()))
+            for seq in self._proposer.fill(list(step.seqs.values())):
+                self.scheduler.withdraw_draft(seq, step)  # its draft is still catching up
             self.speculation.observe_draft(self._proposer.passes - passes, time.perf_counter() - t_draft)
         rows = [self._row(step, rid, n) for rid, n in step.tokens.items()]
         prefill = sum(

@@ -304,6 +304,12 @@ class Scheduler:
         seq.spec_accepted += kept
         return drafts
 
+    def withdraw_draft(self, seq: Sequence, step: Step) -> None:
+        """Before the forward pass: the proposer had nothing for the tokens ``seq`` reserved (a
+        draft model still catching up): the row decodes its one token."""
+        self._drop_draft(seq)
+        step.tokens[seq.request_id] = 1
+
     def draft_kept(self, seq: Sequence) -> None:
         """The token just appended was a kept proposal: its KV is computed."""
         seq.num_computed += 1
