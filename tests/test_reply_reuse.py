@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mlx_engine.engine import Engine, EngineConfig
@@ -59,8 +59,20 @@ replies = st.lists(
 ).map("".join)
 
 
+def reads_as_text(tok: Tokenizer, text: str) -> bool:
+    """Whether ``encode_chat`` reads ``text`` as plain text (control-token text, or a piece of one at
+    either end that could complete one next to the template's text): its ids are not spliced in."""
+    controls = [tok.decode([i], False) for i in tok.special_ids]
+    return any(
+        c in text or any(text.endswith(c[:k]) or text.startswith(c[k:]) for k in range(1, len(c)))
+        for c in controls
+    )
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reply=replies, cut=st.integers(min_value=0, max_value=3))
+@example(reply="Привет<|im_", cut=1)  # 'Привет<|im': ends in a piece of <|im_end|>, read as text
+@example(reply="hello", cut=0)
 def test_id_substitution_never_changes_the_rendered_prompt(tok, reply, cut):
     # generated ids that end mid-word or inside a multi-byte character: drop a few trailing ids
     ids = odd_ids(tok, reply)
@@ -74,7 +86,7 @@ def test_id_substitution_never_changes_the_rendered_prompt(tok, reply, cut):
     rendered = tok.apply_chat_template(chat(text))
     assert tok.decode(spliced, False) == tok.decode(plain, False)
     assert tok.decode(spliced, False) == rendered
-    if kept and "<|im_" not in text and "end|>" not in text:  # control-token text is read as text
+    if kept and not reads_as_text(tok, text):
         assert _contains(spliced, memory.recall(text) or [0]), "the generated ids were not used"
 
 
