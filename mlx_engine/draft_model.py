@@ -18,13 +18,16 @@ target storage unused, and the draft's memory would cost as much per token as th
 
 **What is valid.** Per sequence the proposer keeps how many of its tokens have draft KV (``valid``)
 and the proposals whose KV it wrote last step; after verification the kept proposals' KV stays
-valid and the rest is simply overwritten next time: no copies on rollback. A preemption (or a
-first admission with a prefix hit) gives the sequence blocks whose draft KV this proposer did not
-write, so ``valid`` restarts at 0 and the draft recomputes the context: its own prefill, one
-``chunk``-token piece per step while the sequence decodes plainly, proposing again once it is at
-most a piece behind (no step waits for a whole draft prefill). Draft writes below the target's
-``num_computed`` may land in blocks shared with another sequence; those hold the same tokens
-there, so the values written are the same.
+valid and the rest is simply overwritten next time: no copies on rollback. A block whose draft
+KV is complete is *marked* with a hash of every token up to its end (``marks``); any draft write
+into a block clears its mark first, and copy-on-write carries it to the copy. A sequence with new
+blocks (its first proposal, or after a preemption) starts from its leading blocks whose marks
+match its own tokens (a prefix hit on blocks a sequence drafted before: a multi-turn chat's
+history) and the draft recomputes the rest: its own prefill, one ``chunk``-token piece per step
+while the sequence decodes plainly, proposing again once it is at most a piece behind (no step
+waits for a whole draft prefill). Draft writes below the target's ``num_computed`` may land in
+blocks shared with another sequence; those hold the same tokens there, so the values written are
+the same.
 
 **Batching.** ``propose`` only reserves: it returns ``k`` placeholders, so the scheduler sizes the
 step and gives the sequence blocks for all ``1 + k`` positions (copy-on-write included). Once the
@@ -80,6 +83,8 @@ class _State:
     preemptions: int  # the sequence's count when ``valid`` was measured (a preemption resets it)
     valid: int = 0  # leading tokens of the sequence whose draft KV is in its blocks
     proposed: list[int] = field(default_factory=list)  # proposals written after ``valid`` last step
+    chain: list[int] = field(default_factory=list)  # per full block: a hash of every token up to its end
+    marked: int = 0  # leading blocks of the sequence this state has marked in ``marks``
 
 
 class DraftModelProposer:
@@ -92,7 +97,11 @@ class DraftModelProposer:
         self.vocab_limit = vocab_limit  # proposals are ids the target scores (and embeds)
         self.chunk = max(chunk, 1)
         self.states: dict[str, _State] = {}  # request id -> its draft KV's state
+        # block id -> chain hash of the tokens its draft KV was computed for (complete blocks only):
+        # a prefix hit on such a block reuses the draft's KV too
+        self.marks: dict[int, int] = {}
         self.passes = 0  # draft forward calls (for tests and the bench)
+        self.tokens_computed = 0  # tokens the draft processed (for tests and the bench)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Reserve ``k`` proposals (placeholders; ``fill`` computes them in the step's batch)."""
@@ -102,10 +111,31 @@ class DraftModelProposer:
         """The sequence finished: drop its state (its draft KV goes with its blocks)."""
         self.states.pop(request_id, None)
 
+    def copied(self, src: int, dst: int) -> None:
+        """Block ``src`` was copied to ``dst`` in both pools (copy-on-write)."""
+        if src in self.marks:
+            self.marks[dst] = self.marks[src]
+        else:
+            self.marks.pop(dst, None)
+
+    def _chain(self, st: _State, tokens: list[int], n_blocks: int) -> list[int]:
+        bs = self.pool.block_size
+        while len(st.chain) < n_blocks:
+            i = len(st.chain)
+            st.chain.append(hash((st.chain[-1] if i else 0, tuple(tokens[i * bs : (i + 1) * bs]))))
+        return st.chain
+
     def _valid(self, seq: Sequence) -> int:
         st = self.states.get(seq.request_id)
         if st is None or st.preemptions != seq.preemptions:
+            # new blocks: those whose draft KV was computed for the same tokens (a prefix hit on
+            # blocks another sequence, or this one before a preemption, drafted) are reused
             st = self.states[seq.request_id] = _State(seq.preemptions)
+            limit = min((seq.num_verified - 1) // self.pool.block_size, len(seq.blocks))
+            chain = self._chain(st, seq.tokens, limit)
+            while st.marked < limit and self.marks.get(seq.blocks[st.marked]) == chain[st.marked]:
+                st.marked += 1
+            st.valid = st.marked * self.pool.block_size
         n = st.valid
         for tok in st.proposed:  # proposals kept by verification: their KV is still right
             if n >= seq.num_verified or seq.tokens[n] != tok:
@@ -129,10 +159,9 @@ class DraftModelProposer:
             Row(seqs[i].tokens[starts[i] : starts[i] + self.chunk], starts[i], seqs[i].blocks) for i in behind
         ]
         rows += [Row(seqs[i].tokens[starts[i] : ends[i]], starts[i], seqs[i].blocks) for i in ready]
-        logits = self.runner.forward(rows)  # rows of equal length share a pass
-        self.passes += 1
+        logits = self._forward(rows)
         for i in behind:
-            self.states[seqs[i].request_id] = _State(seqs[i].preemptions, starts[i] + self.chunk)
+            self._written(seqs[i], starts[i] + self.chunk, [])
         if not ready:
             return [seqs[i] for i in behind]
         nxt = self._greedy(logits[len(behind) :])
@@ -141,16 +170,35 @@ class DraftModelProposer:
         for j in range(1, max(seqs[i].num_draft for i in ready)):
             live = [i for i in live if seqs[i].num_draft > j]
             rows = [Row([proposals[i][-1]], ends[i] - 1 + j, seqs[i].blocks) for i in live]
-            for i, t in zip(live, self._greedy(self.runner.forward(rows)), strict=True):
+            for i, t in zip(live, self._greedy(self._forward(rows)), strict=True):
                 proposals[i].append(t)
-            self.passes += 1
         for i in ready:
             s = seqs[i]
             drafts = proposals[i][: s.num_draft]
             s.tokens[s.num_verified :] = drafts
             # KV written: the sequence's tokens, and every proposal but the last
-            self.states[s.request_id] = _State(s.preemptions, ends[i], drafts[:-1])
+            self._written(s, ends[i], drafts[:-1])
         return [seqs[i] for i in behind]
+
+    def _forward(self, rows: list[Row]) -> mx.array:
+        bs = self.pool.block_size
+        for r in rows:  # blocks written now no longer hold what their mark says
+            for b in r.blocks[r.start // bs : (r.start + len(r.tokens) - 1) // bs + 1]:
+                self.marks.pop(b, None)
+        self.passes += 1
+        self.tokens_computed += sum(len(r.tokens) for r in rows)
+        return self.runner.forward(rows)  # rows of equal length share a pass
+
+    def _written(self, seq: Sequence, valid: int, proposed: list[int]) -> None:
+        """After a fill: ``seq``'s first ``valid`` tokens and then ``proposed`` have draft KV; the
+        blocks that now hold complete draft KV are marked for prefix hits."""
+        st = self.states[seq.request_id]
+        st.valid, st.proposed = valid, proposed
+        full = min(valid // self.pool.block_size, len(seq.blocks))
+        chain = self._chain(st, seq.tokens, full)
+        for i in range(st.marked, full):
+            self.marks[seq.blocks[i]] = chain[i]
+        st.marked = max(st.marked, full)
 
     def _greedy(self, logits: mx.array) -> list[int]:
         ids = np.asarray(mx.argmax(logits[:, : self.vocab_limit], axis=-1))

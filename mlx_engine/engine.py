@@ -999,8 +999,9 @@ class Engine:
         self._steps += 1
         for src, dst in step.copies:  # copy-on-write of blocks shared by n > 1 choices
             self.pool.copy_block(src, dst)
-            if self.draft_pool is not None:
+            if self.draft_pool is not None and isinstance(self._proposer, DraftModelProposer):
                 self.draft_pool.copy_block(src, dst)
+                self._proposer.copied(src, dst)
         if isinstance(self._proposer, DraftModelProposer):  # the step's proposals, in one batch
             passes, t_draft = self._proposer.passes, time.perf_counter()
             for seq in self._proposer.fill(list(step.seqs.values())):

@@ -198,9 +198,10 @@ def test_no_proposals_past_the_drafts_context(tiny_dirs, short_context_dir):
 
 
 def test_proposals_are_the_drafts_greedy_continuation_after_any_rollback(pair):
-    """Whatever verification kept (all, some, none) and after a preemption (new blocks), the
-    proposals are the draft's greedy continuation of the real context, as mlx-lm computes it: the
-    draft's KV of kept proposals is reused, that of rejected ones recomputed, never stale."""
+    """Whatever verification kept (all, some, none), after a preemption (new blocks), on a prefix
+    hit and on blocks another sequence drafted other tokens into, the proposals are the draft's
+    greedy continuation of the real context, as mlx-lm computes it, and its KV is what a fresh
+    computation gives: kept proposals' and cached blocks' KV reused, the rest recomputed."""
     import random
 
     from mlx_engine.kv_cache.kv_pool import KVPool
@@ -252,9 +253,47 @@ def test_proposals_are_the_drafts_greedy_continuation_after_any_rollback(pair):
             other = rng.choice([t for t in range(3, vocab) if t != nxt])
             seq.tokens[seq.num_verified :] = drafts[:kept] + [other]
             seq.num_draft = 0
-        if round_ == 6:  # preempted and re-admitted: other blocks, the draft's KV is not there
+        if round_ == 4:  # preempted and re-admitted: other blocks, the draft's KV is not there
             seqs[0].preemptions += 1
             seqs[0].blocks = [free.pop(0) for _ in range(12)]
+        if round_ == 7:
+            # s1 finished; another sequence with the same first block takes its blocks and
+            # drafts other tokens into part of the second
+            old = seqs.pop(1)
+            proposer.forget(old.request_id)
+            assert old.num_verified > 2 * bs and proposer.marks.get(old.blocks[1]) is not None
+            tokens = old.tokens[:bs] + [t % (vocab - 1) + 1 for t in old.tokens[bs : bs + 3]]
+            other = Sequence("t", tokens, len(tokens), 10_000)
+            other.blocks = old.blocks
+            seqs.append(other)
+        if round_ == 8:
+            # a prefix hit on s0's full blocks: their draft KV is reused, not recomputed
+            done = proposer.tokens_computed
+            n = proposer.states["s0"].valid // bs * bs  # the blocks s0's draft has filled
+            assert n >= 2 * bs
+            hit = Sequence("hit", seqs[0].tokens[:n] + [5, 6, 7], n + 3, 10_000)
+            hit.blocks = seqs[0].blocks[: n // bs] + [free.pop(0) for _ in range(4)]
+            hit.num_draft = 1
+            hit.tokens.append(0)
+            assert proposer.fill([hit]) == []
+            assert proposer.tokens_computed - done == 3  # its own tokens only
+            assert hit.tokens[-1] == reference_greedy(draft.model, hit.tokens[:-1], 1)[0]
+            proposer.forget("hit")
+            # the other sequence finished; s1's old tokens on its old blocks, which the other
+            # sequence overwrote: recomputed
+            proposer.forget(seqs.pop(1).request_id)
+            stale = Sequence("stale", old.tokens[: old.num_verified], old.num_verified, 10_000)
+            stale.blocks, stale.num_draft = old.blocks, 2
+            stale.tokens += [0, 0]
+            proposer.fill([stale])
+            ctx = stale.tokens[: proposer.states["stale"].valid]
+            fresh = KVPool(draft.num_layers, 64, bs, draft.n_kv_heads, draft.head_dim, draft.dtype)
+            ModelRunner(draft.model, fresh).forward([Row(ctx, 0, stale.blocks)])
+            for layer in range(draft.num_layers):
+                got = pool.read_tokens(layer, stale.blocks, 0, len(ctx))
+                for g, w in zip(got, fresh.read_tokens(layer, stale.blocks, 0, len(ctx)), strict=True):
+                    assert mx.allclose(g, w, atol=1e-4).item(), layer
+            proposer.forget("stale")
     for seq in seqs:
         proposer.forget(seq.request_id)
     assert not proposer.states
