@@ -183,6 +183,32 @@ def test_a_draft_of_another_shape_shares_the_blocks_and_the_budget(tiny_dirs, sm
         engine.shutdown()
 
 
+def test_a_later_turn_reuses_the_drafts_kv_of_its_history(pair):
+    """A second turn's prompt holds the first turn's prompt and reply: its prefix hit covers
+    blocks whose draft KV the first turn computed, so the draft computes only the new tokens."""
+    import asyncio
+
+    target, same, _ = pair
+    (p,) = repetitive_prompts(target.tokenizer.vocab_size, 1, seed=6)
+    engine = Engine(target, EngineConfig(cache_gb=0.01, speculative="draft", draft_model=same))
+    engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
+    try:
+        ((first, _),) = asyncio.run(run_all(engine, greedy_reqs([p])()))
+        proposer = engine._proposer
+        assert isinstance(proposer, DraftModelProposer)
+        done = proposer.tokens_computed
+        second = p + first + [5, 6, 7]
+        ((_, last),) = asyncio.run(run_all(engine, greedy_reqs([second])()))
+        assert last.usage.cached_tokens >= len(p) + len(first) - 16  # the target's prefix hit
+        assert last.usage.speculative["accepted"] > 0
+        # the draft computes what the hit left (under 2 blocks) and the second reply (its tokens are
+        # nearly all kept proposals): without the reuse it would compute the whole prompt again
+        assert proposer.tokens_computed - done < N + 2 * 16, proposer.tokens_computed - done
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_no_proposals_past_the_drafts_context(tiny_dirs, short_context_dir):
     target, draft = load_model(str(tiny_dirs("llama"))), load_model(str(short_context_dir))
     assert draft.context_length == 48
