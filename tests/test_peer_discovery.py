@@ -152,7 +152,10 @@ def _in_ns(ns: str, config: Path, *argv: str, **kw) -> subprocess.Popen:
 
 DUET = [sys.executable, "-m", "app.cli"]
 CAPTURE = """
-import socket, sys
+import signal, socket, sys
+# SIGTERM ends the loop and closes (flushes) the file: set here, since a process started in the
+# background inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(3))  # every frame (ETH_P_ALL)
 s.bind((sys.argv[1], 0))
 s.settimeout(0.2)
@@ -177,7 +180,7 @@ class VethCapture:
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
 
     def stop(self) -> bytes:
-        self.proc.send_signal(signal.SIGINT)  # ends the loop; the file is flushed at every frame batch
+        self.proc.send_signal(signal.SIGTERM)  # ends the loop; the file is closed, so flushed
         self.proc.wait(WAIT)
         return self.path.read_bytes()
 
