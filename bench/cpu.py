@@ -62,6 +62,16 @@ METRICS = [  # key, label, unit, higher is better
 ]
 
 
+SHORT = {
+    "decode_64": "decode\nctx 64",
+    "decode_1024": "decode\nctx 1024",
+    "prefill_512": "prefill\n512",
+    "batch16": "batch 16\n(vs 1 stream)",
+    "cold_ttft": "cold start\nto 1st token",
+    "peak_rss": "peak\nRSS",
+}
+
+
 def prompts(vocab: int, n: int, count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(n)] for _ in range(count)]
@@ -622,8 +632,8 @@ def plot(results: dict, systems: list[str], path: str) -> None:
             ax.bar([i + j * width for i in range(len(keys))], ys, width, label=s)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
-        ax.set_xticklabels([m[1].replace(", ", "\n", 1) for m in keys], fontsize=7)
-        ax.set_ylabel("relative to llama.cpp (higher is better)")
+        ax.set_xticklabels([SHORT[m[0]] for m in keys], fontsize=7)
+        ax.set_ylabel("relative to llama.cpp (higher is better;\ntime and memory inverted)", fontsize=8)
         ax.set_title(model, fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -639,6 +649,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="add Duet's decode-step decomposition")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--json", default=str(OUT / "cpu.json"), metavar="PATH")
+    ap.add_argument("--from-json", default=None, metavar="PATH", help="print and plot a saved run")
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--speed-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cold-worker", default=None, help=argparse.SUPPRESS)
@@ -650,6 +661,13 @@ def main() -> None:
         cold_worker(a.cold_worker, a.model, a.threads)
         return
 
+    if a.from_json:
+        saved = json.loads(Path(a.from_json).read_text())
+        systems = [s for s in SYSTEMS if all(s in r for r in saved["results"].values())]
+        print(table(saved["results"], systems))
+        if a.plot:
+            plot(saved["results"], systems, a.plot)
+        return
     systems = [s for s in a.systems.split(",") if s]
     if "llama.cpp" in systems and not have_llama_cpp():
         print("llama-cpp-python is not installed (make bench-deps): llama.cpp left out", flush=True)
