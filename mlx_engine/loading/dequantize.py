@@ -1,7 +1,8 @@
 """Turn a quantized mlx model back into a dense one.
 
-MLX's CPU backend runs quantized matmuls far slower than dense float ones, so on CPU we load
-quantized weights (GGUF Q4/Q8, MLX 4/8-bit checkpoints) and expand them once, at load time.
+MLX's own CPU quantized matmul is far slower than a dense float one. On CPU, quantized weights stay
+quantized when Duet's CPU kernels are built (``weight_policy.keep_quantized``); without them, or with
+``--weights dense``, they are expanded here once, at load time.
 """
 
 from __future__ import annotations
