@@ -305,3 +305,75 @@ def test_stale_build_for_another_mlx_is_refused(monkeypatch, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="duet.cpu_kernels"):
         assert spec.extension() is None
     assert "built for mlx 0.0.1" in spec.unavailable_reason()
+
+
+# --- RMSNorm ------------------------------------------------------------------------------------
+
+NORM_TOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}  # relative to |w|: a few ulps
+
+
+def rms_norm_f64(x: mx.array, w: mx.array, eps: float) -> np.ndarray:
+    xf, wf = f64(x), f64(w)
+    return xf / np.sqrt((xf * xf).mean(-1, keepdims=True) + eps) * wf
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 7), (2, 33), (1,), (4, 1), (2, 3, 4, 64), (0, 8)])
+def test_rms_norm_matches_float64(ext, dtype, shape):
+    from cpu_kernels.norm import rms_norm
+
+    rng = np.random.default_rng(sum(shape) + len(shape))
+    x = mx.array(rng.normal(0, 3, shape).astype(np.float32)).astype(dtype)
+    w = mx.array(rng.normal(1, 0.5, shape[-1:]).astype(np.float32)).astype(dtype)
+    y = rms_norm(x, w, 1e-5, backend="native")
+    assert y.dtype == dtype and y.shape == x.shape
+    err = np.abs(f64(y) - rms_norm_f64(x, w, 1e-5))
+    assert (err <= NORM_TOL[dtype] * (np.abs(f64(w)) + 1e-3) * 4).all(), err.max()
+    ref = mx.fast.rms_norm(x, w, 1e-5)
+    assert (np.abs(f64(y) - f64(ref)) <= NORM_TOL[dtype] * 8).all()
+
+
+def test_rms_norm_mixed_dtypes_views_threads_and_compile(ext):
+    from cpu_kernels.norm import rms_norm
+
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.normal(0, 1, (40, 300, 96)).astype(np.float32))  # enough rows to use the pool
+    w = mx.array(rng.normal(1, 0.5, (96,)).astype(np.float32))
+    want = rms_norm_f64(x, w, 1e-6)
+    for threads in (1, 4):
+        spec.set_threads(threads)
+        assert np.abs(f64(rms_norm(x, w, 1e-6, backend="native")) - want).max() < 1e-5
+    spec.set_threads()
+    # a transposed view, a strided weight, and mx.compile
+    xt = x.transpose(1, 0, 2)
+    assert np.abs(f64(rms_norm(xt, w, 1e-6, backend="native")) - rms_norm_f64(xt, w, 1e-6)).max() < 1e-5
+    w2 = mx.concatenate([w[:, None], w[:, None]], axis=1)[:, 0]
+    assert np.abs(f64(rms_norm(x, w2, 1e-6, backend="native")) - want).max() < 1e-5
+    compiled = mx.compile(lambda a, b: rms_norm(a, b, 1e-6, backend="native"))
+    assert np.abs(f64(compiled(x, w)) - want).max() < 1e-5
+    # float16 x with float32 w promotes to float32, as mx.fast.rms_norm does
+    y = rms_norm(x[:2].astype(mx.float16), w, 1e-6, backend="native")
+    assert y.dtype == mx.float32
+
+
+def test_rms_norm_bad_input_is_a_clear_error(ext):
+    from cpu_kernels.norm import rms_norm
+
+    with pytest.raises(ValueError, match="w has 3 values"):
+        rms_norm(mx.zeros((2, 4)), mx.ones((3,)), 1e-5, backend="native")
+    with pytest.raises(ValueError, match="float"):
+        rms_norm(mx.zeros((2, 4), dtype=mx.int32), mx.ones((4,)), 1e-5, backend="native")
+
+
+def test_model_norms_switch_and_logits_match(ext, tiny_dirs):
+    from cpu_kernels.modules import CPURMSNorm
+
+    ours = _tiny_quantized(tiny_dirs, "llama", kernels=True)
+    theirs = _tiny_quantized(tiny_dirs, "llama", kernels=False)
+    kinds = [type(m) for _, m in ours.model.named_modules()]
+    assert CPURMSNorm in kinds and nn.RMSNorm not in kinds
+    assert nn.RMSNorm in {type(m) for _, m in theirs.model.named_modules()}
+    tokens = mx.array([[5, 9, 200, 31, 7, 64, 3, 12]])
+    a, b = f64(ours.model(tokens)), f64(theirs.model(tokens))
+    assert np.abs(a - b).max() < 1e-3
+    assert (a.argmax(-1) == b.argmax(-1)).all()

@@ -5,6 +5,7 @@
 
 #include "pool.h"
 #include "qmm.h"
+#include "rms_norm.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -34,6 +35,15 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "dequantize(w, scales, biases) as float32 (N, K), multi-threaded.");
+  m.def(
+      "rms_norm",
+      &duet_cpu::rms_norm,
+      "x"_a,
+      "w"_a,
+      "eps"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x * rsqrt(mean(x^2, -1) + eps) * w in one op, float32 accumulation (mx.fast.rms_norm's semantics).");
   m.def("set_num_threads", &duet_cpu::set_num_threads, "threads"_a, "Threads the kernels use (1..1024).");
   m.def("num_threads", &duet_cpu::num_threads);
   m.def("isa", &duet_cpu::isa, "The instruction set the kernels run with: avx512, avx2 or base.");

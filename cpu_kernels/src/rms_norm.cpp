@@ -1,0 +1,182 @@
+#include "rms_norm.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <type_traits>
+#include <algorithm>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "pool.h"
+
+namespace duet_cpu {
+
+namespace {
+
+bool supported_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+// Rows [r0, r1) of a row-contiguous (M, D) x. OutT is the output dtype: the normalized value is rounded
+// to it before the multiply by w, as mx.fast.rms_norm does.
+template <typename XT, typename WT, typename OutT>
+void norm_rows(const XT* x, const WT* w, OutT* y, int D, float eps, int r0, int r1) {
+  std::vector<float> wf(D);
+  for (int d = 0; d < D; ++d) {
+    wf[d] = static_cast<float>(w[d]);
+  }
+  std::vector<float> row(D);
+  for (int r = r0; r < r1; ++r) {
+    const XT* xr = x + size_t(r) * D;
+    OutT* yr = y + size_t(r) * D;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int d = 0; d < D; ++d) {
+      const float v = static_cast<float>(xr[d]);
+      row[d] = v;
+      ss += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(ss / float(D) + eps);
+    if constexpr (std::is_same_v<OutT, float>) {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) {
+        yr[d] = (row[d] * inv) * wf[d];
+      }
+    } else {
+      for (int d = 0; d < D; ++d) {
+        const float n = static_cast<float>(static_cast<OutT>(row[d] * inv));
+        yr[d] = static_cast<OutT>(n * wf[d]);
+      }
+    }
+  }
+}
+
+// The elements of a (any strides, e.g. a transposed or broadcast view) in row-major order.
+template <typename T>
+std::vector<T> row_major_copy(const mx::array& a) {
+  std::vector<T> out(a.size());
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = a.ndim();
+  std::vector<int> idx(nd, 0);
+  const T* src = a.data<T>();
+  int64_t off = 0;
+  for (size_t e = 0; e < out.size(); ++e) {
+    out[e] = src[off];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        off += strides[d];
+        break;
+      }
+      off -= int64_t(strides[d]) * (shape[d] - 1);
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+template <typename XT, typename WT, typename OutT>
+void run_typed(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
+  const int D = x.shape(-1);
+  const int M = D == 0 ? 0 : int(x.size() / D);
+  if (M == 0) {
+    return;
+  }
+  const std::vector<XT> xcopy = x.flags().row_contiguous ? std::vector<XT>{} : row_major_copy<XT>(x);
+  const std::vector<WT> wcopy = w.flags().row_contiguous ? std::vector<WT>{} : row_major_copy<WT>(w);
+  const XT* xp = xcopy.empty() ? x.data<XT>() : xcopy.data();
+  const WT* wp = wcopy.empty() ? w.data<WT>() : wcopy.data();
+  OutT* yp = out.data<OutT>();
+  auto pool = shared_pool();
+  // One thread up to ~64K elements (a decode step's rows): waking the pool costs more than the work.
+  const size_t work = size_t(M) * D;
+  const int tasks = pool->size() <= 1 ? 1 : int(std::min<size_t>(std::min<size_t>(M, work / 65536 + 1), pool->size()));
+  if (tasks <= 1) {
+    norm_rows(xp, wp, yp, D, eps, 0, M);
+    return;
+  }
+  pool->run(tasks, [&](int t) {
+    const int r0 = int(int64_t(M) * t / tasks);
+    const int r1 = int(int64_t(M) * (t + 1) / tasks);
+    if (r0 < r1) {
+      norm_rows(xp, wp, yp, D, eps, r0, r1);
+    }
+  });
+}
+
+template <typename XT, typename WT>
+void run_out(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
+  if (out.dtype() == mx::float32) {
+    run_typed<XT, WT, float>(x, w, out, eps);
+  } else if (out.dtype() == mx::float16) {
+    run_typed<XT, WT, mx::float16_t>(x, w, out, eps);
+  } else {
+    run_typed<XT, WT, mx::bfloat16_t>(x, w, out, eps);
+  }
+}
+
+template <typename XT>
+void run_w(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
+  if (w.dtype() == mx::float32) {
+    run_out<XT, float>(x, w, out, eps);
+  } else if (w.dtype() == mx::float16) {
+    run_out<XT, mx::float16_t>(x, w, out, eps);
+  } else {
+    run_out<XT, mx::bfloat16_t>(x, w, out, eps);
+  }
+}
+
+void run_rms_norm(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
+  if (x.dtype() == mx::float32) {
+    run_w<float>(x, w, out, eps);
+  } else if (x.dtype() == mx::float16) {
+    run_w<mx::float16_t>(x, w, out, eps);
+  } else {
+    run_w<mx::bfloat16_t>(x, w, out, eps);
+  }
+}
+
+} // namespace
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s) {
+  if (x.ndim() < 1 || !supported_float(x.dtype())) {
+    throw std::invalid_argument("x must be float32, float16 or bfloat16 with at least 1 dim");
+  }
+  if (w.ndim() != 1 || !supported_float(w.dtype())) {
+    throw std::invalid_argument("w must be a 1-D float32, float16 or bfloat16 array");
+  }
+  if (w.shape(0) != x.shape(-1)) {
+    throw std::invalid_argument(
+        "w has " + std::to_string(w.shape(0)) + " values but x's last axis has " + std::to_string(x.shape(-1)));
+  }
+  return mx::array(
+      x.shape(),
+      mx::promote_types(x.dtype(), w.dtype()),
+      std::make_shared<RMSNormCPU>(mx::to_stream(s, mx::Device::cpu), eps),
+      {x, w});
+}
+
+void RMSNormCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([x = inputs[0], w = inputs[1], out, eps = eps_]() mutable { run_rms_norm(x, w, out, eps); });
+}
+
+void RMSNormCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DuetRMSNormCPU runs on the CPU stream only");
+}
+
+bool RMSNormCPU::is_equivalent(const mx::Primitive& other) const {
+  return eps_ == static_cast<const RMSNormCPU&>(other).eps_;
+}
+
+std::vector<mx::Shape> RMSNormCPU::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
+} // namespace duet_cpu
