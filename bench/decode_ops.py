@@ -1,15 +1,15 @@
 """Ops in one decode step of a model on the CPU backend, by primitive (the lazy graph MLX evaluates).
 
     python bench/decode_ops.py [--model SPEC] [--weights auto|dense|quantized] [--ctx 64]
-    python bench/decode_ops.py --norms [--runs 7] [--threads 1]
+    python bench/decode_ops.py --fused [--runs 7] [--threads 1]
 
 Counts the primitives in the graph of one batch-1 decode step (mlx-lm's forward with ``ctx`` tokens
 cached, then argmax) as ``mx.export_to_dot`` writes it; inputs (``Load``) are left out of the total.
 With ``DUET_CPU_KERNELS=0`` the model runs without the CPU kernel extension, for a before/after.
 
-``--norms`` measures the fused RMSNorm kernel (cpu_kernels/norm.py): the same model loaded twice, its
-norms through the kernel and through ``mx.fast.rms_norm`` (MLX's CPU fallback), both with the quantized
-matmul kernel; ops per step of each, then Duet's engine decoding (greedy, batch 1, 64-token prompt,
+``--fused`` measures the fused RMSNorm and RoPE kernels (cpu_kernels/norm.py, rope.py): the same model
+loaded twice, its norms and RoPE through the kernels and through ``mx.fast.rms_norm`` / ``mx.fast.rope``
+(MLX's CPU fallbacks), both with the quantized matmul kernel; ops per step of each, then Duet's engine decoding (greedy, batch 1, 64-token prompt,
 128 tokens) with runs interleaved: median decode tok/s by wall clock and by process CPU time, the
 ratio, and whether the greedy tokens agree.
 """
@@ -39,7 +39,7 @@ def count_ops(model, ctx: int) -> dict[str, int]:
     return counts
 
 
-def decode_norms(model: str | None, weights: str, runs: int, tokens: int = 128) -> None:
+def decode_fused(model: str | None, weights: str, runs: int, tokens: int = 128) -> None:
     import asyncio
     import random
     import statistics
@@ -47,18 +47,21 @@ def decode_norms(model: str | None, weights: str, runs: int, tokens: int = 128) 
 
     import mlx.nn as nn
 
-    from cpu_kernels.modules import CPURMSNorm
+    from cpu_kernels.modules import CPURMSNorm, CPURoPE
     from mlx_engine.engine import Engine, EngineConfig
     from mlx_engine.loading.loader import load_model
     from mlx_engine.request import GenerationRequest, SamplingParams
 
     engines = {}
-    for name in ("mx.fast.rms_norm", "kernel"):
+    base = "mx.fast"
+    for name in (base, "kernel"):
         loaded = load_model(model, weights=weights)
         if name != "kernel":
             for _, m in loaded.model.named_modules():
                 if type(m) is CPURMSNorm:
                     m.__class__ = nn.RMSNorm
+                elif type(m) is CPURoPE:
+                    m.__class__ = nn.RoPE
         n_ops = sum(v for k, v in count_ops(loaded.model, 64).items() if k != "Load")
         engines[name] = (n_ops, Engine(loaded, EngineConfig(prefix_cache=False, cache_gb=0.25)))
     vocab = loaded.tokenizer.vocab_size
@@ -88,18 +91,17 @@ def decode_norms(model: str | None, weights: str, runs: int, tokens: int = 128) 
         prompt = [rng.randrange(100, vocab) for _ in range(64)]
         for name in list(engines) if i % 2 == 0 else list(engines)[::-1]:
             res[name].append(run(engines[name][1], prompt))
-    base = "mx.fast.rms_norm"
     agree = sum(a[2] == b[2] for a, b in zip(res[base], res["kernel"], strict=True))
     med = {
         n: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for n, rs in res.items()
     }
-    print("| RMSNorm | ops per step | decode tok/s (wall) | decode tok/s (CPU time) |")
+    print("| RMSNorm, RoPE | ops per step | decode tok/s (wall) | decode tok/s (CPU time) |")
     print("|---|---:|---:|---:|")
     for name, (n_ops, engine) in engines.items():
         print(f"| {name} | {n_ops} | {med[name][0]:.1f} | {med[name][1]:.1f} |")
         engine.shutdown()
     print(
-        f"\nkernel / mx.fast.rms_norm: wall {med['kernel'][0] / med[base][0]:.2f}x, "
+        f"\nkernels / mx.fast: wall {med['kernel'][0] / med[base][0]:.2f}x, "
         f"CPU time {med['kernel'][1] / med[base][1]:.2f}x (medians of {runs}, interleaved)"
     )
     print(f"greedy {tokens}-token replies identical in {agree}/{runs} runs")
@@ -110,11 +112,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model spec (default: the bundled model)")
     ap.add_argument("--weights", default="auto", choices=("auto", "dense", "quantized"))
     ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--norms", action="store_true", help="decode tok/s, RMSNorm kernel vs MLX's")
-    ap.add_argument("--runs", type=int, default=7, help="--norms runs")
-    ap.add_argument("--threads", type=int, default=1, help="--norms: kernel and BLAS threads")
+    ap.add_argument("--fused", action="store_true", help="decode tok/s, RMSNorm/RoPE kernels vs MLX's")
+    ap.add_argument("--runs", type=int, default=7, help="--fused runs")
+    ap.add_argument("--threads", type=int, default=1, help="--fused: kernel and BLAS threads")
     a = ap.parse_args()
-    if a.norms:
+    if a.fused:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", str(a.threads))
 
     import mlx.core as mx
@@ -122,11 +124,11 @@ def main() -> None:
     from mlx_engine.loading.loader import load_model
 
     mx.set_default_device(mx.cpu)
-    if a.norms:
+    if a.fused:
         from cpu_kernels import spec
 
         spec.set_threads(a.threads)
-        decode_norms(a.model, a.weights, a.runs)
+        decode_fused(a.model, a.weights, a.runs)
         return
     loaded = load_model(a.model, weights=a.weights)
     counts = count_ops(loaded.model, a.ctx)

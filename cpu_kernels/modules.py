@@ -4,7 +4,8 @@
 :class:`CPUQuantizedLinear` and every such ``QuantizedEmbedding`` into a
 :class:`CPUQuantizedEmbedding` (its ``as_linear``, the tied LM head, uses the kernel; the lookup stays
 MLX's), and every ``nn.RMSNorm`` into a :class:`CPURMSNorm` (one op instead of MLX's ~8-op CPU
-fallback; only when the extension is built). Only the class changes: parameters, names and ``nn.quantize``'s bookkeeping stay as they are,
+fallback) and every ``nn.RoPE`` into a :class:`CPURoPE` (one op instead of ~25), only when the
+extension is built. Only the class changes: parameters, names and ``nn.quantize``'s bookkeeping stay as they are,
 so mlx-lm's model code and weight loading see the same modules.
 """
 
@@ -15,6 +16,7 @@ import mlx.nn as nn
 
 from cpu_kernels.norm import rms_norm
 from cpu_kernels.qmm import SPEC, quantized_matmul
+from cpu_kernels.rope import rope
 from cpu_kernels.spec import available
 
 
@@ -54,6 +56,13 @@ class CPURMSNorm(nn.RMSNorm):
         return rms_norm(x, self["weight"], self.eps)
 
 
+class CPURoPE(nn.RoPE):
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return rope(
+            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset
+        )
+
+
 def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
     return (
         layer.mode == "affine"
@@ -70,6 +79,10 @@ def use_cpu_kernels(model: nn.Module) -> int:
     for _, layer in model.named_modules():
         if type(layer) is nn.RMSNorm and norms:
             layer.__class__ = CPURMSNorm
+            switched += 1
+            continue
+        if type(layer) is nn.RoPE and norms:
+            layer.__class__ = CPURoPE
             switched += 1
             continue
         if type(layer) is nn.QuantizedLinear and _supported(layer):

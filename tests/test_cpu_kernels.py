@@ -377,3 +377,109 @@ def test_model_norms_switch_and_logits_match(ext, tiny_dirs):
     a, b = f64(ours.model(tokens)), f64(theirs.model(tokens))
     assert np.abs(a - b).max() < 1e-3
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+# --- RoPE ---------------------------------------------------------------------------------------
+
+
+def rope_f64(x: mx.array, dims: int, traditional: bool, base: float, scale: float, offsets, freqs=None):
+    xf = f64(x)
+    B, T = xf.shape[0], xf.shape[-2]
+    half = dims // 2
+    theta = 1.0 / f64(freqs) if freqs is not None else base ** (-2.0 * np.arange(half) / dims)
+    starts = np.broadcast_to(np.asarray(offsets, dtype=np.float64).reshape(-1), (B,))
+    pos = (starts[:, None] + np.arange(T)[None, :]) * scale  # (B, T)
+    ang = pos[..., None] * theta  # (B, T, half)
+    shape = (B,) + (1,) * (xf.ndim - 3) + (T, half)
+    c, s = np.cos(ang).reshape(shape), np.sin(ang).reshape(shape)
+    y = xf.copy()
+    if traditional:
+        x1, x2 = xf[..., 0:dims:2], xf[..., 1:dims:2]
+        y[..., 0:dims:2], y[..., 1:dims:2] = x1 * c - x2 * s, x1 * s + x2 * c
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:dims]
+        y[..., :half], y[..., half:dims] = x1 * c - x2 * s, x1 * s + x2 * c
+    return y
+
+
+ROPE_TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}  # x ~ N(0, 1): a few ulps of |y| <= 4
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "dims", "offset"),
+    [
+        ((1, 9, 1, 64), 64, 63),  # a decode step: one token, int offset
+        ((2, 3, 5, 64), 64, [3, 900]),  # per-row offsets (the paged engine's batch)
+        ((3, 2, 7, 40), 24, [0, 17, 8000]),  # partial rotation, odd T
+        ((2, 4, 6), 6, 5),  # 3-D (B, T, D)
+        ((1, 2, 3, 2, 10), 10, [11]),  # an extra axis, a one-element offset
+    ],
+)
+def test_rope_matches_float64(ext, dtype, traditional, shape, dims, offset):
+    from cpu_kernels.rope import rope
+
+    rng = np.random.default_rng(len(shape) + dims)
+    x = mx.array(rng.normal(0, 1, shape).astype(np.float32)).astype(dtype)
+    off = offset if isinstance(offset, int) else mx.array(offset, dtype=mx.int32)
+    y = rope(x, dims, traditional=traditional, base=10000.0, scale=1.0, offset=off, backend="native")
+    assert y.dtype == dtype and y.shape == x.shape
+    want = rope_f64(x, dims, traditional, 10000.0, 1.0, offset)
+    assert np.abs(f64(y) - want).max() <= ROPE_TOL[dtype]
+
+
+def test_rope_scale_freqs_views_and_compile(ext):
+    from cpu_kernels.rope import rope
+
+    rng = np.random.default_rng(5)
+    x = mx.array(rng.normal(0, 1, (2, 4, 3, 32)).astype(np.float32))
+    y = rope(x, 32, traditional=False, base=500000.0, scale=0.25, offset=40, backend="native")
+    assert np.abs(f64(y) - rope_f64(x, 32, False, 500000.0, 0.25, 40)).max() < 2e-5
+    freqs = mx.array(np.linspace(1.0, 300.0, 16).astype(np.float32))
+    y = rope(x, 32, traditional=True, base=None, scale=1.0, offset=9, freqs=freqs, backend="native")
+    assert np.abs(f64(y) - rope_f64(x, 32, True, 0.0, 1.0, 9, freqs)).max() < 2e-5
+    # a transposed view ((B, T, H, D) -> (B, H, T, D)), as attention hands it over
+    xt = x.transpose(0, 2, 1, 3)
+    y = rope(xt, 32, traditional=False, base=10000.0, scale=1.0, offset=mx.array([2, 7]), backend="native")
+    assert np.abs(f64(y) - rope_f64(xt, 32, False, 10000.0, 1.0, [2, 7])).max() < 2e-5
+    compiled = mx.compile(
+        lambda a, o: rope(a, 32, traditional=False, base=10000.0, scale=1.0, offset=o, backend="native")
+    )
+    for start in (0, 100):  # the offset is an input: one compiled graph serves every position
+        o = mx.array([start, start + 1], dtype=mx.int32)
+        assert (
+            np.abs(f64(compiled(x, o)) - rope_f64(x, 32, False, 10000.0, 1.0, [start, start + 1])).max()
+            < 2e-5
+        )
+
+
+def test_rope_bad_input_is_a_clear_error(ext):
+    from cpu_kernels.rope import rope
+
+    x = mx.zeros((2, 1, 3, 8))
+    with pytest.raises(ValueError, match="dims must be even"):
+        rope(x, 7, traditional=False, base=10000.0, scale=1.0, offset=0, backend="native")
+    with pytest.raises(ValueError, match="one position per batch row"):
+        rope(x, 8, traditional=False, base=10000.0, scale=1.0, offset=mx.array([1, 2, 3]), backend="native")
+    with pytest.raises(ValueError, match="exactly one of base and freqs"):
+        rope(x, 8, traditional=False, base=None, scale=1.0, offset=0, backend="native")
+
+
+def test_model_rope_switches_and_logits_match(ext, tiny_dirs):
+    from cpu_kernels.modules import CPURoPE
+
+    ours = _tiny_quantized(tiny_dirs, "llama", kernels=True)
+    theirs = _tiny_quantized(tiny_dirs, "llama", kernels=False)
+    assert CPURoPE in {type(m) for _, m in ours.model.named_modules()}
+    assert nn.RoPE not in {type(m) for _, m in ours.model.named_modules()}
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = mx.array([[5, 9, 200, 31, 7, 64, 3, 12]])
+    for model_pair in ((ours.model, theirs.model),):
+        caches = [make_prompt_cache(m) for m in model_pair]
+        outs = [f64(m(tokens, cache=c)) for m, c in zip(model_pair, caches, strict=True)]
+        assert np.abs(outs[0] - outs[1]).max() < 1e-3
+        step = [f64(m(mx.array([[77]]), cache=c)) for m, c in zip(model_pair, caches, strict=True)]
+        assert np.abs(step[0] - step[1]).max() < 1e-3  # a decode step at offset 8
+        assert step[0].argmax() == step[1].argmax()

@@ -1,11 +1,13 @@
 // Python bindings: cpu_kernels._ext (import mlx.core first; NB_DOMAIN mlx shares its array type).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 
 #include "pool.h"
 #include "qmm.h"
 #include "rms_norm.h"
+#include "rope.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -44,6 +46,19 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "x * rsqrt(mean(x^2, -1) + eps) * w in one op, float32 accumulation (mx.fast.rms_norm's semantics).");
+  m.def(
+      "rope",
+      &duet_cpu::rope,
+      "x"_a,
+      "dims"_a,
+      "traditional"_a,
+      "base"_a,
+      "scale"_a,
+      "offset"_a,
+      "freqs"_a = nb::none(),
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Rotary position embedding in one op (mx.fast.rope's semantics; offset an int array, scalar or (B,)).");
   m.def("set_num_threads", &duet_cpu::set_num_threads, "threads"_a, "Threads the kernels use (1..1024).");
   m.def("num_threads", &duet_cpu::num_threads);
   m.def("isa", &duet_cpu::isa, "The instruction set the kernels run with: avx512, avx2 or base.");

@@ -1,0 +1,53 @@
+"""Rotary position embedding on the CPU in one op, ``mx.fast.rope``'s semantics.
+
+On MLX's CPU backend ``mx.fast.rope`` runs as a composed fallback of ~25 ops (aranges, exp, cos, sin,
+slices, concatenates and their broadcasts), twice per layer. The ``rope`` kernel (``src/rope.cpp``)
+does it in one op: the first ``dims`` features rotate in pairs ``(i, i + dims/2)`` (or ``(2i, 2i+1)``
+when ``traditional``) by ``(offset + t) * scale * theta_i``, ``theta_i = base ** (-2i / dims)`` or
+``1 / freqs[i]``; ``offset`` is an int or an integer array, a scalar or one start position per batch
+row (Duet's paged attention passes one per sequence). Angles in double, products in float32.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from cpu_kernels.spec import BACKENDS, KernelSpec, available, run, unavailable_reason
+
+SPEC = KernelSpec("rope", bits=(), group_sizes=())
+FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+OFFSET_DTYPES = (mx.int32, mx.int64, mx.uint32)
+
+
+def rope(
+    x: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int | mx.array,
+    freqs: mx.array | None = None,
+    backend: str | None = None,
+) -> mx.array:
+    """``mx.fast.rope(x, dims, ...)``; the CPU kernel when it is built (``backend=None``)."""
+    off = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+    fits = (
+        x.ndim >= 3
+        and x.dtype in FLOATS
+        and off.dtype in OFFSET_DTYPES
+        and (base is None) == (freqs is not None)
+    )
+    if backend is None:
+        backend = "native" if fits and available() else "reference"
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "native":
+        if not available():
+            raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+        if not fits:
+            raise ValueError(
+                "rope's kernel takes float x (B, *, T, D), an integer offset, and exactly one of base and freqs"
+            )
+        return run(SPEC, x, dims, traditional, 0.0 if base is None else base, scale, off, freqs)
+    return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
