@@ -142,6 +142,13 @@ def _refusal(e: ssl.SSLError, who: str) -> PeerAuthError:
     return PeerAuthError(f"TLS handshake with {who} failed: {e.reason or e}")
 
 
+def _setup_failed(tls: ssl.SSLSocket, who: str, e: OSError) -> PeerAuthError:
+    """Close a connection whose set-up failed after the TLS handshake, and say why."""
+    tls.close()
+    why = e.reason if isinstance(e, ssl.SSLError) else e.strerror
+    return PeerAuthError(f"setting up the link with {who} failed: {why or e}")
+
+
 def accept_tls(
     sock: socket.socket,
     ctx: ssl.SSLContext,
@@ -188,12 +195,8 @@ def accept_tls(
     except PeerAuthError:
         tls.close()
         raise
-    except ssl.SSLError as e:
-        tls.close()
-        raise PeerAuthError(f"setting up the link with {name} failed: {e.reason or e}") from None
-    except OSError as e:  # a timeout or reset after the handshake: refused like any other failure
-        tls.close()
-        raise PeerAuthError(f"setting up the link with {name} failed: {e.strerror or e}") from None
+    except OSError as e:  # ssl.SSLError too; a timeout or reset after the handshake is a refusal
+        raise _setup_failed(tls, name, e) from None
 
 
 def connect_tls(
@@ -247,12 +250,8 @@ def connect_tls(
     except PeerAuthError:
         tls.close()
         raise
-    except ssl.SSLError as e:
-        tls.close()
-        raise PeerAuthError(f"setting up the link with {who} failed: {e.reason or e}") from None
-    except OSError as e:  # a timeout or reset after the handshake: refused like any other failure
-        tls.close()
-        raise PeerAuthError(f"setting up the link with {who} failed: {e.strerror or e}") from None
+    except OSError as e:  # ssl.SSLError too; a timeout or reset after the handshake is a refusal
+        raise _setup_failed(tls, who, e) from None
 
 
 class PeerTLS:
