@@ -62,3 +62,16 @@ def short_context_dir(tiny_dirs, tmp_path_factory):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
     return path
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test shows the log and thread stacks of every `duet serve` it left running, so a
+    hang seen only on CI says where the server was stuck."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when in ("call", "setup"):
+        from tests.test_server_harness import ServerProcess
+
+        for srv in list(ServerProcess.live):
+            report.sections.append((f"duet serve on port {srv.port}", srv.diagnose()))

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -56,6 +57,8 @@ class ServerProcess:
     """``extra``: more `duet serve` options (an ``--api-key`` among them is sent by ``headers``);
     ``env``: more environment; ``preexec_fn``: run in the child before it starts (e.g. setrlimit)."""
 
+    live: weakref.WeakSet[ServerProcess] = weakref.WeakSet()  # started and not stopped: see conftest
+
     def __init__(
         self,
         model: str | Path | None,
@@ -65,6 +68,7 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         preexec_fn=None,
     ):
+        ServerProcess.live.add(self)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -99,6 +103,17 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 
+    def diagnose(self) -> str:
+        """The log's tail with every server thread's stack (`duet serve` dumps them on SIGUSR1):
+        what a failing test shows of a server that is still running, a stuck one above all."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            size, deadline = -1, time.monotonic() + 5
+            while self.log_path.stat().st_size != size and time.monotonic() < deadline:  # until it stops growing
+                size = self.log_path.stat().st_size
+                time.sleep(0.5)
+        return self.log_path.read_text(errors="replace")[-20000:]
+
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -113,6 +128,7 @@ class ServerProcess:
         return out
 
     def stop(self) -> int:
+        ServerProcess.live.discard(self)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -11,9 +11,11 @@ import argparse
 import asyncio
 import dataclasses
 import errno
+import faulthandler
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -204,6 +206,8 @@ def serve(args) -> int:
     from .connections import connection_cap, protocol_class, raise_fd_limit, rate_limit_logs
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack to stderr, for a stuck server
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     policy = security_policy(args)
     sock = listen(args.host, args.port)
     try:
