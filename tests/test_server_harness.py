@@ -109,7 +109,9 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGUSR1)
             size, deadline = -1, time.monotonic() + 5
-            while self.log_path.stat().st_size != size and time.monotonic() < deadline:  # until it stops growing
+            while (
+                self.log_path.stat().st_size != size and time.monotonic() < deadline
+            ):  # until it stops growing
                 size = self.log_path.stat().st_size
                 time.sleep(0.5)
         return self.log_path.read_text(errors="replace")[-20000:]
