@@ -1014,9 +1014,6 @@ class Engine:
         )
         t0 = time.perf_counter()
         logits = self.runner.forward(rows)
-        self.speculation.observe(
-            len({len(r.tokens) for r in rows}), sum(len(r.tokens) for r in rows), time.perf_counter() - t0
-        )
         if prefill >= 16:
             rate = prefill / max(time.perf_counter() - t0, 1e-9)
             self._prefill_rate = (
@@ -1036,31 +1033,67 @@ class Engine:
                 self.scheduler.end_draft(seq, 0)
         if drafted:
             sampled = [i for i in sampled if i not in drafted]
-            for i in drafted:
-                self._verify(self._active[rids[i]], self.runner.position_logits[i])
+            self._verify([(self._active[rids[i]], self.runner.position_logits[i]) for i in drafted])
         if sampled:
             self._sample(step, rids, sampled, logits)
+        # what the step cost, sampling and verification included, against the tokens it held: the
+        # speculation policy's cost model (a pass's fixed cost and the cost of one more token)
+        self.speculation.observe(
+            len({len(r.tokens) for r in rows}), sum(len(r.tokens) for r in rows), time.perf_counter() - t0
+        )
         return True
 
-    def _verify(self, a: _Active, logits: mx.array) -> None:
-        """Sample each position of a row with proposed tokens, as plain decoding would, keeping
+    def _verify(self, drafted: list[tuple[_Active, mx.array]]) -> None:
+        """Sample each position of the rows with proposed tokens, as plain decoding would, keeping
         proposals while they equal the sampled token (speculative.py); the first that differs
-        emits the sampled token instead, and the rest are rolled back."""
+        emits the sampled token instead, and the rest are rolled back. Rows that draw no random
+        numbers (greedy) have every position sampled in one batched call; a row that draws samples
+        position by position, so that its random stream advances once per emitted token."""
+        batched = [(a, lg) for a, lg in drafted if a.req.sampling.greedy]
+        if batched:
+            rows = [r for a, lg in batched for r in self._position_rows(a, lg.shape[0])]
+            flat = mx.concatenate([lg for _, lg in batched], axis=0) if len(batched) > 1 else batched[0][1]
+            results, at = sample(flat, rows), 0
+            for a, lg in batched:
+                n = lg.shape[0]
+                self._keep_verified(a, results[at : at + n])
+                at += n
+        for a, lg in drafted:
+            if a.req.sampling.greedy:
+                continue
+            results = []
+            for i, row in enumerate(self._position_rows(a, lg.shape[0])):
+                results.append(sample(lg[i : i + 1], [row])[0])
+                if i == lg.shape[0] - 1 or results[-1].token_id != a.seq.tokens[a.seq.num_verified + i]:
+                    break
+            self._keep_verified(a, results)
+
+    @staticmethod
+    def _position_rows(a: _Active, n: int) -> list[SamplerRow]:
+        """Sampler rows for the ``n`` positions of ``a``'s drafted row: position ``i`` sees the
+        output as it is if the proposals before it are kept."""
         seq, p = a.seq, a.req.sampling
         base = seq.num_verified
-        drafts = seq.tokens[base:]
         penalised = p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
-        results = []
-        for i in range(len(drafts) + 1):
-            row = SamplerRow(
+        return [
+            SamplerRow(
                 params=p,
                 rng=a.rng,
                 prompt_ids=seq.tokens[: seq.num_prompt] if penalised else (),
                 output_ids=seq.tokens[seq.num_prompt : base + i] if penalised else (),
             )
-            results.append(sample(logits[i : i + 1], [row])[0])
-            if i == len(drafts) or results[-1].token_id != drafts[i]:
-                break
+            for i in range(n)
+        ]
+
+    def _keep_verified(self, a: _Active, results: list) -> None:
+        """Emit sampled ``results`` up to and including the first that differs from its proposal
+        (all of them when every proposal matched), and roll the rest of the row back."""
+        seq = a.seq
+        drafts = seq.tokens[seq.num_verified :]
+        n = 1
+        while n <= len(drafts) and n < len(results) and results[n - 1].token_id == drafts[n - 1]:
+            n += 1
+        results = results[:n]
         self.scheduler.end_draft(seq, len(results) - 1)
         now = time.perf_counter()
         for i, r in enumerate(results):

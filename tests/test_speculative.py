@@ -179,6 +179,58 @@ def test_seeded_sampling_gives_the_same_tokens_as_plain_decoding(loaded):
     assert sum(ev.usage.speculative["proposed"] for ev in lasts) > 0
 
 
+def test_a_batch_of_penalised_greedy_and_seeded_rows_matches_plain_decoding(loaded):
+    """Greedy rows are verified in one batched sampler call, each position seeing the output as
+    it would be with the proposals before it kept (penalties); seeded rows in the same steps are
+    verified position by position. Tokens equal plain decoding's, log-probabilities too (to rounding)."""
+    ps = repetitive_prompts(loaded.tokenizer.vocab_size, 6, seed=11)
+    greedy = SamplingParams(
+        temperature=0.0, repetition_penalty=1.05, frequency_penalty=0.2, logprobs=True, top_logprobs=2
+    )
+
+    def reqs():
+        return [
+            GenerationRequest(
+                prompt=p,
+                max_tokens=N,
+                ignore_eos=True,
+                sampling=greedy if i % 2 == 0 else SamplingParams(temperature=0.8, seed=70 + i),
+            )
+            for i, p in enumerate(ps)
+        ]
+
+    def run(mode):
+        engine = Engine(loaded, EngineConfig(cache_gb=0.01, speculative=mode))
+        engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
+
+        async def one(r):
+            ids, lps, last = [], [], None
+            async for ev in engine.generate(r):
+                ids += ev.token_ids
+                lps += [(lp.token_id, lp.logprob) for lp in ev.logprobs]
+                last = ev
+            return ids, lps, last
+
+        async def main():
+            return await asyncio.gather(*(one(r) for r in reqs()))
+
+        try:
+            outs = asyncio.run(main())
+            assert_no_leaks(engine)
+        finally:
+            engine.shutdown()
+        return [o[0] for o in outs], [o[2] for o in outs], [o[1] for o in outs]
+
+    off, _, off_lps = run("off")
+    on, on_last, on_lps = run("ngram")
+    assert on == off
+    assert all(off_lps[::2]) and [[t for t, _ in r] for r in on_lps] == [[t for t, _ in r] for r in off_lps]
+    # a position verified in a multi-token pass has the logits of a one-token pass up to rounding
+    assert max(abs(a - b) for r, q in zip(on_lps, off_lps) for (_, a), (_, b) in zip(r, q)) < 1e-3
+    assert sum(ev.usage.speculative["proposed"] for ev in on_last[::2]) > 0  # greedy rows were verified
+    assert sum(ev.usage.speculative["proposed"] for ev in on_last[1::2]) > 0  # and seeded ones
+
+
 def test_stop_strings_and_logprobs_hold(loaded):
     tok = loaded.tokenizer
     (p,) = repetitive_prompts(tok.vocab_size, 1, seed=5)
