@@ -226,7 +226,14 @@ def test_a_batch_of_penalised_greedy_and_seeded_rows_matches_plain_decoding(load
     assert on == off
     assert all(off_lps[::2]) and [[t for t, _ in r] for r in on_lps] == [[t for t, _ in r] for r in off_lps]
     # a position verified in a multi-token pass has the logits of a one-token pass up to rounding
-    assert max(abs(a - b) for r, q in zip(on_lps, off_lps) for (_, a), (_, b) in zip(r, q)) < 1e-3
+    assert (
+        max(
+            abs(a - b)
+            for r, q in zip(on_lps, off_lps, strict=True)
+            for (_, a), (_, b) in zip(r, q, strict=True)
+        )
+        < 1e-3
+    )
     assert sum(ev.usage.speculative["proposed"] for ev in on_last[::2]) > 0  # greedy rows were verified
     assert sum(ev.usage.speculative["proposed"] for ev in on_last[1::2]) > 0  # and seeded ones
 
