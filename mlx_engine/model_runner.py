@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from cpu_kernels.spec import available as cpu_kernels_available
 from mlx_engine.backend import backend_name
 from mlx_engine.kv_cache import paged_attention
 from mlx_engine.kv_cache.kv_pool import KVPool
@@ -42,6 +43,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, pool: KVPool):
         paged_attention.install()
         paged_attention.use_metal_kernels(backend_name() == "metal")
+        if backend_name() == "cpu":
+            paged_attention.use_cpu_kernel(cpu_kernels_available())
         self.model = model
         self.pool = pool
         self.position_logits: dict[int, mx.array] = {}  # row index -> (tokens, vocab), last forward

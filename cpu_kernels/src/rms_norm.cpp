@@ -8,6 +8,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "pool.h"
+#include "strided.h"
 
 namespace duet_cpu {
 
@@ -49,30 +50,6 @@ void norm_rows(const XT* x, const WT* w, OutT* y, int D, float eps, int r0, int 
       }
     }
   }
-}
-
-// The elements of a (any strides, e.g. a transposed or broadcast view) in row-major order.
-template <typename T>
-std::vector<T> row_major_copy(const mx::array& a) {
-  std::vector<T> out(a.size());
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  const int nd = a.ndim();
-  std::vector<int> idx(nd, 0);
-  const T* src = a.data<T>();
-  int64_t off = 0;
-  for (size_t e = 0; e < out.size(); ++e) {
-    out[e] = src[off];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < shape[d]) {
-        off += strides[d];
-        break;
-      }
-      off -= int64_t(strides[d]) * (shape[d] - 1);
-      idx[d] = 0;
-    }
-  }
-  return out;
 }
 
 template <typename XT, typename WT, typename OutT>

@@ -17,8 +17,8 @@ the decoder while the next layers compute.
 
 and replace ``scaled_dot_product_attention`` in the loaded model modules by
 ``_dispatching_sdpa``, which sends paged caches to ``paged_attention``. That is the one
-place attention over paged KV happens; on Metal, single-token decode goes to the custom
-kernel (``metal_kernels``) that reads the pool directly, so the gather is never evaluated.
+place attention over paged KV happens; single-token decode goes to a kernel that reads the pool
+directly (``metal_kernels`` on Metal, ``cpu_kernels`` on the CPU), so the gather is never evaluated.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _gather(pool: KVPool, layer: int, slots: mx.array) -> tuple[mx.array, mx.arr
     )
 
 
-# Accelerated decode attention: set by ``use_metal_kernels`` on Metal.
+# Accelerated decode attention: set by ``use_metal_kernels`` on Metal, ``use_cpu_kernel`` on the CPU.
 # Signature: (queries (B, Hq, 1, D), cache: PagedLayerCache, scale, sinks, window) -> (B, Hq, 1, D),
 # or None to decline (the reference path then runs).
 decode_kernel = None
@@ -219,6 +219,37 @@ def _metal_decode(
         **extra,
     )
     return out[:, :, None, :]
+
+
+def _cpu_decode(queries, cache: PagedLayerCache, scale: float, sinks, window: int | None) -> mx.array | None:
+    from cpu_kernels.paged_attention import fits, paged_decode_attention
+
+    pool, layout = cache.pool, cache.layout
+    if pool.kv_bits is not None:
+        return None  # quantized KV: the reference path dequantizes the gathered rows
+    q, k, v = queries[:, :, 0, :], pool.k[cache.layer], pool.v[cache.layer]
+    if not fits(q, k, v):
+        return None
+    out = paged_decode_attention(
+        q,
+        k,
+        v,
+        layout.table,
+        layout.context_lens,
+        scale=scale,
+        block_size=pool.block_size,
+        window=window,
+        sinks=sinks,
+    )
+    return out[:, :, None, :]
+
+
+def use_cpu_kernel(enabled: bool) -> None:
+    """Route single-token decode attention on MLX's CPU backend through the CPU kernels' paged
+    attention (``cpu_kernels/paged_attention.py``), which reads the pool through the block table: the
+    gather ``update_and_fetch`` sets up is then never evaluated. Writes and prefill are unchanged."""
+    global decode_kernel
+    decode_kernel = _cpu_decode if enabled else None
 
 
 def use_metal_kernels(enabled: bool, backend: str | None = None) -> None:

@@ -1,0 +1,198 @@
+"""The CPU paged decode attention kernel (cpu_kernels/paged_attention.py) against float64 NumPy, and
+the engine decoding through it.
+
+The oracle reads the pool through the block table in float64, independently of the kernel and of
+MLX's SDPA. Every slot no row may read (free blocks, the rest of a partly used block, tokens before a
+window) holds NaN, so a kernel that reads one shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cpu_kernels import spec
+from cpu_kernels.paged_attention import fits, paged_decode_attention, reference
+from mlx_engine.engine import Engine, EngineConfig
+from mlx_engine.kv_cache import paged_attention
+from mlx_engine.loading.loader import load_model
+from tests.test_engine_tiny import prompts, req, run_all
+
+pytestmark = pytest.mark.skipif(
+    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+)
+
+TOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    module = spec.extension()
+    assert module is not None, f"cpu_kernels._ext is not built: {spec.unavailable_reason()}"
+    yield module
+    spec.set_threads()
+
+
+def make_case(lens, Hq, Hkv, D, Dv, block_size, seed=0, sinks=False):
+    """Random q, a NaN-poisoned pool whose rows' tokens sit in shuffled blocks, the block table."""
+    rng = np.random.default_rng(seed)
+    B = len(lens)
+    nblk = max(-(-n // block_size) for n in lens)
+    num_blocks = 1 + B * nblk + 3  # the null block, the rows' blocks, spare blocks
+    k = np.full((num_blocks * block_size, Hkv, D), np.nan, np.float32)
+    v = np.full((num_blocks * block_size, Hkv, Dv), np.nan, np.float32)
+    ids = rng.permutation(np.arange(1, num_blocks))
+    table = np.zeros((B, nblk), np.int32)
+    for b, n in enumerate(lens):
+        used = -(-n // block_size)
+        table[b, :used] = ids[b * nblk : b * nblk + used]
+        for t in range(n):
+            slot = table[b, t // block_size] * block_size + t % block_size
+            k[slot] = rng.normal(size=(Hkv, D))
+            v[slot] = rng.normal(size=(Hkv, Dv))
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32)
+    s = rng.normal(size=(Hq,)).astype(np.float32) * 2 if sinks else None
+    return q, k, v, table, np.array(lens, np.int32), s
+
+
+def oracle(case, scale, block_size, window):
+    q, k, v, table, lens, sinks = case
+    B, Hq, _ = q.shape
+    Hkv, Dv = k.shape[1], v.shape[2]
+    out = np.zeros((B, Hq, Dv))
+    for b in range(B):
+        n = int(lens[b])
+        start = max(0, n - window) if window else 0
+        ts = np.arange(start, n)
+        slots = table[b, ts // block_size].astype(np.int64) * block_size + ts % block_size
+        for h in range(Hq):
+            hk = h // (Hq // Hkv)
+            kk, vv = k[slots, hk].astype(np.float64), v[slots, hk].astype(np.float64)
+            s = kk @ q[b, h].astype(np.float64) * scale
+            extra = [float(sinks[h])] if sinks is not None else []
+            m = max([*s, *extra])
+            w = np.exp(s - m)
+            out[b, h] = (w @ vv) / (w.sum() + sum(np.exp(e - m) for e in extra))
+    return out
+
+
+def run_kernel(case, dtype, scale, block_size, window):
+    q, k, v, table, lens, s = case
+    out = paged_decode_attention(
+        mx.array(q).astype(dtype),
+        mx.array(k).astype(dtype),
+        mx.array(v).astype(dtype),
+        mx.array(table),
+        mx.array(lens),
+        scale=scale,
+        block_size=block_size,
+        window=window,
+        sinks=None if s is None else mx.array(s),
+    )
+    return np.array(out.astype(mx.float32))
+
+
+def rounded(case, dtype):
+    """The case's arrays as the kernel sees them (rounded to ``dtype``), for the oracle."""
+    q, k, v, table, lens, s = case
+    r = [np.array(mx.array(a).astype(dtype).astype(mx.float32)) for a in (q, k, v)]
+    return (*r, table, lens, s)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(
+    "lens, Hq, Hkv, D, Dv, block_size",
+    [
+        ([1], 1, 1, 64, 64, 16),  # one token: the softmax of one score
+        ([16, 17, 15], 9, 3, 64, 64, 16),  # block boundaries (SmolLM2's heads)
+        ([300, 1, 33, 64], 8, 2, 128, 128, 16),  # ragged: one long row among short ones
+        ([40, 7], 16, 1, 80, 80, 8),  # GQA 16, head dim 80, block size 8
+        ([70], 4, 4, 256, 256, 16),  # no GQA, head dim 256
+        ([50, 3], 6, 2, 64, 32, 16),  # values narrower than keys
+    ],
+)
+@pytest.mark.parametrize("window, sinks", [(None, False), (8, False), (None, True), (20, True)])
+def test_matches_float64(dtype, lens, Hq, Hkv, D, Dv, block_size, window, sinks):
+    case = make_case(lens, Hq, Hkv, D, Dv, block_size, seed=len(lens) * Hq + D, sinks=sinks)
+    scale = D**-0.5
+    got = run_kernel(case, dtype, scale, block_size, window)
+    want = oracle(rounded(case, dtype), scale, block_size, window)
+    assert np.isfinite(got).all(), "read a poisoned slot"
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_and_a_long_context_give_the_same_result(threads):
+    case = make_case([2048, 1000, 5, 1500], 9, 3, 64, 64, 16, seed=3)
+    spec.set_threads(threads)
+    got = run_kernel(case, mx.float32, 0.125, 16, None)
+    spec.set_threads()
+    np.testing.assert_allclose(got, oracle(case, 0.125, 16, None), atol=2e-5, rtol=2e-5)
+
+
+def test_strided_query_and_lazy_composition_match_mlx_reference():
+    q, k, v, table, lens, _ = make_case([33, 64], 8, 2, 64, 64, 16, seed=5)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)  # the gather reads every slot of a row's blocks
+    # q as the engine slices it from (B, Hq, 1, D), and as a transposed view
+    q4 = mx.array(q)[:, :, None, :]
+    qt = mx.array(np.ascontiguousarray(q.transpose(1, 0, 2))).transpose(1, 0, 2)
+    args = (mx.array(k), mx.array(v), mx.array(table), mx.array(lens))
+    want = reference(mx.array(q), *args, scale=0.1, block_size=16)
+    for view in (q4[:, :, 0, :], qt):
+        got = paged_decode_attention(view * 1.0, *args, scale=0.1, block_size=16)  # lazy input
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
+    compiled = mx.compile(lambda x: paged_decode_attention(x, *args, scale=0.1, block_size=16))
+    np.testing.assert_allclose(np.array(compiled(mx.array(q))), np.array(want), atol=2e-5)
+
+
+def test_bad_input_is_a_clear_error_and_unfit_operands_are_declined():
+    case = make_case([5], 4, 2, 64, 64, 16)
+    args = [mx.array(a) for a in case[:5]]
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(*args[:3], args[3].astype(mx.int64), args[4], scale=1.0, block_size=16)
+    with pytest.raises(ValueError, match="divide"):
+        paged_decode_attention(args[0][:, :3], *args[1:], scale=1.0, block_size=16)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode_attention(args[0].astype(mx.float16), *args[1:], scale=1.0, block_size=16)
+    assert fits(*args[:3]) and not fits(args[0][:, :3], *args[1:3])
+    assert not fits(args[0], args[1].astype(mx.float16), args[2])
+    # the op still works after the errors
+    np.testing.assert_allclose(
+        np.array(paged_decode_attention(*args, scale=1.0, block_size=16)),
+        oracle(case, 1.0, 16, None),
+        atol=2e-5,
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_engine_decodes_through_the_kernel_with_the_reference_paths_tokens(arch, tiny_dirs, monkeypatch):
+    """Greedy tokens of a ragged batch (one row shorter than Gemma 3's window) with the kernel and
+    with the reference path (gather + SDPA); every layer of every decode step reached the kernel."""
+    loaded = load_model(str(tiny_dirs(arch)))
+    ps = prompts(loaded.tokenizer.vocab_size, [3, 21, 45], seed=17)
+
+    def generate(kernel: bool) -> tuple[list, list]:
+        calls = []
+        engine = Engine(loaded, EngineConfig(cache_gb=0.01))
+        try:
+            assert paged_attention.decode_kernel is paged_attention._cpu_decode  # the CPU engine's default
+
+            def counting(queries, cache, scale, sinks, window):
+                out = paged_attention._cpu_decode(queries, cache, scale, sinks, window)
+                assert out is not None
+                calls.append(cache.layer)
+                return out
+
+            monkeypatch.setattr(paged_attention, "decode_kernel", counting if kernel else None)
+            return asyncio.run(run_all(engine, [req(p, 12) for p in ps])), calls
+        finally:
+            engine.shutdown()
+
+    with_kernel, calls = generate(True)
+    without, _ = generate(False)
+    assert with_kernel == without, arch
+    layers = loaded.model.args.num_hidden_layers
+    assert calls and len(calls) % layers == 0 and set(calls) == set(range(layers))
