@@ -14,8 +14,8 @@ Predicted time to first token on each path, from profiles measured on real reque
   (the decoder's last-token step).
 
 Profiles: the two cost models are exponentially weighted least-squares fits (forgetting factor
-``FORGET``: an EWMA over requests) of ``t = n * (a + b * (ctx + n / 2))`` (per-token cost plus
-attention over the context); bandwidth is bytes / reading time of LAYER_KV frames; setup and tail are
+``FORGET``: an EWMA over requests) of ``t = c + n * (a + b * (ctx + n / 2))`` (a fixed cost per
+request, a per-token cost and attention over the context); bandwidth is bytes / reading time of LAYER_KV frames; setup and tail are
 EWMAs. A side never measured is tried once (the peer first); after that the planner offloads only
 when the predicted remote TTFT is below the local one: there is no fixed threshold.
 
@@ -46,23 +46,27 @@ def _ewma(old: float | None, new: float, weight: float = 1 - FORGET) -> float:
 
 
 class CostModel:
-    """Prefill seconds for ``n`` new tokens after ``ctx`` cached ones: ``n * (a + b * (ctx + n / 2))``.
+    """Prefill seconds for ``n`` new tokens after ``ctx`` cached ones:
+    ``c + n * (a + b * (ctx + n / 2))``: a fixed cost per request (scheduling, the last token's step,
+    sampling), a cost per token, and attention over the context.
 
-    Fitted by exponentially weighted least squares over observed requests. While the observations
-    cannot tell ``a`` from ``b`` (one prompt length only) or the fit would make either negative, the
-    model is a plain rate (``b = 0``). ``seed_rate`` stands for one observation of a known rate."""
+    Fitted by exponentially weighted least squares over observed requests. Terms the observations
+    cannot tell apart yet (too few prompt lengths), or that the fit would make negative, are left out,
+    in this order: ``c``, then ``b`` (a plain rate). ``seed_rate`` stands for one observation of a
+    known rate."""
 
     def __init__(self, forget: float = FORGET):
         self.forget = forget
-        self._sxx = np.zeros((2, 2))
-        self._sxy = np.zeros(2)
+        self._sxx = np.zeros((3, 3))
+        self._sxy = np.zeros(3)
         self.samples = 0
         self.a: float | None = None  # seconds per token
         self.b = 0.0  # seconds per token per CTX_SCALE tokens of context
+        self.c = 0.0  # seconds per request
 
     @staticmethod
     def _features(n: float, ctx: float) -> np.ndarray:
-        return np.array([n, n * (ctx + n / 2) / CTX_SCALE], dtype=np.float64)
+        return np.array([n, n * (ctx + n / 2) / CTX_SCALE, 1.0], dtype=np.float64)
 
     def observe(self, n: int, ctx: int, seconds: float) -> None:
         if n <= 0 or not seconds > 0 or not math.isfinite(seconds):
@@ -79,25 +83,29 @@ class CostModel:
     def seed_rate(self, tokens_per_s: float) -> None:
         if tokens_per_s > 0:
             self.observe(1, 0, 1.0 / tokens_per_s)
-            self.a, self.b = 1.0 / tokens_per_s, 0.0
+            self.a, self.b, self.c = 1.0 / tokens_per_s, 0.0, 0.0
 
     def _solve(self) -> None:
         s, r = self._sxx, self._sxy
-        a_only = r[0] / s[0, 0] if s[0, 0] > 0 else None
-        det = s[0, 0] * s[1, 1] - s[0, 1] ** 2
-        if self.samples >= 2 and det > 1e-6 * s[0, 0] * s[1, 1]:
-            a, b = np.linalg.solve(s, r)
-            if a > 0 and b >= 0:
-                self.a, self.b = float(a), float(b)
+        for terms in ([0, 1, 2], [0, 1]):  # (a, b, c), then (a, b)
+            if self.samples < len(terms):
+                continue
+            sub = s[np.ix_(terms, terms)]
+            if np.linalg.det(sub) <= 1e-6 * np.prod(np.diag(sub)):
+                continue  # not enough distinct prompts to tell these terms apart
+            coef = np.linalg.solve(sub, r[terms])
+            if coef[0] > 0 and (coef[1:] >= 0).all():
+                self.a, self.b = float(coef[0]), float(coef[1])
+                self.c = float(coef[2]) if len(terms) == 3 else 0.0
                 return
-        self.a, self.b = (float(a_only) if a_only is not None else None), 0.0
+        self.a, self.b, self.c = (float(r[0] / s[0, 0]) if s[0, 0] > 0 else None), 0.0, 0.0
 
     def predict(self, n: int, ctx: int) -> float | None:
         if self.a is None:
             return None
         if n <= 0:
             return 0.0
-        return float(self._features(n, max(ctx, 0)) @ np.array([self.a, self.b]))
+        return float(self._features(n, max(ctx, 0)) @ np.array([self.a, self.b, self.c]))
 
     def rate(self, n: int = 512, ctx: int = 0) -> float | None:
         t = self.predict(n, ctx)

@@ -81,7 +81,13 @@ def test_cost_model_fits_per_token_and_attention_cost_from_observed_requests():
         m.observe(n, ctx, n * (truth_a + truth_b * (ctx + n / 2) / 1024))
     assert m.a == pytest.approx(truth_a, rel=1e-6) and m.b == pytest.approx(truth_b, rel=1e-6)
     assert m.predict(4096, 0) == pytest.approx(4096 * (truth_a + truth_b * 2))
-    # one prompt length cannot tell the two apart: a plain rate
+    # a fixed cost per request (scheduling, the last token's step) shows in short prompts
+    f = CostModel()
+    for n, ctx in [(64, 0), (512, 0), (2048, 0), (256, 1024), (128, 0)]:
+        f.observe(n, ctx, 0.25 + n * (truth_a + truth_b * (ctx + n / 2) / 1024))
+    assert f.c == pytest.approx(0.25, rel=1e-6) and f.a == pytest.approx(truth_a, rel=1e-6)
+    assert f.predict(32, 0) == pytest.approx(0.25 + 32 * (truth_a + truth_b * 16 / 1024))
+    # one prompt length cannot tell the terms apart: a plain rate
     r = CostModel()
     r.observe(512, 0, 0.5)
     r.observe(512, 0, 0.5)
