@@ -120,7 +120,6 @@ def main() -> None:
         e = engines[name] = Engine(loaded, cfg)
         if name.endswith(f"k={args.k}"):
             e.speculation.measure, e.speculation.cost_ratio, e.speculation.max_k = False, 0.0, args.k
-            e.speculation.max_rows = 1 << 30
     print(
         f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, greedy, "
         f"{args.tokens} tokens per stream, median of {args.runs} runs\n"

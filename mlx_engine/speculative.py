@@ -60,7 +60,8 @@ class SpeculationPolicy:
     """How many tokens to propose for one sequence in one step.
 
     ``cost_ratio`` (r) is what one more token in a forward pass costs relative to a pass's fixed
-    cost, fitted online from the engine's own passes (``observe``): a pass of ``T`` tokens takes
+    cost, fitted online from the engine's own steps (``observe``: the forward pass, sampling and
+    verification of every position, timed together): a step of ``T`` tokens takes
     ``a + c * T`` seconds, r = c / a. A step of ``B`` decoding rows then costs ``1 + r * B`` and
     with ``k`` proposals per row ``1 + r * B * (1 + k)``, for ``(1 - p^(k+1)) / (1 - p)`` tokens
     per row instead of one, ``p`` being the measured chance that a proposal is kept. A draft model
@@ -69,9 +70,6 @@ class SpeculationPolicy:
     """
 
     max_k: int = 5
-    # more decoding rows than this: no proposals. Verification samples each position on its own,
-    # a cost the pass-time fit does not see (16 streams measured 0.80x of plain decoding)
-    max_rows: int = 8
     cost_ratio: float = 0.1  # prior, until passes have been measured
     measure: bool = True
     min_proposals: int = 8  # proposals seen before the measured rate replaces the prior
@@ -90,7 +88,7 @@ class SpeculationPolicy:
         return min(accepted / proposed, 0.99)
 
     def observe(self, passes: int, tokens: int, seconds: float) -> None:
-        """One forward call: ``passes`` batched passes over ``tokens`` tokens took ``seconds``."""
+        """One step: ``passes`` batched passes over ``tokens`` tokens, then sampling, took ``seconds``."""
         if not self.measure:
             return
         s, d = self._sums, self.decay
@@ -121,8 +119,6 @@ class SpeculationPolicy:
             self.draft_cost = self._draft_pass / self._fixed
 
     def choose(self, proposed: int, accepted: int, decoding_rows: int) -> int:
-        if decoding_rows > self.max_rows:
-            return 0
         p = self.acceptance(proposed, accepted)
         rb = self.cost_ratio * max(decoding_rows, 1)
         best_k, best = 0, 1.0

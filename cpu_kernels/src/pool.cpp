@@ -19,7 +19,24 @@ namespace duet_cpu {
 
 namespace {
 constexpr auto kSpin = std::chrono::microseconds(200);
-constexpr uint64_t kIndexMask = 0xffffffffu;
+// claim_ = generation << 40 | n_tasks << 20 | next unclaimed task. The job's task count travels in the
+// same word as the index it bounds: a thread still holding an old generation's word can never pair
+// that word's index with a newer job's count (which once let a straggler claim a task of a finished
+// job under the next job's count, so `done_` skipped past n and run() spun for ever, or returned
+// while a task still ran).
+constexpr int kTaskBits = 20;
+constexpr uint64_t kTaskMask = (uint64_t(1) << kTaskBits) - 1;
+constexpr uint64_t kGenerationMask = (uint64_t(1) << 24) - 1;
+
+uint64_t generation_of(uint64_t c) {
+  return c >> (2 * kTaskBits);
+}
+int tasks_of(uint64_t c) {
+  return int((c >> kTaskBits) & kTaskMask);
+}
+int index_of(uint64_t c) {
+  return int(c & kTaskMask);
+}
 } // namespace
 
 ThreadPool::ThreadPool(int threads) : size_(threads < 1 ? 1 : threads) {
@@ -41,10 +58,10 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::drain(uint64_t generation) {
   uint64_t c = claim_.load();
-  while ((c >> 32) == generation && int(c & kIndexMask) < n_tasks_.load()) {
+  while (generation_of(c) == generation && index_of(c) < tasks_of(c)) {
     if (claim_.compare_exchange_weak(c, c + 1)) {
-      // The claimed task keeps this job from finishing, so fn_ and n_tasks_ are this job's.
-      (*fn_)(int(c & kIndexMask));
+      // The claimed task keeps this job from finishing, so fn_ is this job's.
+      (*fn_)(index_of(c));
       done_.fetch_add(1);
       c = claim_.load();
     }
@@ -55,15 +72,15 @@ void ThreadPool::work() {
   uint64_t seen = 0; // the generation before the first job, whenever this thread starts
   while (true) {
     uint64_t c = claim_.load();
-    if ((c >> 32) == seen && !stop_.load()) {
+    if (generation_of(c) == seen && !stop_.load()) {
       const auto until = std::chrono::steady_clock::now() + kSpin;
       int spins = 0;
-      while ((c = claim_.load()) >> 32 == seen && !stop_.load()) {
+      while (generation_of(c = claim_.load()) == seen && !stop_.load()) {
         DUET_PAUSE();
         if (++spins % 256 == 0 && std::chrono::steady_clock::now() > until) {
           std::unique_lock<std::mutex> lock(sleep_mu_);
           sleeping_.fetch_add(1);
-          wake_.wait(lock, [&] { return (claim_.load() >> 32) != seen || stop_.load(); });
+          wake_.wait(lock, [&] { return generation_of(claim_.load()) != seen || stop_.load(); });
           sleeping_.fetch_sub(1);
         }
       }
@@ -71,7 +88,7 @@ void ThreadPool::work() {
     if (stop_.load()) {
       return;
     }
-    seen = c >> 32;
+    seen = generation_of(c);
     drain(seen);
   }
 }
@@ -83,12 +100,14 @@ void ThreadPool::run(int n_tasks, const std::function<void(int)>& fn) {
     }
     return;
   }
+  if (uint64_t(n_tasks) > kTaskMask) {
+    throw std::invalid_argument("too many tasks for one ThreadPool::run");
+  }
   std::lock_guard<std::mutex> serial(run_mu_);
   fn_ = &fn;
-  n_tasks_.store(n_tasks);
   done_.store(0);
-  const uint64_t generation = (claim_.load() >> 32) + 1;
-  claim_.store(generation << 32);
+  const uint64_t generation = (generation_of(claim_.load()) + 1) & kGenerationMask;
+  claim_.store(generation << (2 * kTaskBits) | uint64_t(n_tasks) << kTaskBits);
   if (sleeping_.load() > 0) {
     {
       std::lock_guard<std::mutex> lock(sleep_mu_);

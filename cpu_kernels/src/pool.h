@@ -42,10 +42,10 @@ class ThreadPool {
   std::mutex run_mu_;
   std::mutex sleep_mu_;
   std::condition_variable wake_;
-  // generation << 32 | next unclaimed task: a claim succeeds only within its own job.
+  // generation << 40 | n_tasks << 20 | next unclaimed task (pool.cpp): a claim succeeds only within
+  // its own job.
   std::atomic<uint64_t> claim_{0};
   std::atomic<int> done_{0};
-  std::atomic<int> n_tasks_{0};
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
   const std::function<void(int)>* fn_ = nullptr;
