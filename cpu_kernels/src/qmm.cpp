@@ -9,6 +9,7 @@
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "pool.h"
+#include "strided.h"
 
 namespace duet_cpu {
 
@@ -84,28 +85,6 @@ float load_float(const void* p, size_t i, mx::Dtype t) {
     return as_float<mx::float16_t>(p, i);
   }
   return as_float<mx::bfloat16_t>(p, i);
-}
-
-// Offsets (in elements) of each element of a, in row-major order.
-std::vector<int64_t> element_offsets(const mx::array& a) {
-  std::vector<int64_t> offsets(a.size());
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  const int nd = a.ndim();
-  std::vector<int> idx(nd, 0);
-  int64_t off = 0;
-  for (size_t e = 0; e < a.size(); ++e) {
-    offsets[e] = off;
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < shape[d]) {
-        off += strides[d];
-        break;
-      }
-      off -= int64_t(strides[d]) * (shape[d] - 1);
-      idx[d] = 0;
-    }
-  }
-  return offsets;
 }
 
 // A row-major copy of a's bytes when a is not row contiguous (rare: parameters and activations are).

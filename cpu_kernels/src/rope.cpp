@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "strided.h"
 
 namespace duet_cpu {
 
@@ -19,30 +20,7 @@ bool supported_float(mx::Dtype t) {
 // The elements of a in row-major order, as T (any strides).
 template <typename T, typename S>
 void gather(const mx::array& a, std::vector<T>& out) {
-  out.resize(a.size());
-  const S* src = a.data<S>();
-  if (a.flags().row_contiguous) {
-    for (size_t e = 0; e < out.size(); ++e) {
-      out[e] = static_cast<T>(src[e]);
-    }
-    return;
-  }
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  const int nd = a.ndim();
-  std::vector<int> idx(nd, 0);
-  int64_t off = 0;
-  for (size_t e = 0; e < out.size(); ++e) {
-    out[e] = static_cast<T>(src[off]);
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < shape[d]) {
-        off += strides[d];
-        break;
-      }
-      off -= int64_t(strides[d]) * (shape[d] - 1);
-      idx[d] = 0;
-    }
-  }
+  out = row_major_copy<T, S>(a);
 }
 
 template <typename T>
