@@ -78,24 +78,33 @@ def repetitive_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-async def run_all(engine: Engine, reqs: list[GenerationRequest]):
-    async def one(r):
+async def run_all(engine: Engine, reqs: list[GenerationRequest], logprobs: list | None = None):
+    """(ids, last event) per request; ``logprobs``, when given, is filled with each request's
+    (token id, logprob) pairs, in request order."""
+    if logprobs is not None:
+        logprobs[:] = [[] for _ in reqs]
+
+    async def one(i, r):
         ids, last = [], None
         async for ev in engine.generate(r):
             ids += ev.token_ids
+            if logprobs is not None:
+                logprobs[i] += [(lp.token_id, lp.logprob) for lp in ev.logprobs]
             last = ev
         return ids, last
 
-    return await asyncio.gather(*(one(r) for r in reqs))
+    return await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
 
 
-def generate(loaded, reqs_of, speculative: str, **cfg) -> tuple[list[list[int]], list]:
+def generate(
+    loaded, reqs_of, speculative: str, logprobs: list | None = None, **cfg
+) -> tuple[list[list[int]], list]:
     engine = Engine(loaded, EngineConfig(cache_gb=cfg.pop("cache_gb", 0.01), speculative=speculative, **cfg))
     # propose whenever the text allows, whatever this machine's timings: these tests are about
     # what verification does with proposals (the policy has its own tests)
     engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
     try:
-        outs = asyncio.run(run_all(engine, reqs_of()))
+        outs = asyncio.run(run_all(engine, reqs_of(), logprobs))
         assert_no_leaks(engine)
         return [ids for ids, _ in outs], [last for _, last in outs]
     finally:
@@ -197,30 +206,10 @@ def test_a_batch_of_penalised_greedy_and_seeded_rows_matches_plain_decoding(load
             for i, p in enumerate(ps)
         ]
 
-    def run(mode):
-        engine = Engine(loaded, EngineConfig(cache_gb=0.01, speculative=mode))
-        engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
-
-        async def one(r):
-            ids, lps, last = [], [], None
-            async for ev in engine.generate(r):
-                ids += ev.token_ids
-                lps += [(lp.token_id, lp.logprob) for lp in ev.logprobs]
-                last = ev
-            return ids, lps, last
-
-        async def main():
-            return await asyncio.gather(*(one(r) for r in reqs()))
-
-        try:
-            outs = asyncio.run(main())
-            assert_no_leaks(engine)
-        finally:
-            engine.shutdown()
-        return [o[0] for o in outs], [o[2] for o in outs], [o[1] for o in outs]
-
-    off, _, off_lps = run("off")
-    on, on_last, on_lps = run("ngram")
+    off_lps: list = []
+    on_lps: list = []
+    off, _ = generate(loaded, reqs, "off", logprobs=off_lps)
+    on, on_last = generate(loaded, reqs, "ngram", logprobs=on_lps)
     assert on == off
     assert all(off_lps[::2]) and [[t for t, _ in r] for r in on_lps] == [[t for t, _ in r] for r in off_lps]
     # a position verified in a multi-token pass has the logits of a one-token pass up to rounding
