@@ -1,15 +1,18 @@
-"""Single-token decode attention over the paged KV pool on the CPU, in one op.
+"""Attention over the paged KV pool on the CPU, in one op: decode, prefill chunks and verification.
 
-The engine's reference path for a decode step gathers each row's whole context out of the pool
-into a new (B, Hkv, S, D) array, per layer and step, and runs ``mx.fast.scaled_dot_product_attention``,
-whose CPU version is a composed fallback of ~10 ops. At a 1K-token context that gather copies
-~1.5 MB per layer for the bundled model and dominates the step's attention. The
-``paged_decode_attention`` kernel (``src/paged_attention.cpp``) reads each token's K and V where it
-lives (slot ``table[b, t // block_size] * block_size + t % block_size`` of the pool's flat
-``(slots, Hkv, D)`` arrays), one online softmax per (row, KV head) in float32 for all of that KV
-head's query heads, with the same semantics as the reference: a row attends over its ``lens[b]``
-tokens (the last ``window`` of them for a sliding-window layer), and ``sinks`` add one logit per head
-to the softmax's denominator.
+The engine's reference path gathers each row's whole context out of the pool into a new
+(B, Hkv, S, D) array, per layer and step, and runs ``mx.fast.scaled_dot_product_attention``, whose
+CPU version is a composed fallback of ~10 ops. At a 1K-token context that gather copies ~1.5 MB per
+layer for the bundled model and dominates a decode step's attention; for a prefill chunk over a long
+cached history (a later turn of a chat) it is most of the chunk's time. The ``paged_attention`` kernel
+(``src/paged_attention.cpp``) reads each token's K and V where it lives (slot
+``table[b, t // block_size] * block_size + t % block_size`` of the pool's flat ``(slots, Hkv, D)``
+arrays). Each row brings its last L tokens' queries (L = 1 in decode); query token i of row b sits at
+position ``p = lens[b] - L + i`` and attends causally over the row's tokens ``[0, p]`` (the last
+``window`` of them for a sliding-window layer), with ``sinks`` adding one logit per head to the
+softmax's denominator: the reference's semantics. Work is split per (row, KV head, tile of 16 query
+tokens); a tile reads each key and value once for all its query tokens and heads (GQA), one online
+softmax per query in float32.
 
 Unquantized pools only (float32, float16, bfloat16; the model's activation dtype); a quantized pool
 keeps the reference path.
@@ -21,15 +24,15 @@ import mlx.core as mx
 
 from cpu_kernels.spec import KernelSpec, available, run
 
-SPEC = KernelSpec("paged_decode_attention", bits=(), group_sizes=())
+SPEC = KernelSpec("paged_attention", bits=(), group_sizes=())
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def fits(q: mx.array, k: mx.array, v: mx.array) -> bool:
-    """Whether the kernel takes these operands (q (B, Hq, D); k, v (slots, Hkv, D / Dv) of q's dtype)."""
+    """Whether the kernel takes these operands (q (B, Hq, L, D); k, v (slots, Hkv, D / Dv) of q's dtype)."""
     return (
         available()
-        and q.ndim == 3
+        and q.ndim == 4
         and k.ndim == 3
         and v.ndim == 3
         and q.dtype in FLOATS
@@ -37,11 +40,11 @@ def fits(q: mx.array, k: mx.array, v: mx.array) -> bool:
         and v.dtype == q.dtype
         and k.shape[1] > 0
         and q.shape[1] % k.shape[1] == 0
-        and k.shape[2] == q.shape[2]
+        and k.shape[2] == q.shape[3]
     )
 
 
-def paged_decode_attention(
+def paged_attention(
     q: mx.array,
     k: mx.array,
     v: mx.array,
@@ -53,7 +56,7 @@ def paged_decode_attention(
     window: int | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """(B, Hq, Dv): each row's one query over its paged K/V (module docstring); the kernel must fit."""
+    """(B, Hq, L, Dv): each row's last L queries over its paged K/V (module docstring); must fit."""
     return run(SPEC, q, k, v, table, lens, float(scale), int(block_size), int(window or 0), sinks)
 
 
@@ -70,17 +73,14 @@ def reference(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """The same through MLX's ops: gather each row's tokens, mask, ``scaled_dot_product_attention``."""
-    B = q.shape[0]
+    B, _, L, _ = q.shape
     S = table.shape[1] * block_size
     pos = mx.arange(S)
     slots = table[:, pos // block_size] * block_size + pos % block_size  # (B, S)
     keys = k[slots].transpose(0, 2, 1, 3)  # (B, Hkv, S, D)
     values = v[slots].transpose(0, 2, 1, 3)
-    last = (lens - 1)[:, None]
-    mask = pos[None, :] <= last
+    q_pos = (lens - L)[:, None] + mx.arange(L)[None]  # (B, L)
+    mask = pos[None, None, :] <= q_pos[:, :, None]
     if window:
-        mask = mask & (pos[None, :] > last - window)
-    out = mx.fast.scaled_dot_product_attention(
-        q[:, :, None, :], keys, values, scale=scale, mask=mask.reshape(B, 1, 1, S), sinks=sinks
-    )
-    return out[:, :, 0, :]
+        mask = mask & (pos[None, None, :] > q_pos[:, :, None] - window)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask[:, None], sinks=sinks)

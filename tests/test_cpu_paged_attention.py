@@ -1,5 +1,5 @@
-"""The CPU paged decode attention kernel (cpu_kernels/paged_attention.py) against float64 NumPy, and
-the engine decoding through it.
+"""The CPU paged attention kernel (cpu_kernels/paged_attention.py) against float64 NumPy, and the
+engine decoding and prefilling through it.
 
 The oracle reads the pool through the block table in float64, independently of the kernel and of
 MLX's SDPA. Every slot no row may read (free blocks, the rest of a partly used block, tokens before a
@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 from cpu_kernels import spec
-from cpu_kernels.paged_attention import fits, paged_decode_attention, reference
+from cpu_kernels.paged_attention import fits, reference
+from cpu_kernels.paged_attention import paged_attention as attend
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.kv_cache import paged_attention
 from mlx_engine.loading.loader import load_model
+from tests.test_cpu_kernels import variants
 from tests.test_engine_tiny import prompts, req, run_all
 
 pytestmark = pytest.mark.skipif(
@@ -36,8 +38,8 @@ def ext():
     spec.set_threads()
 
 
-def make_case(lens, Hq, Hkv, D, Dv, block_size, seed=0, sinks=False):
-    """Random q, a NaN-poisoned pool whose rows' tokens sit in shuffled blocks, the block table."""
+def make_case(lens, Hq, Hkv, D, Dv, block_size, seed=0, sinks=False, L=1):
+    """Random queries for each row's last L tokens, a NaN-poisoned pool whose rows' tokens sit in shuffled blocks, the block table."""
     rng = np.random.default_rng(seed)
     B = len(lens)
     nblk = max(-(-n // block_size) for n in lens)
@@ -53,35 +55,36 @@ def make_case(lens, Hq, Hkv, D, Dv, block_size, seed=0, sinks=False):
             slot = table[b, t // block_size] * block_size + t % block_size
             k[slot] = rng.normal(size=(Hkv, D))
             v[slot] = rng.normal(size=(Hkv, Dv))
-    q = rng.normal(size=(B, Hq, D)).astype(np.float32)
+    q = rng.normal(size=(B, Hq, L, D)).astype(np.float32)
     s = rng.normal(size=(Hq,)).astype(np.float32) * 2 if sinks else None
     return q, k, v, table, np.array(lens, np.int32), s
 
 
 def oracle(case, scale, block_size, window):
     q, k, v, table, lens, sinks = case
-    B, Hq, _ = q.shape
+    B, Hq, L, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
-    out = np.zeros((B, Hq, Dv))
+    out = np.zeros((B, Hq, L, Dv))
     for b in range(B):
-        n = int(lens[b])
-        start = max(0, n - window) if window else 0
-        ts = np.arange(start, n)
-        slots = table[b, ts // block_size].astype(np.int64) * block_size + ts % block_size
-        for h in range(Hq):
-            hk = h // (Hq // Hkv)
-            kk, vv = k[slots, hk].astype(np.float64), v[slots, hk].astype(np.float64)
-            s = kk @ q[b, h].astype(np.float64) * scale
-            extra = [float(sinks[h])] if sinks is not None else []
-            m = max([*s, *extra])
-            w = np.exp(s - m)
-            out[b, h] = (w @ vv) / (w.sum() + sum(np.exp(e - m) for e in extra))
+        for i in range(L):
+            n = int(lens[b]) - L + i + 1  # query i sees the row's tokens [start, n)
+            start = max(0, n - window) if window else 0
+            ts = np.arange(start, n)
+            slots = table[b, ts // block_size].astype(np.int64) * block_size + ts % block_size
+            for h in range(Hq):
+                hk = h // (Hq // Hkv)
+                kk, vv = k[slots, hk].astype(np.float64), v[slots, hk].astype(np.float64)
+                s = kk @ q[b, h, i].astype(np.float64) * scale
+                extra = [float(sinks[h])] if sinks is not None else []
+                m = max([*s, *extra])
+                w = np.exp(s - m)
+                out[b, h, i] = (w @ vv) / (w.sum() + sum(np.exp(e - m) for e in extra))
     return out
 
 
 def run_kernel(case, dtype, scale, block_size, window):
     q, k, v, table, lens, s = case
-    out = paged_decode_attention(
+    out = attend(
         mx.array(q).astype(dtype),
         mx.array(k).astype(dtype),
         mx.array(v).astype(dtype),
@@ -115,8 +118,30 @@ def rounded(case, dtype):
     ],
 )
 @pytest.mark.parametrize("window, sinks", [(None, False), (8, False), (None, True), (20, True)])
-def test_matches_float64(dtype, lens, Hq, Hkv, D, Dv, block_size, window, sinks):
+def test_decode_matches_float64(dtype, lens, Hq, Hkv, D, Dv, block_size, window, sinks):
     case = make_case(lens, Hq, Hkv, D, Dv, block_size, seed=len(lens) * Hq + D, sinks=sinks)
+    scale = D**-0.5
+    got = run_kernel(case, dtype, scale, block_size, window)
+    want = oracle(rounded(case, dtype), scale, block_size, window)
+    assert np.isfinite(got).all(), "read a poisoned slot"
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(
+    "lens, L, Hq, Hkv, D, block_size",
+    [
+        ([2], 2, 1, 1, 64, 16),  # a whole two-token prompt
+        ([16, 40, 17], 16, 9, 3, 64, 16),  # one full query tile; a row with no history before it
+        ([300, 41], 37, 8, 2, 128, 16),  # three tiles, the last partial; long history
+        ([33, 50], 5, 16, 1, 80, 8),  # a verification-sized pass, GQA 16
+    ],
+)
+@pytest.mark.parametrize("window, sinks", [(None, False), (7, False), (20, True)])
+def test_query_chunks_attend_causally_like_float64(dtype, lens, L, Hq, Hkv, D, block_size, window, sinks):
+    """A prefill chunk or a verification pass: each row's last L tokens, query i seeing only tokens up
+    to its own position (and the window before it)."""
+    case = make_case(lens, Hq, Hkv, D, D, block_size, seed=L * Hq + D, sinks=sinks, L=L)
     scale = D**-0.5
     got = run_kernel(case, dtype, scale, block_size, window)
     want = oracle(rounded(case, dtype), scale, block_size, window)
@@ -126,7 +151,7 @@ def test_matches_float64(dtype, lens, Hq, Hkv, D, Dv, block_size, window, sinks)
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_and_a_long_context_give_the_same_result(threads):
-    case = make_case([2048, 1000, 5, 1500], 9, 3, 64, 64, 16, seed=3)
+    case = make_case([2048, 1000, 5, 1500], 9, 3, 64, 64, 16, seed=3, L=3)
     spec.set_threads(threads)
     got = run_kernel(case, mx.float32, 0.125, 16, None)
     spec.set_threads()
@@ -134,17 +159,16 @@ def test_thread_counts_and_a_long_context_give_the_same_result(threads):
 
 
 def test_strided_query_and_lazy_composition_match_mlx_reference():
-    q, k, v, table, lens, _ = make_case([33, 64], 8, 2, 64, 64, 16, seed=5)
+    q, k, v, table, lens, _ = make_case([33, 64], 8, 2, 64, 64, 16, seed=5, L=4)
     k, v = np.nan_to_num(k), np.nan_to_num(v)  # the gather reads every slot of a row's blocks
-    # q as the engine slices it from (B, Hq, 1, D), and as a transposed view
-    q4 = mx.array(q)[:, :, None, :]
-    qt = mx.array(np.ascontiguousarray(q.transpose(1, 0, 2))).transpose(1, 0, 2)
+    # q as mlx-lm's attention makes it, a transposed view of (B, L, Hq, D)
+    qt = mx.array(np.ascontiguousarray(q.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
     args = (mx.array(k), mx.array(v), mx.array(table), mx.array(lens))
     want = reference(mx.array(q), *args, scale=0.1, block_size=16)
-    for view in (q4[:, :, 0, :], qt):
-        got = paged_decode_attention(view * 1.0, *args, scale=0.1, block_size=16)  # lazy input
+    for view in (mx.array(q), qt):
+        got = attend(view * 1.0, *args, scale=0.1, block_size=16)  # lazy input
         np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
-    compiled = mx.compile(lambda x: paged_decode_attention(x, *args, scale=0.1, block_size=16))
+    compiled = mx.compile(lambda x: attend(x, *args, scale=0.1, block_size=16))
     np.testing.assert_allclose(np.array(compiled(mx.array(q))), np.array(want), atol=2e-5)
 
 
@@ -152,41 +176,44 @@ def test_bad_input_is_a_clear_error_and_unfit_operands_are_declined():
     case = make_case([5], 4, 2, 64, 64, 16)
     args = [mx.array(a) for a in case[:5]]
     with pytest.raises(ValueError, match="int32"):
-        paged_decode_attention(*args[:3], args[3].astype(mx.int64), args[4], scale=1.0, block_size=16)
+        attend(*args[:3], args[3].astype(mx.int64), args[4], scale=1.0, block_size=16)
     with pytest.raises(ValueError, match="divide"):
-        paged_decode_attention(args[0][:, :3], *args[1:], scale=1.0, block_size=16)
+        attend(args[0][:, :3], *args[1:], scale=1.0, block_size=16)
     with pytest.raises(ValueError, match="dtype"):
-        paged_decode_attention(args[0].astype(mx.float16), *args[1:], scale=1.0, block_size=16)
+        attend(args[0].astype(mx.float16), *args[1:], scale=1.0, block_size=16)
+    with pytest.raises(ValueError, match="L, D"):
+        attend(args[0][:, :, 0], *args[1:], scale=1.0, block_size=16)
     assert fits(*args[:3]) and not fits(args[0][:, :3], *args[1:3])
     assert not fits(args[0], args[1].astype(mx.float16), args[2])
     # the op still works after the errors
     np.testing.assert_allclose(
-        np.array(paged_decode_attention(*args, scale=1.0, block_size=16)),
+        np.array(attend(*args, scale=1.0, block_size=16)),
         oracle(case, 1.0, 16, None),
         atol=2e-5,
     )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
-def test_engine_decodes_through_the_kernel_with_the_reference_paths_tokens(arch, tiny_dirs, monkeypatch):
-    """Greedy tokens of a ragged batch (one row shorter than Gemma 3's window) with the kernel and
-    with the reference path (gather + SDPA); every layer of every decode step reached the kernel."""
+def test_engine_runs_through_the_kernel_with_the_reference_paths_tokens(arch, tiny_dirs, monkeypatch):
+    """Greedy tokens of a ragged batch (one row shorter than Gemma 3's window), prefilled in 16-token
+    chunks over the chunks before them, with the kernel and with the reference path (gather + SDPA);
+    every layer of every decode step and prefill chunk reached the kernel."""
     loaded = load_model(str(tiny_dirs(arch)))
     ps = prompts(loaded.tokenizer.vocab_size, [3, 21, 45], seed=17)
 
     def generate(kernel: bool) -> tuple[list, list]:
         calls = []
-        engine = Engine(loaded, EngineConfig(cache_gb=0.01))
+        engine = Engine(loaded, EngineConfig(cache_gb=0.01, prefill_chunk=16, max_batch_tokens=64))
         try:
-            assert paged_attention.decode_kernel is paged_attention._cpu_decode  # the CPU engine's default
+            assert paged_attention.attention_kernel is paged_attention._cpu_attention  # the CPU default
 
             def counting(queries, cache, scale, sinks, window):
-                out = paged_attention._cpu_decode(queries, cache, scale, sinks, window)
+                out = paged_attention._cpu_attention(queries, cache, scale, sinks, window)
                 assert out is not None
-                calls.append(cache.layer)
+                calls.append((cache.layer, queries.shape[2], min(cache.layout.starts)))
                 return out
 
-            monkeypatch.setattr(paged_attention, "decode_kernel", counting if kernel else None)
+            monkeypatch.setattr(paged_attention, "attention_kernel", counting if kernel else None)
             return asyncio.run(run_all(engine, [req(p, 12) for p in ps])), calls
         finally:
             engine.shutdown()
@@ -195,4 +222,20 @@ def test_engine_decodes_through_the_kernel_with_the_reference_paths_tokens(arch,
     without, _ = generate(False)
     assert with_kernel == without, arch
     layers = loaded.model.args.num_hidden_layers
-    assert calls and len(calls) % layers == 0 and set(calls) == set(range(layers))
+    assert calls and len(calls) % layers == 0 and {c[0] for c in calls} == set(range(layers))
+    assert any(n == 1 for _, n, _ in calls), "no decode step"
+    assert any(n > 1 and start > 0 for _, n, start in calls), "no prefill chunk over earlier tokens"
+
+
+def test_every_instruction_set_this_cpu_has_gives_the_float64_result(ext):
+    """The arithmetic is compiled per instruction set (attention_impl.inc): each variant the CPU can
+    run, on a case with head dims that are not a multiple of 8 and a partial query tile."""
+    case = make_case([70, 19], 6, 2, 36, 20, 16, seed=9, sinks=True, L=19)
+    want = oracle(case, 0.2, 16, 24)
+    try:
+        for isa in variants(ext):
+            ext.set_isa(isa)
+            got = run_kernel(case, mx.float32, 0.2, 16, 24)
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=isa)
+    finally:
+        ext.set_isa("")

@@ -100,13 +100,14 @@ def test_windowed_and_global_layers_all_use_the_kernel(windowed_model, kv_bits, 
 
     def counting(queries, cache, scale, sinks, window):
         out = paged_attention._metal_decode(queries, cache, scale, sinks, window)
-        assert out is not None
-        calls.append((cache.layer, window))
+        if queries.shape[2] == 1:  # prefill passes keep the reference path on Metal
+            assert out is not None
+            calls.append((cache.layer, window))
         return out
 
     engine = Engine(loaded, EngineConfig(cache_gb=0.01, kv_bits=kv_bits))
     paged_attention.use_metal_kernels(True, backend=backend)
-    monkeypatch.setattr(paged_attention, "decode_kernel", counting)
+    monkeypatch.setattr(paged_attention, "attention_kernel", counting)
     try:
         got = asyncio.run(run_all(engine, [req(p, 6) for p in ps]))
     finally:

@@ -61,8 +61,8 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none(),
       "Rotary position embedding in one op (mx.fast.rope's semantics; offset an int array, scalar or (B,)).");
   m.def(
-      "paged_decode_attention",
-      &duet_cpu::paged_decode_attention,
+      "paged_attention",
+      &duet_cpu::paged_attention,
       "q"_a,
       "k"_a,
       "v"_a,
@@ -74,7 +74,7 @@ NB_MODULE(_ext, m) {
       "sinks"_a = nb::none(),
       nb::kw_only(),
       "stream"_a = nb::none(),
-      "One query token per row over its KV in the paged pool, read through the block table (one op).");
+      "Each row's last L query tokens, causally over its KV in the paged pool, read through the block table (one op).");
   m.def("set_num_threads", &duet_cpu::set_num_threads, "threads"_a, "Threads the kernels use (1..1024).");
   m.def("num_threads", &duet_cpu::num_threads);
   m.def("isa", &duet_cpu::isa, "The instruction set the kernels run with: avx512, avx2 or base.");

@@ -27,19 +27,44 @@ struct QmmArgs {
   int scale_type;
 };
 
+// One chunk of keys for the paged attention kernel (paged_attention.cpp): R query rows (scaled by the
+// softmax scale), each seeing keys [j0[r], j1[r]) of the chunk's n, update their running max m, sum l
+// and (R, Dv) accumulator acc (online softmax, float32). scores: scratch of n floats.
+struct AttendChunk {
+  const float* q; // (R, D)
+  const float* const* k; // n key rows of D floats
+  const float* const* v; // n value rows of Dv floats
+  const int* j0;
+  const int* j1;
+  float* m;
+  float* l;
+  float* acc;
+  float* scores;
+  int R;
+  int D;
+  int Dv;
+};
+
 // qmm_rows: y[:, n0:n1] for every row of x. dequant_rows: rows n0..n1 of the dequantized weights
 // into out (N, K) float32 (x, xsum, y and M unused). Each ISA namespace defines both.
 namespace base {
+void attend_chunk(const AttendChunk& c);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx2 {
+void attend_chunk(const AttendChunk& c);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx512 {
+void attend_chunk(const AttendChunk& c);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
+
+// The best variant's attend_chunk for this CPU (or the one set_isa forced); defined in qmm.cpp.
+using AttendFn = void (*)(const AttendChunk&);
+AttendFn attend_chunk_fn();
 
 } // namespace duet_cpu

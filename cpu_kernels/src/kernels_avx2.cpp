@@ -2,3 +2,4 @@
 #define DUET_ISA avx2
 #define DUET_MAX_MB 4
 #include "kernels_impl.inc"
+#include "attention_impl.inc"

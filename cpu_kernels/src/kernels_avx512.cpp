@@ -2,3 +2,4 @@
 #define DUET_ISA avx512
 #define DUET_MAX_MB 8
 #include "kernels_impl.inc"
+#include "attention_impl.inc"

@@ -2,3 +2,4 @@
 #define DUET_ISA base
 #define DUET_MAX_MB 4
 #include "kernels_impl.inc"
+#include "attention_impl.inc"

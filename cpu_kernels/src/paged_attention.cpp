@@ -1,12 +1,13 @@
 #include "paged_attention.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "pool.h"
 #include "strided.h"
@@ -37,12 +38,16 @@ struct Dense {
 };
 
 struct Shape {
-  int B, Hq, Hkv, D, Dv, max_blocks, block_size, window;
+  int B, Hq, Hkv, L, D, Dv, max_blocks, block_size, window;
   float scale;
 };
 
-// Rows [b, b+1), KV head hk: its G = Hq / Hkv query heads over the row's tokens, online softmax in
-// float32 over chunks of kChunk tokens.
+constexpr int kQueryTile = 16; // query tokens of one row that share each key and value they read
+
+// Row b, KV head hk, query tokens [i0, i1) of the row's L: each query token with its G = Hq / Hkv
+// query heads is a query row r of its own, over the row's tokens it may see (causal: the query at
+// position p = len - L + i sees [max(0, p + 1 - window), p]); online softmax in float32 over chunks
+// of kChunk tokens, each key and value read once for all query rows of the tile.
 template <typename T>
 void attend(
     const T* q,
@@ -54,73 +59,87 @@ void attend(
     T* out,
     const Shape& s,
     int b,
-    int hk) {
+    int hk,
+    int i0,
+    int i1) {
   const int G = s.Hq / s.Hkv;
   const int D = s.D, Dv = s.Dv;
-  const int len = lens[b];
-  const int start = s.window > 0 ? std::max(0, len - s.window) : 0;
-  std::vector<float> qf(size_t(G) * D), acc(size_t(G) * Dv, 0.0f), m(G), l(G), sc(size_t(G) * kChunk);
-  for (int g = 0; g < G; ++g) {
-    const T* qr = q + (size_t(b) * s.Hq + size_t(hk) * G + g) * D;
-    for (int d = 0; d < D; ++d) {
-      qf[size_t(g) * D + d] = static_cast<float>(qr[d]) * s.scale;
+  const int R = G * (i1 - i0);
+  const int len = std::min(lens[b], s.max_blocks * s.block_size); // never past the table
+  const int first = len - s.L; // position of query token 0
+  std::vector<float> qf(size_t(R) * D), acc(size_t(R) * Dv, 0.0f), m(R), l(R), sc(kChunk);
+  std::vector<int> lo(R), hi(R);
+  int t_begin = len, t_end = 0;
+  for (int i = i0; i < i1; ++i) {
+    const int p = first + i;
+    const int hi_i = std::max(0, std::min(len, p + 1));
+    const int lo_i = s.window > 0 ? std::max(0, p + 1 - s.window) : 0;
+    t_begin = std::min(t_begin, lo_i);
+    t_end = std::max(t_end, hi_i);
+    for (int g = 0; g < G; ++g) {
+      const int r = (i - i0) * G + g;
+      const int h = hk * G + g;
+      const T* qr = q + ((size_t(b) * s.Hq + h) * s.L + i) * D;
+      for (int d = 0; d < D; ++d) {
+        qf[size_t(r) * D + d] = static_cast<float>(qr[d]) * s.scale;
+      }
+      // a sink is a logit with no value: it starts the running max and sum
+      m[r] = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+      l[r] = sinks ? 1.0f : 0.0f;
+      lo[r] = lo_i;
+      hi[r] = hi_i;
     }
-    // a sink is a logit with no value: it starts the running max and sum
-    m[g] = sinks ? sinks[hk * G + g] : -std::numeric_limits<float>::infinity();
-    l[g] = sinks ? 1.0f : 0.0f;
   }
   const int32_t* row_table = table + size_t(b) * s.max_blocks;
-  const T* kv_rows[kChunk];
-  const T* vv_rows[kChunk];
-  for (int t0 = start; t0 < len; t0 += kChunk) {
-    const int n = std::min(kChunk, len - t0);
+  // float32 rows of this chunk's keys and values: the pool's own rows, or converted copies
+  std::vector<float> kbuf, vbuf;
+  if constexpr (!std::is_same_v<T, float>) {
+    kbuf.resize(size_t(kChunk) * D);
+    vbuf.resize(size_t(kChunk) * Dv);
+  }
+  const float* kv_rows[kChunk];
+  const float* vv_rows[kChunk];
+  std::vector<int> j0(R), j1(R);
+  const AttendFn attend_chunk = attend_chunk_fn();
+  for (int t0 = t_begin; t0 < t_end; t0 += kChunk) {
+    const int n = std::min(kChunk, t_end - t0);
     for (int j = 0; j < n; ++j) {
       const int t = t0 + j;
       const size_t slot = size_t(row_table[t / s.block_size]) * s.block_size + t % s.block_size;
-      kv_rows[j] = k + (slot * s.Hkv + hk) * D;
-      vv_rows[j] = v + (slot * s.Hkv + hk) * Dv;
-    }
-    for (int g = 0; g < G; ++g) {
-      const float* qg = qf.data() + size_t(g) * D;
-      float* sg = sc.data() + size_t(g) * kChunk;
-      float mx_new = m[g];
-      for (int j = 0; j < n; ++j) {
-        const T* kr = kv_rows[j];
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
+      const T* kr = k + (slot * s.Hkv + hk) * D;
+      const T* vr = v + (slot * s.Hkv + hk) * Dv;
+      if constexpr (std::is_same_v<T, float>) {
+        kv_rows[j] = kr;
+        vv_rows[j] = vr;
+      } else {
+        float* kd = kbuf.data() + size_t(j) * D;
+        float* vd = vbuf.data() + size_t(j) * Dv;
         for (int d = 0; d < D; ++d) {
-          dot += qg[d] * static_cast<float>(kr[d]);
+          kd[d] = static_cast<float>(kr[d]);
         }
-        sg[j] = dot;
-        mx_new = std::max(mx_new, dot);
-      }
-      float* ag = acc.data() + size_t(g) * Dv;
-      if (mx_new > m[g]) { // rescale what was summed under the old max (nothing, the first time)
-        const float corr = std::isinf(m[g]) ? 0.0f : std::exp(m[g] - mx_new);
-        l[g] *= corr;
-#pragma omp simd
         for (int d = 0; d < Dv; ++d) {
-          ag[d] *= corr;
+          vd[d] = static_cast<float>(vr[d]);
         }
-        m[g] = mx_new;
-      }
-      for (int j = 0; j < n; ++j) {
-        const float p = std::exp(sg[j] - m[g]);
-        l[g] += p;
-        const T* vr = vv_rows[j];
-#pragma omp simd
-        for (int d = 0; d < Dv; ++d) {
-          ag[d] += p * static_cast<float>(vr[d]);
-        }
+        kv_rows[j] = kd;
+        vv_rows[j] = vd;
       }
     }
+    for (int r = 0; r < R; ++r) {
+      j0[r] = std::max(lo[r] - t0, 0);
+      j1[r] = std::min(hi[r] - t0, n);
+    }
+    attend_chunk(AttendChunk{
+        qf.data(), kv_rows, vv_rows, j0.data(), j1.data(), m.data(), l.data(), acc.data(), sc.data(), R, D, Dv});
   }
-  for (int g = 0; g < G; ++g) {
-    T* o = out + (size_t(b) * s.Hq + size_t(hk) * G + g) * Dv;
-    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    const float* ag = acc.data() + size_t(g) * Dv;
-    for (int d = 0; d < Dv; ++d) {
-      o[d] = static_cast<T>(ag[d] * inv);
+  for (int i = i0; i < i1; ++i) {
+    for (int g = 0; g < G; ++g) {
+      const int r = (i - i0) * G + g;
+      T* o = out + ((size_t(b) * s.Hq + hk * G + g) * s.L + i) * Dv;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      const float* ag = acc.data() + size_t(r) * Dv;
+      for (int d = 0; d < Dv; ++d) {
+        o[d] = static_cast<T>(ag[d] * inv);
+      }
     }
   }
 }
@@ -136,17 +155,20 @@ void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s)
     sinks = sink_copy.data();
   }
   T* o = out.data<T>();
-  const int tasks_total = s.B * s.Hkv;
+  const int tiles = (s.L + kQueryTile - 1) / kQueryTile;
+  const int tasks_total = s.B * s.Hkv * tiles;
   // the work of the whole call, in multiply-adds: one thread below ~256K (waking the pool costs more)
   size_t work = 0;
   for (int b = 0; b < s.B; ++b) {
-    work += size_t(std::max(lens.ptr[b], 0)) * s.Hq * (s.D + s.Dv);
+    work += size_t(std::max(lens.ptr[b], 0)) * s.L * s.Hq * (s.D + s.Dv);
   }
   auto pool = shared_pool();
   const int tasks = pool->size() <= 1 || work < (size_t(1) << 18) ? 1 : std::min(tasks_total, pool->size() * 4);
-  auto run_range = [&](int i0, int i1) {
-    for (int i = i0; i < i1; ++i) {
-      attend<T>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, i / s.Hkv, i % s.Hkv);
+  auto run_range = [&](int t0, int t1) {
+    for (int t = t0; t < t1; ++t) {
+      const int tile = t % tiles, bh = t / tiles;
+      const int i0 = tile * kQueryTile, i1 = std::min(s.L, i0 + kQueryTile);
+      attend<T>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, bh / s.Hkv, bh % s.Hkv, i0, i1);
     }
   };
   if (tasks <= 1) {
@@ -160,7 +182,7 @@ void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s)
 
 } // namespace
 
-mx::array paged_decode_attention(
+mx::array paged_attention(
     const mx::array& q,
     const mx::array& k,
     const mx::array& v,
@@ -171,14 +193,14 @@ mx::array paged_decode_attention(
     int window,
     const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s) {
-  if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3) {
-    throw std::invalid_argument("q must be (B, Hq, D), k (slots, Hkv, D) and v (slots, Hkv, Dv)");
+  if (q.ndim() != 4 || k.ndim() != 3 || v.ndim() != 3) {
+    throw std::invalid_argument("q must be (B, Hq, L, D), k (slots, Hkv, D) and v (slots, Hkv, Dv)");
   }
   if (!supported_float(q.dtype()) || k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
     throw std::invalid_argument("q, k and v must share one float dtype (float32, float16 or bfloat16)");
   }
-  const int B = q.shape(0), Hq = q.shape(1), Hkv = k.shape(1);
-  if (k.shape(2) != q.shape(2) || v.shape(1) != Hkv || v.shape(0) != k.shape(0) || Hkv == 0 || Hq % Hkv) {
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), Hkv = k.shape(1);
+  if (k.shape(2) != q.shape(3) || v.shape(1) != Hkv || v.shape(0) != k.shape(0) || Hkv == 0 || Hq % Hkv) {
     throw std::invalid_argument("k must be (slots, Hkv, D) like q's D, v (slots, Hkv, Dv), and Hkv divide Hq");
   }
   if (table.ndim() != 2 || table.shape(0) != B || table.dtype() != mx::int32) {
@@ -198,13 +220,13 @@ mx::array paged_decode_attention(
     inputs.push_back(mx::astype(*sinks, mx::float32, s));
   }
   return mx::array(
-      {B, Hq, v.shape(2)},
+      {B, Hq, L, v.shape(2)},
       q.dtype(),
-      std::make_shared<PagedDecodeCPU>(mx::to_stream(s, mx::Device::cpu), scale, block_size, window, bool(sinks)),
+      std::make_shared<PagedAttentionCPU>(mx::to_stream(s, mx::Device::cpu), scale, block_size, window, bool(sinks)),
       std::move(inputs));
 }
 
-void PagedDecodeCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+void PagedAttentionCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -218,6 +240,7 @@ void PagedDecodeCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       q.shape(1),
       inputs[1].shape(1),
       q.shape(2),
+      q.shape(3),
       inputs[2].shape(2),
       inputs[3].shape(1),
       block_size_,
@@ -234,17 +257,17 @@ void PagedDecodeCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   });
 }
 
-void PagedDecodeCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("DuetPagedDecodeCPU runs on the CPU stream only");
+void PagedAttentionCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DuetPagedAttentionCPU runs on the CPU stream only");
 }
 
-bool PagedDecodeCPU::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const PagedDecodeCPU&>(other);
+bool PagedAttentionCPU::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PagedAttentionCPU&>(other);
   return scale_ == o.scale_ && block_size_ == o.block_size_ && window_ == o.window_ && sinks_ == o.sinks_;
 }
 
-std::vector<mx::Shape> PagedDecodeCPU::output_shapes(const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0), inputs[0].shape(1), inputs[2].shape(2)}};
+std::vector<mx::Shape> PagedAttentionCPU::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(2)}};
 }
 
 } // namespace duet_cpu

@@ -22,6 +22,7 @@ struct Variant {
   const char* name;
   RowsFn fn;
   DequantFn dequant;
+  AttendFn attend;
 };
 
 Variant best_variant() {
@@ -29,22 +30,22 @@ Variant best_variant() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
-    return {"avx512", avx512::qmm_rows, avx512::dequant_rows};
+    return {"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return {"avx2", avx2::qmm_rows, avx2::dequant_rows};
+    return {"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk};
   }
 #endif
-  return {"base", base::qmm_rows, base::dequant_rows};
+  return {"base", base::qmm_rows, base::dequant_rows, base::attend_chunk};
 }
 
 std::atomic<const Variant*> g_variant{nullptr};
 
 const Variant& variant_named(const std::string& name) {
-  static const Variant base_v{"base", base::qmm_rows, base::dequant_rows};
+  static const Variant base_v{"base", base::qmm_rows, base::dequant_rows, base::attend_chunk};
 #if defined(DUET_X86)
-  static const Variant avx2_v{"avx2", avx2::qmm_rows, avx2::dequant_rows};
-  static const Variant avx512_v{"avx512", avx512::qmm_rows, avx512::dequant_rows};
+  static const Variant avx2_v{"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk};
+  static const Variant avx512_v{"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk};
   if (name == "avx512") {
     return avx512_v;
   }
@@ -67,6 +68,14 @@ const Variant& variant() {
 RowsFn rows_fn() {
   return variant().fn;
 }
+
+} // namespace
+
+AttendFn attend_chunk_fn() {
+  return variant().attend;
+}
+
+namespace {
 
 bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;

@@ -17,8 +17,9 @@ the decoder while the next layers compute.
 
 and replace ``scaled_dot_product_attention`` in the loaded model modules by
 ``_dispatching_sdpa``, which sends paged caches to ``paged_attention``. That is the one
-place attention over paged KV happens; single-token decode goes to a kernel that reads the pool
-directly (``metal_kernels`` on Metal, ``cpu_kernels`` on the CPU), so the gather is never evaluated.
+place attention over paged KV happens. A kernel that reads the pool directly takes what it can, so the
+gather is never evaluated: on Metal single-token decode (``metal_kernels``), on the CPU every pass
+(``cpu_kernels``: decode, prefill chunks, verification of proposed tokens).
 """
 
 from __future__ import annotations
@@ -162,10 +163,10 @@ def _gather(pool: KVPool, layer: int, slots: mx.array) -> tuple[mx.array, mx.arr
     )
 
 
-# Accelerated decode attention: set by ``use_metal_kernels`` on Metal, ``use_cpu_kernel`` on the CPU.
-# Signature: (queries (B, Hq, 1, D), cache: PagedLayerCache, scale, sinks, window) -> (B, Hq, 1, D),
+# Accelerated attention: set by ``use_metal_kernels`` on Metal, ``use_cpu_kernel`` on the CPU.
+# Signature: (queries (B, Hq, L, D), cache: PagedLayerCache, scale, sinks, window) -> (B, Hq, L, D),
 # or None to decline (the reference path then runs).
-decode_kernel = None
+attention_kernel = None
 
 
 def paged_attention(
@@ -174,14 +175,14 @@ def paged_attention(
     """Attention of ``queries`` (B, Hq, L, D) over the sequences' paged KV (already gathered
     into ``keys``/``values`` by ``update_and_fetch``; lazily, so a kernel that reads the pool
     directly makes the gather free)."""
-    if decode_kernel is not None and queries.shape[2] == 1:
-        out = _kernel_decode(decode_kernel, queries, cache, scale, mask, sinks)
+    if attention_kernel is not None:
+        out = _kernel_attention(attention_kernel, queries, cache, scale, mask, sinks)
         if out is not None:
             return out
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def _kernel_decode(kernel, queries, cache: PagedLayerCache, scale: float, mask, sinks) -> mx.array | None:
+def _kernel_attention(kernel, queries, cache: PagedLayerCache, scale: float, mask, sinks) -> mx.array | None:
     try:
         window = cache.layout.window_of(mask)  # per layer: windowed and global layers both
     except LookupError:
@@ -194,6 +195,8 @@ def _metal_decode(
 ) -> mx.array | None:
     from metal_kernels.paged_attention import declines, paged_decode_attention
 
+    if queries.shape[2] != 1:
+        return None  # the Metal kernel is for single-token decode
     layout, pool = cache.layout, cache.pool
     k, v = pool.k[cache.layer], pool.v[cache.layer]
     extra = {}
@@ -221,17 +224,20 @@ def _metal_decode(
     return out[:, :, None, :]
 
 
-def _cpu_decode(queries, cache: PagedLayerCache, scale: float, sinks, window: int | None) -> mx.array | None:
-    from cpu_kernels.paged_attention import fits, paged_decode_attention
+def _cpu_attention(
+    queries, cache: PagedLayerCache, scale: float, sinks, window: int | None
+) -> mx.array | None:
+    from cpu_kernels.paged_attention import fits
+    from cpu_kernels.paged_attention import paged_attention as kernel
 
     pool, layout = cache.pool, cache.layout
     if pool.kv_bits is not None:
         return None  # quantized KV: the reference path dequantizes the gathered rows
-    q, k, v = queries[:, :, 0, :], pool.k[cache.layer], pool.v[cache.layer]
-    if not fits(q, k, v):
+    k, v = pool.k[cache.layer], pool.v[cache.layer]
+    if not fits(queries, k, v):
         return None
-    out = paged_decode_attention(
-        q,
+    return kernel(
+        queries,
         k,
         v,
         layout.table,
@@ -241,15 +247,14 @@ def _cpu_decode(queries, cache: PagedLayerCache, scale: float, sinks, window: in
         window=window,
         sinks=sinks,
     )
-    return out[:, :, None, :]
 
 
 def use_cpu_kernel(enabled: bool) -> None:
-    """Route single-token decode attention on MLX's CPU backend through the CPU kernels' paged
-    attention (``cpu_kernels/paged_attention.py``), which reads the pool through the block table: the
-    gather ``update_and_fetch`` sets up is then never evaluated. Writes and prefill are unchanged."""
-    global decode_kernel
-    decode_kernel = _cpu_decode if enabled else None
+    """Route attention on MLX's CPU backend (decode, prefill chunks, verification) through the CPU
+    kernels' paged attention (``cpu_kernels/paged_attention.py``), which reads the pool through the
+    block table: the gather ``update_and_fetch`` sets up is then never evaluated. Writes are unchanged."""
+    global attention_kernel
+    attention_kernel = _cpu_attention if enabled else None
 
 
 def use_metal_kernels(enabled: bool, backend: str | None = None) -> None:
@@ -258,8 +263,8 @@ def use_metal_kernels(enabled: bool, backend: str | None = None) -> None:
 
     ``backend`` None picks Metal when available; tests pass "emulator" to run the kernel's exact
     Metal source on the CPU through the engine's real pool layout."""
-    global decode_kernel, _kernel_backend, _kernel_backend_active
-    decode_kernel = _metal_decode if enabled else None
+    global attention_kernel, _kernel_backend, _kernel_backend_active
+    attention_kernel = _metal_decode if enabled else None
     _kernel_backend = backend
     _kernel_backend_active = enabled
 
