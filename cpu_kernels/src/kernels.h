@@ -27,9 +27,9 @@ struct QmmArgs {
   int scale_type;
 };
 
-// One chunk of keys for the paged attention kernel (paged_attention.cpp): R query rows (scaled by the
-// softmax scale), each seeing keys [j0[r], j1[r]) of the chunk's n, update their running max m, sum l
-// and (R, Dv) accumulator acc (online softmax, float32). scores: scratch of n floats.
+// One chunk of n <= 32 keys for the paged attention kernel (paged_attention.cpp): R query rows (scaled
+// by the softmax scale), each seeing keys [j0[r], j1[r]) of the chunk, update their running max m,
+// sum l and (R, Dv) accumulator acc (online softmax, float32). Scratch: scores 32 floats, kt 32 * D.
 struct AttendChunk {
   const float* q; // (R, D)
   const float* const* k; // n key rows of D floats
@@ -40,6 +40,8 @@ struct AttendChunk {
   float* l;
   float* acc;
   float* scores;
+  float* kt;
+  int n;
   int R;
   int D;
   int Dv;

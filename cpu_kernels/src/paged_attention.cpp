@@ -17,6 +17,7 @@ namespace duet_cpu {
 namespace {
 
 constexpr int kChunk = 32; // tokens scored before the running max and sums are rescaled once
+static_assert(kChunk == 32, "attend_chunk scores 32 keys at a time (attention_impl.inc)");
 
 bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
@@ -100,6 +101,7 @@ void attend(
   const float* kv_rows[kChunk];
   const float* vv_rows[kChunk];
   std::vector<int> j0(R), j1(R);
+  std::vector<float> kt(size_t(kChunk) * D);
   const AttendFn attend_chunk = attend_chunk_fn();
   for (int t0 = t_begin; t0 < t_end; t0 += kChunk) {
     const int n = std::min(kChunk, t_end - t0);
@@ -129,7 +131,20 @@ void attend(
       j1[r] = std::min(hi[r] - t0, n);
     }
     attend_chunk(AttendChunk{
-        qf.data(), kv_rows, vv_rows, j0.data(), j1.data(), m.data(), l.data(), acc.data(), sc.data(), R, D, Dv});
+        qf.data(),
+        kv_rows,
+        vv_rows,
+        j0.data(),
+        j1.data(),
+        m.data(),
+        l.data(),
+        acc.data(),
+        sc.data(),
+        kt.data(),
+        n,
+        R,
+        D,
+        Dv});
   }
   for (int i = i0; i < i1; ++i) {
     for (int g = 0; g < G; ++g) {
