@@ -32,8 +32,8 @@ struct QmmArgs {
 // sum l and (R, Dv) accumulator acc (online softmax, float32). Scratch: scores 32 floats, kt 32 * D.
 struct AttendChunk {
   const float* q; // (R, D)
-  const float* const* k; // n key rows of D floats
-  const float* const* v; // n value rows of Dv floats
+  const float* const* k; // 32 key rows of D floats: the chunk's n, then rows of zeros
+  const float* const* v; // 32 value rows of Dv floats, likewise
   const int* j0;
   const int* j1;
   float* m;

@@ -98,6 +98,9 @@ void attend(
     kbuf.resize(size_t(kChunk) * D);
     vbuf.resize(size_t(kChunk) * Dv);
   }
+  // every chunk hands over kChunk row pointers; rows past its n point at zeros (attend_chunk scores
+  // whole blocks of 8 keys and masks the lanes outside each query's range)
+  const std::vector<float> zeros(size_t(std::max(D, Dv)), 0.0f);
   const float* kv_rows[kChunk];
   const float* vv_rows[kChunk];
   std::vector<int> j0(R), j1(R);
@@ -105,9 +108,13 @@ void attend(
   const AttendFn attend_chunk = attend_chunk_fn();
   for (int t0 = t_begin; t0 < t_end; t0 += kChunk) {
     const int n = std::min(kChunk, t_end - t0);
-    for (int j = 0; j < n; ++j) {
-      const int t = t0 + j;
-      const size_t slot = size_t(row_table[t / s.block_size]) * s.block_size + t % s.block_size;
+    int blk = t0 / s.block_size, off = t0 % s.block_size; // walked, not divided, per token
+    for (int j = 0; j < n; ++j, ++off) {
+      if (off == s.block_size) {
+        ++blk;
+        off = 0;
+      }
+      const size_t slot = size_t(row_table[blk]) * s.block_size + off;
       const T* kr = k + (slot * s.Hkv + hk) * D;
       const T* vr = v + (slot * s.Hkv + hk) * Dv;
       if constexpr (std::is_same_v<T, float>) {
@@ -125,6 +132,9 @@ void attend(
         kv_rows[j] = kd;
         vv_rows[j] = vd;
       }
+    }
+    for (int j = n; j < kChunk; ++j) {
+      kv_rows[j] = vv_rows[j] = zeros.data();
     }
     for (int r = 0; r < R; ++r) {
       j0[r] = std::max(lo[r] - t0, 0);
