@@ -273,22 +273,35 @@ def speed_worker(system: str, model: str, threads: int) -> None:
 
 # --- the decode step, taken apart (Duet) -------------------------------------------------------
 def count_ops(model, ctx: int) -> dict[str, int]:
-    """Primitives in the lazy graph of one decode step of ``model`` (mlx-lm's forward, ctx tokens cached)."""
+    """Primitives in the lazy graph of one decode step of ``model`` as Duet's engine runs it: the paged
+    KV pool (ctx tokens cached), the model runner's attention path (the CPU kernels when built), argmax."""
     import re
     import tempfile
 
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([list(range(100, 100 + ctx))]), cache=cache))
-    logits = model(mx.array([[42]]), cache=cache)[:, -1, :]
-    token = mx.argmax(logits, axis=-1)
+    from mlx_engine.kv_cache.kv_pool import KVPool
+    from mlx_engine.kv_cache.paged_attention import BatchLayout, PagedLayerCache
+    from mlx_engine.model_runner import ModelRunner, Row, lm_head
+
+    args, block_size = model.args, 16
+    blocks = list(range(1, ctx // block_size + 3))
+    pool = KVPool(
+        args.num_hidden_layers,
+        len(blocks) + 1,
+        block_size,
+        args.num_key_value_heads,
+        getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads,
+    )
+    ModelRunner(model, pool).forward([Row(list(range(100, 100 + ctx)), 0, blocks)])
+    layout = BatchLayout(starts=[ctx], num_new=1, block_tables=[blocks], block_size=block_size)
+    caches = [PagedLayerCache(pool, i, layout) for i in range(pool.num_layers)]
+    token = mx.argmax(lm_head(model, model.model(mx.array([[42]]), caches)[:, -1:, :]), axis=-1)
     with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
         mx.export_to_dot(f.name, token)
         dot = Path(f.name).read_text()
     counts: dict[str, int] = {}
-    for m in re.finditer(r'label\s*=\s*"([A-Za-z]+)', dot):
+    for m in re.finditer(r'label\s*=\s*"([A-Za-z0-9_]+)', dot):
         name = m.group(1)
         counts[name] = counts.get(name, 0) + 1
     return counts
@@ -383,7 +396,7 @@ def profile_duet(r: DuetRunner) -> dict:
         "matmul: MLP": per_step.get("matmul: MLP", 0.0),
         "matmul: LM head": per_step.get("matmul: LM head", 0.0),
         "embedding": per_step.get("embedding", 0.0),
-        "attention (RoPE, KV write, gather, SDPA)": attn_core,
+        "attention (RoPE, KV write, paged attention)": attn_core,
         "norms": per_step.get("norms", 0.0),
         "sampler": per_step.get("sampler", 0.0),
     }
