@@ -118,8 +118,9 @@ def main() -> None:
         if spec in drafts:
             cfg.speculative, cfg.draft_model = "draft", drafts[spec]
         e = engines[name] = Engine(loaded, cfg)
-        if name.endswith(f"k={args.k}"):
-            e.speculation.measure, e.speculation.cost_ratio, e.speculation.max_k = False, 0.0, args.k
+        if name.endswith(f"k={args.k}"):  # k proposals for every row in every step, whatever they cost
+            e.speculation.measure, e.speculation.max_k = False, args.k
+            e.speculation.choose = lambda proposed, accepted, rows, k=args.k: k
     print(
         f"model {loaded.name}, weights {loaded.weight_format}, BLAS {active_blas()}, greedy, "
         f"{args.tokens} tokens per stream, median of {args.runs} runs\n"

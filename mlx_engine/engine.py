@@ -1037,10 +1037,14 @@ class Engine:
         if sampled:
             self._sample(step, rids, sampled, logits)
         # what the step cost, sampling and verification included, against the tokens it held: the
-        # speculation policy's cost model (a pass's fixed cost and the cost of one more token)
-        self.speculation.observe(
-            len({len(r.tokens) for r in rows}), sum(len(r.tokens) for r in rows), time.perf_counter() - t0
-        )
+        # speculation policy's cost model (a pass's fixed cost and the cost of one more token). Only
+        # steps of decoding rows, the steps speculation changes: a prompt's tokens cost less each
+        # (many rows of x take a different matmul path on the CPU), and fitted together with decoding
+        # tokens they made one more proposed token look nearly free in a busy batch.
+        if not prefill:
+            self.speculation.observe(
+                len({len(r.tokens) for r in rows}), sum(len(r.tokens) for r in rows), time.perf_counter() - t0
+            )
         return True
 
     def _verify(self, drafted: list[tuple[_Active, mx.array]]) -> None:

@@ -64,9 +64,12 @@ class SpeculationPolicy:
     verification of every position, timed together): a step of ``T`` tokens takes
     ``a + c * T`` seconds, r = c / a. A step of ``B`` decoding rows then costs ``1 + r * B`` and
     with ``k`` proposals per row ``1 + r * B * (1 + k)``, for ``(1 - p^(k+1)) / (1 - p)`` tokens
-    per row instead of one, ``p`` being the measured chance that a proposal is kept. A draft model
-    adds ``q * k`` (``draft_cost`` q: one draft pass per proposal position, for the whole step,
-    relative to ``a``; measured by ``observe_draft``).
+    per row instead of one, ``p`` being the measured chance that a proposal is kept. With more
+    than one row, add one more pass (1): the model runner batches rows of equal length, and the
+    rows with no proposals this step (the text offers none) stay in a pass of their own; at 4
+    streams on a CPU that pass is most of what speculating costs. A draft model adds ``q * k``
+    (``draft_cost`` q: one draft pass per proposal position, for the whole step, relative to
+    ``a``; measured by ``observe_draft``).
     """
 
     max_k: int = 5
@@ -121,9 +124,10 @@ class SpeculationPolicy:
     def choose(self, proposed: int, accepted: int, decoding_rows: int) -> int:
         p = self.acceptance(proposed, accepted)
         rb = self.cost_ratio * max(decoding_rows, 1)
+        passes = 2 if decoding_rows > 1 else 1  # proposing rows, and those with none
         best_k, best = 0, 1.0
         for k in range(1, self.max_k + 1):
-            gain = (1 - p ** (k + 1)) / (1 - p) * (1 + rb) / (1 + rb * (1 + k) + self.draft_cost * k)
+            gain = (1 - p ** (k + 1)) / (1 - p) * (1 + rb) / (passes + rb * (1 + k) + self.draft_cost * k)
             if gain > best * 1.02:  # a clear win only
                 best_k, best = k, gain
         return best_k

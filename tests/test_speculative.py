@@ -42,6 +42,16 @@ def test_policy_proposes_for_a_lone_stream_and_not_in_a_busy_batch():
     assert pol.choose(0, 0, decoding_rows=64) == 0
 
 
+def test_policy_counts_the_pass_that_rows_without_proposals_keep():
+    """Measured on the bundled model (4 streams, quantized CPU weights): a pass costs ~21 ms and a
+    token ~6 ms (r ~ 0.29). Rows without proposals keep a pass of their own, so at 4 streams a
+    60%-kept proposal costs more than it brings (it did: 0.76x of off); alone it pays."""
+    pol = SpeculationPolicy(cost_ratio=0.29, measure=False)
+    assert pol.choose(100, 60, decoding_rows=4) == 0
+    assert pol.choose(100, 60, decoding_rows=1) >= 1
+    assert pol.choose(100, 95, decoding_rows=4) >= 1  # nearly every proposal kept: still worth it
+
+
 def test_policy_measures_what_a_token_costs_in_a_pass():
     pol = SpeculationPolicy()
     for passes, tokens in [(1, 1), (1, 4), (2, 8), (1, 16), (1, 2), (3, 20)]:
@@ -51,6 +61,29 @@ def test_policy_measures_what_a_token_costs_in_a_pass():
     for passes, tokens in [(1, 1), (1, 4), (2, 8), (1, 16)]:
         cheap.observe(passes, tokens, 0.010 * passes + 0.00001 * tokens)  # per-op overhead only
     assert cheap.choose(100, 60, decoding_rows=8) > pol.choose(100, 60, decoding_rows=8) == 0
+
+
+def test_the_cost_model_learns_from_decoding_steps_only(tiny_dirs, monkeypatch):
+    """Prompt tokens cost less each than decoding ones (on the CPU many rows of x take another matmul
+    path); fitted together they made a proposed token look free in a busy batch. Every step the
+    policy is shown holds decoding rows (one token each, or one plus its proposals), none a prompt."""
+    loaded = load_model(str(tiny_dirs("llama")))
+    # 64-token prompts in chunks of 32: a step with prompt tokens holds at least 32 tokens, one of
+    # three decoding rows at most 3 * (1 + max_k) = 18
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, prefill_chunk=32, max_batch_tokens=64))
+    seen: list[tuple[int, int]] = []
+    real = engine.speculation.observe
+    monkeypatch.setattr(
+        engine.speculation, "observe", lambda p, t, s: (seen.append((p, t)), real(p, t, s))[1]
+    )
+    ps = [(p * 16)[:64] for p in repetitive_prompts(loaded.tokenizer.vocab_size, 3, seed=4)]
+    try:
+        outs = asyncio.run(run_all(engine, greedy_reqs(ps, n=24)()))
+    finally:
+        engine.shutdown()
+    assert all(len(ids) == 24 for ids, _ in outs)
+    assert seen, "no step reached the cost model"
+    assert all(tokens <= 3 * (1 + engine.speculation.max_k) for _, tokens in seen), seen
 
 
 def test_an_unknown_mode_is_a_config_error():

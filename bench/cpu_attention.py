@@ -1,0 +1,101 @@
+"""One forward pass of a model through Duet's model runner on the CPU, attention through the paged
+attention kernel (``cpu_kernels/paged_attention.py``) against the reference path (gather the rows'
+context out of the pool, then ``mx.fast.scaled_dot_product_attention``), in the same process.
+
+    LD_PRELOAD="$(.venv/bin/python -m mlx_engine.blas --preload)" \\
+        .venv/bin/python bench/cpu_attention.py [--model M] [--threads 1] [--runs 7]
+            [--cases 1@64,1@1024,65@0,65@2256,136@1616,512@0]
+
+A case ``L@C`` is one pass of L new tokens for one row with C tokens already in the pool (random
+tokens): ``1@1024`` a decode step at a 1K context, ``512@0`` a 512-token prefill from nothing,
+``65@2256`` a later chat turn's prefill over its cached history. The two paths alternate run by run;
+medians. For decode cases it also splits the kernel path's pass into building the lazy graph in
+Python and evaluating it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+
+from cpu_kernels import spec  # noqa: E402
+from mlx_engine.kv_cache import paged_attention  # noqa: E402
+from mlx_engine.kv_cache.kv_pool import KVPool  # noqa: E402
+from mlx_engine.kv_cache.paged_attention import BatchLayout, PagedLayerCache  # noqa: E402
+from mlx_engine.loading.loader import load_model  # noqa: E402
+from mlx_engine.model_runner import ModelRunner, Row, lm_head  # noqa: E402
+
+BLOCK = 16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--cases", default="1@64,1@1024,65@0,65@2256,136@1616,512@0")
+    args = ap.parse_args()
+    spec.set_threads(args.threads)
+    loaded = load_model(args.model)
+    model, cfg = loaded.model, loaded.model.args
+    cases = [tuple(int(v) for v in c.split("@")) for c in args.cases.split(",")]
+    longest = max(n + c for n, c in cases)
+    blocks = list(range(1, longest // BLOCK + 3))
+    pool = KVPool(cfg.num_hidden_layers, len(blocks) + 1, BLOCK, loaded.n_kv_heads, loaded.head_dim)
+    runner = ModelRunner(model, pool)
+    kernel = paged_attention.attention_kernel
+    if kernel is None:
+        sys.exit("the CPU kernels are not built (make setup)")
+    rng = random.Random(0)
+    history = [rng.randrange(1000, 30000) for _ in range(longest)]
+    for s in range(0, longest, 256):  # the pool holds a context for every case
+        runner.forward([Row(history[s : s + 256], s, blocks)])
+
+    def once(n: int, cached: int, use_kernel: bool) -> float:
+        paged_attention.attention_kernel = kernel if use_kernel else None
+        t0 = time.perf_counter()
+        runner.forward([Row(history[cached : cached + n], cached, blocks)])
+        return time.perf_counter() - t0
+
+    def build_and_eval(cached: int) -> tuple[float, float]:
+        paged_attention.attention_kernel = kernel
+        t0 = time.perf_counter()
+        layout = BatchLayout(starts=[cached], num_new=1, block_tables=[blocks], block_size=BLOCK)
+        caches = [PagedLayerCache(pool, i, layout) for i in range(pool.num_layers)]
+        logits = lm_head(model, model.model(mx.array([history[cached : cached + 1]]), caches)[:, -1:, :])
+        t1 = time.perf_counter()
+        mx.eval(logits, *pool.arrays())
+        return t1 - t0, time.perf_counter() - t1
+
+    print(
+        f"{loaded.name}, weights {loaded.weight_format}, {args.threads} thread(s), medians of {args.runs}\n"
+    )
+    print("| new tokens | cached tokens | kernel (ms) | gather + SDPA (ms) | ratio |")
+    print("|---:|---:|---:|---:|---:|")
+    splits = []
+    for n, cached in cases:
+        once(n, cached, True), once(n, cached, False)  # warm-up
+        k, r = [], []
+        for _ in range(args.runs):
+            k.append(once(n, cached, True))
+            r.append(once(n, cached, False))
+        km, rm = statistics.median(k) * 1e3, statistics.median(r) * 1e3
+        print(f"| {n} | {cached} | {km:.1f} | {rm:.1f} | {rm / km:.2f}x |")
+        if n == 1:
+            parts = [build_and_eval(cached) for _ in range(args.runs)]
+            splits.append((cached, *(statistics.median(p) * 1e3 for p in zip(*parts, strict=True))))
+    paged_attention.attention_kernel = kernel
+    for cached, build, ev in splits:
+        print(f"\ndecode at ctx {cached}: building the graph {build:.1f} ms, evaluating it {ev:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
