@@ -9,7 +9,9 @@ llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed; cache
 ``bench/out/``). Systems, each in processes of its own so their memory and threads never mix:
 
 * **Duet**: ``Engine`` on the CPU backend (prompts are random, so the prefix cache only ever hits
-  the long context, as the others reuse theirs);
+  the long context, as the others reuse theirs), with its default adaptive n-gram speculation;
+  **duet-nospec** (``--systems duet,duet-nospec,...``): the same with speculation off, one token per
+  pass like the others;
 * **llama.cpp**: llama-cpp-python, the same GGUF, ``n_threads`` = ``n_threads_batch`` = threads;
 * **mlx-lm**: mlx-lm cannot read a GGUF (``mlx_lm.load`` takes safetensors only), so its
   generation loop (``generate_step``, under ``mlx_lm.generate``) runs on the model Duet's loader
@@ -51,7 +53,7 @@ CHAT_PROMPT = "Write a short story about a robot who learns to paint, in three p
 DECODE_TOKENS = 32
 LONG = 1024  # the long context: prefilled once per worker, then decoded from in every run
 COLD_TOKENS = 128
-SYSTEMS = ("duet", "llama.cpp", "mlx-lm")
+SYSTEMS = ("duet", "llama.cpp", "mlx-lm")  # and "duet-nospec", on request
 METRICS = [  # key, label, unit, higher is better
     ("decode_64", "decode, batch 1, ctx 64", "tok/s", True),
     ("decode_1024", "decode, batch 1, ctx 1024", "tok/s", True),
@@ -85,6 +87,8 @@ def rates(times: list[float], prompt_len: int, t0: float) -> tuple[float, float]
 
 # --- Duet ------------------------------------------------------------------------------------
 class DuetRunner:
+    speculative = "ngram"  # Duet's default: prompt lookup, adaptive (the same tokens as without)
+
     def __init__(self, model: str, threads: int):
         from mlx_engine.engine import Engine, EngineConfig
         from mlx_engine.loading.loader import load_model
@@ -92,7 +96,9 @@ class DuetRunner:
         self.loaded = load_model(model)
         self.engine = Engine(
             self.loaded,
-            EngineConfig(max_batch_tokens=512, prefill_chunk=512, max_running=16),
+            EngineConfig(
+                max_batch_tokens=512, prefill_chunk=512, max_running=16, speculative=self.speculative
+            ),
         )
         self.vocab = self.loaded.tokenizer.vocab_size
 
@@ -231,7 +237,19 @@ class MlxLmRunner:
         pass
 
 
-RUNNERS = {"duet": DuetRunner, "llama.cpp": LlamaCppRunner, "mlx-lm": MlxLmRunner}
+class DuetPlainRunner(DuetRunner):
+    """Duet with speculative decoding off: what its forward passes alone do (llama.cpp and mlx-lm
+    here decode one token per pass)."""
+
+    speculative = "off"
+
+
+RUNNERS = {
+    "duet": DuetRunner,
+    "duet-nospec": DuetPlainRunner,
+    "llama.cpp": LlamaCppRunner,
+    "mlx-lm": MlxLmRunner,
+}
 
 
 def one_run(r, i: int) -> dict[str, float]:
@@ -454,7 +472,7 @@ def env(threads: int) -> dict[str, str]:
 
 
 def cold_run(system: str, model: str, threads: int) -> tuple[float, float]:
-    if system == "duet":
+    if system.startswith("duet"):
         cmd = [
             str(Path(sys.executable).parent / "duet"),
             "generate",
@@ -464,6 +482,7 @@ def cold_run(system: str, model: str, threads: int) -> tuple[float, float]:
             model,
         ]
         cmd += ["--max-tokens", str(COLD_TOKENS), "--temperature", "0"]
+        cmd += ["--speculative", RUNNERS[system].speculative]
     else:
         cmd = [sys.executable, __file__, "--cold-worker", system, "--model", model, "--threads", str(threads)]
     t0 = time.monotonic()
@@ -676,7 +695,7 @@ def main() -> None:
 
     if a.from_json:
         saved = json.loads(Path(a.from_json).read_text())
-        systems = [s for s in SYSTEMS if all(s in r for r in saved["results"].values())]
+        systems = [s for s in RUNNERS if all(s in r for r in saved["results"].values())]
         print(table(saved["results"], systems))
         if a.plot:
             plot(saved["results"], systems, a.plot)

@@ -2,9 +2,13 @@
 attention kernel (``cpu_kernels/paged_attention.py``) against the reference path (gather the rows'
 context out of the pool, then ``mx.fast.scaled_dot_product_attention``), in the same process.
 
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 DUET_CPU_THREADS=1 \\
     LD_PRELOAD="$(.venv/bin/python -m mlx_engine.blas --preload)" \\
-        .venv/bin/python bench/cpu_attention.py [--model M] [--threads 1] [--runs 7]
+        .venv/bin/python bench/cpu_attention.py [--model M] [--runs 7]
             [--cases 1@64,1@1024,65@0,65@2256,136@1616,512@0]
+
+Threads come from the environment (BLAS reads its own at start-up, before Python runs): the line above
+runs everything on one thread, as ``bench/cpu.py --threads 1`` does.
 
 A case ``L@C`` is one pass of L new tokens for one row with C tokens already in the pool (random
 tokens): ``1@1024`` a decode step at a 1K context, ``512@0`` a 512-token prefill from nothing,
@@ -39,11 +43,10 @@ BLOCK = 16
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--cases", default="1@64,1@1024,65@0,65@2256,136@1616,512@0")
     args = ap.parse_args()
-    spec.set_threads(args.threads)
+    threads = spec.set_threads()  # DUET_CPU_THREADS, else the physical cores
     loaded = load_model(args.model)
     model, cfg = loaded.model, loaded.model.args
     cases = [tuple(int(v) for v in c.split("@")) for c in args.cases.split(",")]
@@ -76,7 +79,7 @@ def main() -> None:
         return t1 - t0, time.perf_counter() - t1
 
     print(
-        f"{loaded.name}, weights {loaded.weight_format}, {args.threads} thread(s), medians of {args.runs}\n"
+        f"{loaded.name}, weights {loaded.weight_format}, {threads} kernel thread(s), medians of {args.runs}\n"
     )
     print("| new tokens | cached tokens | kernel (ms) | gather + SDPA (ms) | ratio |")
     print("|---:|---:|---:|---:|---:|")
