@@ -299,8 +299,7 @@ def count_ops(model, ctx: int) -> dict[str, int]:
     import mlx.core as mx
 
     from mlx_engine.kv_cache.kv_pool import KVPool
-    from mlx_engine.kv_cache.paged_attention import BatchLayout, PagedLayerCache
-    from mlx_engine.model_runner import ModelRunner, Row, lm_head
+    from mlx_engine.model_runner import ModelRunner, Row
 
     args, block_size = model.args, 16
     blocks = list(range(1, ctx // block_size + 3))
@@ -311,10 +310,9 @@ def count_ops(model, ctx: int) -> dict[str, int]:
         args.num_key_value_heads,
         getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads,
     )
-    ModelRunner(model, pool).forward([Row(list(range(100, 100 + ctx)), 0, blocks)])
-    layout = BatchLayout(starts=[ctx], num_new=1, block_tables=[blocks], block_size=block_size)
-    caches = [PagedLayerCache(pool, i, layout) for i in range(pool.num_layers)]
-    token = mx.argmax(lm_head(model, model.model(mx.array([[42]]), caches)[:, -1:, :]), axis=-1)
+    runner = ModelRunner(model, pool)
+    runner.forward([Row(list(range(100, 100 + ctx)), 0, blocks)])
+    token = mx.argmax(runner.lazy_logits([Row([42], ctx, blocks)])[:, -1, :], axis=-1)
     with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
         mx.export_to_dot(f.name, token)
         dot = Path(f.name).read_text()

@@ -33,9 +33,8 @@ import mlx.core as mx  # noqa: E402
 from cpu_kernels import spec  # noqa: E402
 from mlx_engine.kv_cache import paged_attention  # noqa: E402
 from mlx_engine.kv_cache.kv_pool import KVPool  # noqa: E402
-from mlx_engine.kv_cache.paged_attention import BatchLayout, PagedLayerCache  # noqa: E402
 from mlx_engine.loading.loader import load_model  # noqa: E402
-from mlx_engine.model_runner import ModelRunner, Row, lm_head  # noqa: E402
+from mlx_engine.model_runner import ModelRunner, Row  # noqa: E402
 
 BLOCK = 16
 
@@ -71,9 +70,7 @@ def main() -> None:
     def build_and_eval(cached: int) -> tuple[float, float]:
         paged_attention.attention_kernel = kernel
         t0 = time.perf_counter()
-        layout = BatchLayout(starts=[cached], num_new=1, block_tables=[blocks], block_size=BLOCK)
-        caches = [PagedLayerCache(pool, i, layout) for i in range(pool.num_layers)]
-        logits = lm_head(model, model.model(mx.array([history[cached : cached + 1]]), caches)[:, -1:, :])
+        logits = runner.lazy_logits([Row(history[cached : cached + 1], cached, blocks)])
         t1 = time.perf_counter()
         mx.eval(logits, *pool.arrays())
         return t1 - t0, time.perf_counter() - t1

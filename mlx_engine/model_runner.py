@@ -49,7 +49,9 @@ class ModelRunner:
         self.pool = pool
         self.position_logits: dict[int, mx.array] = {}  # row index -> (tokens, vocab), last forward
 
-    def _pass(self, rows: list[Row], all_positions: bool = False) -> mx.array:
+    def lazy_logits(self, rows: list[Row], all_positions: bool = False) -> mx.array:
+        """One pass over rows of equal length, as a lazy graph: its logits (the last position, or every
+        one); the KV writes are pending in the pool's arrays. Nothing is evaluated."""
         layout = BatchLayout(
             starts=[r.start for r in rows],
             num_new=len(rows[0].tokens),
@@ -70,7 +72,7 @@ class ModelRunner:
         self.position_logits = {}
         for idx in groups.values():
             every = any(rows[i].all_logits for i in idx)
-            out = self._pass([rows[i] for i in idx], all_positions=every)
+            out = self.lazy_logits([rows[i] for i in idx], all_positions=every)
             for j, i in enumerate(idx):
                 if rows[i].all_logits:
                     self.position_logits[i] = out[j]
@@ -93,6 +95,6 @@ class ModelRunner:
 
     def forward_all(self, row: Row) -> mx.array:
         """Logits at every position of one row (teacher forcing in tests and evals)."""
-        logits = self._pass([row], all_positions=True)[0]
+        logits = self.lazy_logits([row], all_positions=True)[0]
         mx.eval(logits, *self.pool.arrays())
         return logits

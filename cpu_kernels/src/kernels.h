@@ -29,7 +29,7 @@ struct QmmArgs {
 
 // One chunk of n <= 32 keys for the paged attention kernel (paged_attention.cpp): R query rows (scaled
 // by the softmax scale), each seeing keys [j0[r], j1[r]) of the chunk, update their running max m,
-// sum l and (R, Dv) accumulator acc (online softmax, float32). Scratch: scores 32 floats, kt 32 * D.
+// sum l and (R, Dv) accumulator acc (online softmax, float32).
 struct AttendChunk {
   const float* q; // (R, D)
   const float* const* k; // 32 key rows of D floats: the chunk's n, then rows of zeros
@@ -39,8 +39,6 @@ struct AttendChunk {
   float* m;
   float* l;
   float* acc;
-  float* scores;
-  float* kt;
   int n;
   int R;
   int D;

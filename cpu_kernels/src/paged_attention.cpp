@@ -68,7 +68,7 @@ void attend(
   const int R = G * (i1 - i0);
   const int len = std::min(lens[b], s.max_blocks * s.block_size); // never past the table
   const int first = len - s.L; // position of query token 0
-  std::vector<float> qf(size_t(R) * D), acc(size_t(R) * Dv, 0.0f), m(R), l(R), sc(kChunk);
+  std::vector<float> qf(size_t(R) * D), acc(size_t(R) * Dv, 0.0f), m(R), l(R);
   std::vector<int> lo(R), hi(R);
   int t_begin = len, t_end = 0;
   for (int i = i0; i < i1; ++i) {
@@ -104,7 +104,6 @@ void attend(
   const float* kv_rows[kChunk];
   const float* vv_rows[kChunk];
   std::vector<int> j0(R), j1(R);
-  std::vector<float> kt(size_t(kChunk) * D);
   const AttendFn attend_chunk = attend_chunk_fn();
   for (int t0 = t_begin; t0 < t_end; t0 += kChunk) {
     const int n = std::min(kChunk, t_end - t0);
@@ -149,8 +148,6 @@ void attend(
         m.data(),
         l.data(),
         acc.data(),
-        sc.data(),
-        kt.data(),
         n,
         R,
         D,
