@@ -266,6 +266,23 @@ def test_truncated_files(tmp_path, bundled):
         load_gguf(tmp_path / "cut.gguf", dense=True)
 
 
+def test_a_file_changed_between_check_and_load_is_read_again(tmp_path):
+    """The model check's parse is reused by the load that follows only for the same, unchanged file."""
+    from mlx_engine.loading.gguf_file import read_gguf, read_tensor_table
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "llama")
+    llama_tensors = read_tensor_table(path)
+    write_tiny_gguf(path, "qwen3")
+    qwen = read_gguf(path)
+    assert qwen.metadata["general.architecture"] == "qwen3"
+    assert [t.name for t in qwen.tensors] != [t.name for t in llama_tensors]
+    read_tensor_table(path)
+    path.unlink()
+    with pytest.raises(GGUFError, match="not found"):
+        read_gguf(path)
+
+
 def test_unknown_architecture(tmp_path):
     path = tmp_path / "mamba.gguf"
     write_tiny_gguf(path, "llama", gguf_arch="mamba")

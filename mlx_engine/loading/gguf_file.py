@@ -83,6 +83,9 @@ class GGUFContents:
     tensors: list[TensorInfo]
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Reader:
     def __init__(self, data: mmap.mmap, path: Path):
         self.data, self.pos, self.path = data, 0, path
@@ -91,12 +94,15 @@ class _Reader:
         """Advance over ``n`` bytes that must lie inside the file; returns where they start."""
         start = self.pos
         if n < 0 or start + n > len(self.data):
-            raise GGUFError(
-                f"{self.path} is truncated or corrupt: the header runs past the end of the file "
-                f"(at byte {start}, {len(self.data)} bytes in all)"
-            )
+            raise self.truncated(start)
         self.pos += n
         return start
+
+    def truncated(self, at: int) -> GGUFError:
+        return GGUFError(
+            f"{self.path} is truncated or corrupt: the header runs past the end of the file "
+            f"(at byte {at}, {len(self.data)} bytes in all)"
+        )
 
     def u32(self) -> int:
         return struct.unpack_from("<I", self.data, self.skip(4))[0]
@@ -112,6 +118,29 @@ class _Reader:
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.path} is corrupt: a header string is not UTF-8") from e
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` length-prefixed strings (a tokenizer's vocabulary and merges: ~10^5 of them, so one
+        tight loop rather than a method call per field)."""
+        data, pos, end = self.data, self.pos, len(self.data)
+        length = _U64.unpack_from
+        raw: list[bytes] = []
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            n = length(data, pos)[0]
+            pos += 8
+            if pos + n > end:
+                break
+            raw.append(data[pos : pos + n])
+            pos += n
+        else:
+            self.pos = pos
+            try:
+                return [b.decode("utf-8") for b in raw]
+            except UnicodeDecodeError as e:
+                raise GGUFError(f"{self.path} is corrupt: a header string is not UTF-8") from e
+        raise self.truncated(pos)
+
     def value(self, kind: int, key: str) -> Any:
         if kind in _VALUE_DTYPES:
             start = self.skip(_VALUE_SIZES[kind])
@@ -126,53 +155,51 @@ class _Reader:
                 values = np.frombuffer(self.data, _VALUE_DTYPES[item], count, start)
                 return values.astype(bool).tolist() if item == _BOOL else values.tolist()
             if item == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             raise GGUFError(f"{self.path} is corrupt: metadata {key!r} is an array of unknown type {item}")
         raise GGUFError(f"{self.path} is corrupt: metadata {key!r} has unknown value type {kind}")
 
-    def skip_value(self, kind: int, key: str) -> None:
-        if kind in _VALUE_SIZES:
-            self.skip(_VALUE_SIZES[kind])
-        elif kind == _STRING:
-            self.skip(self.u64())
-        elif kind == _ARRAY:
-            item, count = self.u32(), self.u64()
-            if item in _VALUE_SIZES:
-                self.skip(_VALUE_SIZES[item] * count)
-            elif item == _STRING:
-                for _ in range(count):
-                    self.skip(self.u64())
-            else:
-                raise GGUFError(
-                    f"{self.path} is corrupt: metadata {key!r} is an array of unknown type {item}"
-                )
-        else:
-            raise GGUFError(f"{self.path} is corrupt: metadata {key!r} has unknown value type {kind}")
+
+# The last read_tensor_table's whole parse, for the read_gguf of the same unchanged file that follows
+# it (the model check, then the load): taken once, then dropped.
+_handoff: tuple[tuple[str, int, int, int], GGUFContents] | None = None
+
+
+def _file_key(path: Path) -> tuple[str, int, int, int]:
+    st = path.stat()
+    return str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def read_tensor_table(path: Path) -> list[TensorInfo]:
     """Validate ``path`` as a GGUF v2/v3 file and list its tensors. Raises ``GGUFError`` for a missing,
-    truncated or corrupt file, or one holding tensor types we cannot load."""
-    return read_gguf(path, metadata=False).tensors
+    truncated or corrupt file, or one holding tensor types we cannot load. The metadata is decoded too
+    and kept for the next ``read_gguf`` of this file (a check is followed by a load)."""
+    global _handoff
+    contents = read_gguf(path)
+    _handoff = (_file_key(path), contents)
+    return contents.tensors
 
 
-def read_gguf(path: Path, *, metadata: bool = True) -> GGUFContents:
-    """Validate ``path`` as ``read_tensor_table`` does; also decode its metadata unless ``metadata`` is
-    False (then ``metadata`` is empty)."""
+def read_gguf(path: Path) -> GGUFContents:
+    """Validate ``path`` as ``read_tensor_table`` does, and decode its metadata."""
+    global _handoff
     if not path.is_file():
         raise GGUFError(f"GGUF file not found: {path}")
+    handoff, _handoff = _handoff, None
+    if handoff is not None and handoff[0] == _file_key(path):
+        return handoff[1]
     with open(path, "rb") as f:
         try:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError as e:  # empty file
             raise GGUFError(f"{path} is not a GGUF file (it is empty)") from e
     try:
-        return _walk(data, path, metadata)
+        return _walk(data, path)
     finally:
         data.close()
 
 
-def _walk(data: mmap.mmap, path: Path, decode: bool) -> GGUFContents:
+def _walk(data: mmap.mmap, path: Path) -> GGUFContents:
     if data[:4] != b"GGUF":
         raise GGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     r = _Reader(data, path)
@@ -186,10 +213,7 @@ def _walk(data: mmap.mmap, path: Path, decode: bool) -> GGUFContents:
     for _ in range(n_kv):
         key, kind = r.string(), r.u32()
         start = r.pos
-        if decode:
-            md[key] = r.value(kind, key)
-        else:
-            r.skip_value(kind, key)
+        md[key] = r.value(kind, key)
         if key == "general.alignment" and kind == _UINT32:
             alignment = struct.unpack_from("<I", data, start)[0]
     if alignment == 0 or alignment % 8:
