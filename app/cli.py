@@ -377,7 +377,24 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _local_engine_flags(args) -> list[str]:
+    """The options of ``args`` (a ``duet chat`` command line) that differ from their defaults and
+    configure the local engine: every one but --model and --server."""
+    defaults = vars(build_parser().parse_args(["chat"]))
+    return [
+        "--" + name.replace("_", "-")
+        for name, value in vars(args).items()
+        if name not in ("model", "server", "func") and name in defaults and value != defaults[name]
+    ]
+
+
 def cmd_chat(args) -> int:
+    if args.server and (ignored := _local_engine_flags(args)):
+        raise ConfigError(
+            f"{', '.join(ignored)}: with --server the chat loads no model, so the server's own settings "
+            f"apply (give these to `duet serve` there)",
+            "server",
+        )
     config = engine_config(args)
     if not args.server:
         _check_model(args)

@@ -255,6 +255,23 @@ def test_cache_gb_limit_names_the_machine_memory(nothing_loads, capsys):
     assert_one_line_error(code, out, err, f"this machine's {gib:.1f} GiB of memory")
 
 
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--peers", "127.0.0.1:7611"], "--peers"),
+        (["--speculative", "off", "--kv-bits", "8"], "--kv-bits, --speculative"),
+        (["--cache-gb", "1"], "--cache-gb"),
+    ],
+)
+def test_chat_with_a_server_refuses_options_for_a_local_engine(args, named, nothing_loads, capsys):
+    """`duet chat --server URL` loads no model: an engine option (peers, cache, speculation) would be
+    silently dropped, so it is one line naming the options, before anything connects or loads."""
+    argv = ["chat", "--server", "http://127.0.0.1:9", *args]
+    code, out, err = run_main(capsys, argv)
+    assert_one_line_error(code, out, err, named)
+    assert "--server" in err and "duet serve" in err
+
+
 def test_chat_options_reach_the_engine_config(monkeypatch):
     """`duet chat` builds its engine options with the same builder as the other commands: the
     full-screen chat gets --cache-fraction and --kv-bits instead of dropping them."""
