@@ -4,12 +4,16 @@
 :class:`CPUQuantizedLinear` and every such ``QuantizedEmbedding`` into a
 :class:`CPUQuantizedEmbedding` (its ``as_linear``, the tied LM head, uses the kernel; the lookup stays
 MLX's), and every ``nn.RMSNorm`` into a :class:`CPURMSNorm` (one op instead of MLX's ~8-op CPU
-fallback) and every ``nn.RoPE`` into a :class:`CPURoPE` (one op instead of ~25), only when the
-extension is built. Only the class changes: parameters, names and ``nn.quantize``'s bookkeeping stay as they are,
+fallback) and every ``nn.RoPE`` into a :class:`CPURoPE` (one op instead of ~25), and every mlx-lm MLP
+that is exactly ``down_proj(swiglu(gate_proj(x), up_proj(x)))`` into a subclass whose activation is
+the ``swiglu`` kernel (vectorised instead of a scalar exp per element), only when the extension is
+built. Only the class changes: parameters, names and ``nn.quantize``'s bookkeeping stay as they are,
 so mlx-lm's model code and weight loading see the same modules.
 """
 
 from __future__ import annotations
+
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +22,7 @@ from cpu_kernels.norm import rms_norm
 from cpu_kernels.qmm import SPEC, quantized_matmul
 from cpu_kernels.rope import rope
 from cpu_kernels.spec import available
+from cpu_kernels.swiglu import swiglu
 
 
 class CPUQuantizedLinear(nn.QuantizedLinear):
@@ -63,6 +68,30 @@ class CPURoPE(nn.RoPE):
         )
 
 
+# An MLP class whose __call__ is exactly mlx-lm's ``down_proj(swiglu(gate_proj(x), up_proj(x)))``
+# (Llama, Qwen, Mistral, SmolLM, ...) -> its subclass through the swiglu kernel; None: not that MLP.
+_SWIGLU_MLPS: dict[type, type | None] = {}
+
+
+def _swiglu_mlp(cls: type) -> type | None:
+    if cls not in _SWIGLU_MLPS:
+        code = getattr(cls.__call__, "__code__", None)
+        module = sys.modules.get(cls.__module__)
+        activations = sys.modules.get("mlx_lm.models.activations")
+        plain = (
+            code is not None
+            and set(code.co_names) == {"down_proj", "swiglu", "gate_proj", "up_proj"}
+            and activations is not None
+            and getattr(module, "swiglu", None) is getattr(activations, "swiglu", False)
+        )
+
+        def __call__(self, x: mx.array) -> mx.array:
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+        _SWIGLU_MLPS[cls] = type(f"CPU{cls.__name__}", (cls,), {"__call__": __call__}) if plain else None
+    return _SWIGLU_MLPS[cls]
+
+
 def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
     return (
         layer.mode == "affine"
@@ -72,8 +101,8 @@ def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
 
 
 def use_cpu_kernels(model: nn.Module) -> int:
-    """Switch the model's supported quantized layers and its RMSNorms to the CPU kernels (in place);
-    returns how many layers were switched."""
+    """Switch the model's supported quantized layers, its RMSNorms, RoPEs and SwiGLU MLPs to the CPU
+    kernels (in place); returns how many layers were switched."""
     switched = 0
     norms = available()
     for _, layer in model.named_modules():
@@ -83,6 +112,11 @@ def use_cpu_kernels(model: nn.Module) -> int:
             continue
         if type(layer) is nn.RoPE and norms:
             layer.__class__ = CPURoPE
+            switched += 1
+            continue
+        mlp = _swiglu_mlp(type(layer)) if norms else None
+        if mlp is not None:
+            layer.__class__ = mlp
             switched += 1
             continue
         if type(layer) is nn.QuantizedLinear and _supported(layer):

@@ -483,3 +483,93 @@ def test_model_rope_switches_and_logits_match(ext, tiny_dirs):
         step = [f64(m(mx.array([[77]]), cache=c)) for m, c in zip(model_pair, caches, strict=True)]
         assert np.abs(step[0] - step[1]).max() < 1e-3  # a decode step at offset 8
         assert step[0].argmax() == step[1].argmax()
+
+
+# --- SwiGLU -------------------------------------------------------------------------------------
+
+# Relative to |g * up|: float32 within a few ulps; half precision outputs are rounded to their dtype
+# (plus float16's subnormal spacing, 2^-24, where a tiny product leaves its normal range).
+SWIGLU_TOL = {mx.float32: 1e-6, mx.float16: 1e-3, mx.bfloat16: 8e-3}
+SWIGLU_FLOOR = {mx.float32: 0.0, mx.float16: 2.0**-24, mx.bfloat16: 0.0}
+
+
+def swiglu_f64(g: mx.array, u: mx.array) -> np.ndarray:
+    gf, uf = f64(g), f64(u)
+    return gf / (1.0 + np.exp(-gf)) * uf
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (16, 1, 1536), (3, 5, 7), (13,), (2, 0, 4)])
+def test_swiglu_matches_float64_on_every_variant(ext, dtype, shape):
+    """silu(g) * up over the whole range of gates a model produces (|g| up to 100: exp(-|g|) underflows
+    instead of overflowing), whole 8-lane vectors and tails, on every instruction set."""
+    from cpu_kernels.swiglu import swiglu
+
+    rng = np.random.default_rng(sum(shape) + len(shape))
+    g = rng.normal(0, 4, shape).astype(np.float32)
+    g.reshape(-1)[: min(g.size, 4)] = [100.0, -100.0, 0.0, -0.0][: min(g.size, 4)]
+    gate = mx.array(g).astype(dtype)
+    up = mx.array(rng.normal(0, 1, shape).astype(np.float32)).astype(dtype)
+    want = swiglu_f64(gate, up)
+    scale = np.abs(f64(gate) * f64(up)) + 1e-30
+    for isa in variants(ext):
+        ext.set_isa(isa)
+        y = swiglu(gate, up, backend="native")
+        assert y.dtype == dtype and y.shape == gate.shape
+        err = np.abs(f64(y) - want)
+        assert (err <= SWIGLU_TOL[dtype] * scale + SWIGLU_FLOOR[dtype]).all(), (isa, (err / scale).max())
+    ext.set_isa("")
+
+
+def test_swiglu_threads_views_and_compile(ext):
+    from cpu_kernels.swiglu import swiglu
+
+    rng = np.random.default_rng(7)
+    gate = mx.array(rng.normal(0, 3, (64, 3000)).astype(np.float32))  # enough elements to use the pool
+    up = mx.array(rng.normal(0, 1, (64, 3000)).astype(np.float32))
+    outs = []
+    for threads in (1, 4):
+        spec.set_threads(threads)
+        outs.append(np.array(swiglu(gate, up, backend="native")))
+    spec.set_threads()
+    assert np.array_equal(outs[0], outs[1])  # elementwise: the split cannot change a value
+    want = swiglu_f64(gate, up)
+    assert (np.abs(outs[0] - want) <= 1e-6 * (np.abs(f64(gate) * f64(up)) + 1e-30)).all()
+    gt, ut = gate.T, up.T  # transposed views
+    assert np.allclose(np.array(swiglu(gt, ut, backend="native")), outs[0].T, rtol=0, atol=0)
+    compiled = mx.compile(lambda a, b: swiglu(a, b, backend="native"))
+    assert np.array_equal(np.array(compiled(gate, up)), outs[0])
+
+
+def test_swiglu_bad_input_is_a_clear_error(ext):
+    from cpu_kernels.swiglu import swiglu
+
+    with pytest.raises(ValueError, match="one shape"):
+        swiglu(mx.zeros((2, 4)), mx.zeros((2, 5)), backend="native")
+    with pytest.raises(ValueError, match="float"):
+        swiglu(mx.zeros((2, 4), dtype=mx.int32), mx.zeros((2, 4), dtype=mx.int32), backend="native")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_mlps_switch_and_logits_match(ext, tiny_dirs, arch):
+    """Llama's and Qwen3's MLPs (exactly down(swiglu(gate(x), up(x)))) take the kernel; Gemma's GELU
+    MLP does not match and keeps its own."""
+    ours = _tiny_quantized(tiny_dirs, arch, kernels=True)
+    theirs = _tiny_quantized(tiny_dirs, arch, kernels=False)
+    mlps = [m for _, m in ours.model.named_modules() if hasattr(m, "gate_proj")]
+    assert mlps and all(type(m).__name__.startswith("CPU") for m in mlps)
+    assert all(
+        not type(m).__name__.startswith("CPU")
+        for _, m in theirs.model.named_modules()
+        if hasattr(m, "gate_proj")
+    )
+    tokens = mx.array([[5, 9, 200, 31, 7, 64, 3, 12]])
+    a, b = f64(ours.model(tokens)), f64(theirs.model(tokens))
+    assert np.abs(a - b).max() < 1e-3
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_gelu_mlps_keep_their_own_activation(ext, tiny_dirs):
+    gemma = _tiny_quantized(tiny_dirs, "gemma3_text", kernels=True)
+    mlps = [m for _, m in gemma.model.named_modules() if hasattr(m, "gate_proj")]
+    assert mlps and not any(type(m).__name__.startswith("CPU") for m in mlps)

@@ -9,6 +9,7 @@
 #include "qmm.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "swiglu.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -75,6 +76,14 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "Each row's last L query tokens, causally over its KV in the paged pool, read through the block table (one op).");
+  m.def(
+      "swiglu",
+      &duet_cpu::swiglu,
+      "gate"_a,
+      "up"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "silu(gate) * up in one op with a vectorised exp (mlx-lm's swiglu).");
   m.def("set_num_threads", &duet_cpu::set_num_threads, "threads"_a, "Threads the kernels use (1..1024).");
   m.def("num_threads", &duet_cpu::num_threads);
   m.def("isa", &duet_cpu::isa, "The instruction set the kernels run with: avx512, avx2 or base.");

@@ -49,22 +49,28 @@ struct AttendChunk {
 // into out (N, K) float32 (x, xsum, y and M unused). Each ISA namespace defines both.
 namespace base {
 void attend_chunk(const AttendChunk& c);
+void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx2 {
 void attend_chunk(const AttendChunk& c);
+void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx512 {
 void attend_chunk(const AttendChunk& c);
+void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 
-// The best variant's attend_chunk for this CPU (or the one set_isa forced); defined in qmm.cpp.
+// The best variant's attend_chunk and swiglu (y = silu(g) * u over n floats) for this CPU (or the
+// one set_isa forced); defined in qmm.cpp.
 using AttendFn = void (*)(const AttendChunk&);
 AttendFn attend_chunk_fn();
+using SwigluFn = void (*)(const float*, const float*, float*, size_t);
+SwigluFn swiglu_fn();
 
 } // namespace duet_cpu

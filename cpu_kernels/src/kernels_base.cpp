@@ -3,3 +3,4 @@
 #define DUET_MAX_MB 4
 #include "kernels_impl.inc"
 #include "attention_impl.inc"
+#include "swiglu_impl.inc"

@@ -23,6 +23,7 @@ struct Variant {
   RowsFn fn;
   DequantFn dequant;
   AttendFn attend;
+  SwigluFn swiglu;
 };
 
 Variant best_variant() {
@@ -30,22 +31,22 @@ Variant best_variant() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi")) {
-    return {"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk};
+    return {"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk, avx512::swiglu};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return {"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk};
+    return {"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk, avx2::swiglu};
   }
 #endif
-  return {"base", base::qmm_rows, base::dequant_rows, base::attend_chunk};
+  return {"base", base::qmm_rows, base::dequant_rows, base::attend_chunk, base::swiglu};
 }
 
 std::atomic<const Variant*> g_variant{nullptr};
 
 const Variant& variant_named(const std::string& name) {
-  static const Variant base_v{"base", base::qmm_rows, base::dequant_rows, base::attend_chunk};
+  static const Variant base_v{"base", base::qmm_rows, base::dequant_rows, base::attend_chunk, base::swiglu};
 #if defined(DUET_X86)
-  static const Variant avx2_v{"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk};
-  static const Variant avx512_v{"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk};
+  static const Variant avx2_v{"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk, avx2::swiglu};
+  static const Variant avx512_v{"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk, avx512::swiglu};
   if (name == "avx512") {
     return avx512_v;
   }
@@ -73,6 +74,10 @@ RowsFn rows_fn() {
 
 AttendFn attend_chunk_fn() {
   return variant().attend;
+}
+
+SwigluFn swiglu_fn() {
+  return variant().swiglu;
 }
 
 namespace {
