@@ -96,6 +96,9 @@ class EngineStats:
     kv_bytes_loaded: int = 0  # KV bytes applied from loads
     remote_prefills: int = 0  # requests that got prompt KV from a remote source
     kv_frames_dropped: int = 0  # arriving layer ranges of dead loads (cancelled, failed, finished)
+    kv_block_bytes: int = (
+        0  # one KV block, every layer (and a draft model's): kv_blocks_total of them is the budget
+    )
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -396,6 +399,7 @@ class Engine:
         )
         if self.draft is not None:
             per_block += c.block_size * self._kv_bytes_per_token(self.draft)
+        self._kv_block_bytes = per_block
         kv_bytes, weight_bytes = num_blocks * per_block, m.weight_bytes  # the budget, taken as used
         if kv_bytes + weight_bytes > memory:
             raise ConfigError(
@@ -705,6 +709,7 @@ class Engine:
             kv_blocks_used=a.num_used,
             kv_blocks_cached=a.num_cached,
             kv_bytes=self.pool.nbytes,
+            kv_block_bytes=self._kv_block_bytes,
             kv_bits=self.config.kv_bits,
             prefix_query_tokens=s.prefix_query_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,

@@ -296,6 +296,33 @@ def test_engine_allocates_only_the_first_chunk_at_start(tiny_dirs):
         engine.shutdown()
 
 
+def test_the_chat_shows_kv_in_use_against_the_budget_not_the_allocated_pool(tiny_dirs, small_first_chunk):
+    """The TUI's status bar and /metrics: KV held by requests out of the budget the pool may grow to
+    (the allocated pool starts small, so showing it as the total said the cache was nearly full)."""
+    from app.server.metrics import Metrics
+    from app.tui.backends import LocalBackend
+
+    loaded = load_model(str(tiny_dirs("llama")))
+    engine = Engine(loaded, EngineConfig(cache_gb=0.05, block_size=16))
+    try:
+        pool, backend = engine.pool, LocalBackend(engine)
+        budget = pool.max_nbytes // pool.num_blocks * (pool.num_blocks - 1)  # the null block is never used
+        res = backend.resources()
+        assert res.kv_total_bytes == budget > 4 * pool.nbytes and res.kv_used_bytes == 0
+        lines = Metrics(engine).render().decode().splitlines()
+        gauges = {
+            n: float(v) for n, v in (line.split() for line in lines if line.startswith("duet_kv_cache_"))
+        }
+        assert gauges == {"duet_kv_cache_bytes": pool.nbytes, "duet_kv_cache_budget_bytes": budget}
+        held = engine.allocator.allocate(3)  # as a request's blocks would be (the engine is idle)
+        try:
+            assert backend.resources().kv_used_bytes == 3 * (budget // (pool.num_blocks - 1))
+        finally:
+            engine.allocator.free(held)
+    finally:
+        engine.shutdown()
+
+
 def test_engine_grows_under_running_requests_with_the_same_tokens(tiny_dirs, small_first_chunk):
     loaded = load_model(str(tiny_dirs("llama")))
     ps = prompts(loaded.tokenizer.vocab_size, [40, 9, 70, 33, 17, 55], seed=11)

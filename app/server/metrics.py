@@ -28,7 +28,11 @@ class _EngineCollector:
                 s.kv_blocks_total - s.kv_blocks_used,
             ),
             "duet_kv_blocks_cached": ("free KV blocks kept for prefix reuse", s.kv_blocks_cached),
-            "duet_kv_cache_bytes": ("KV cache size in bytes", s.kv_bytes),
+            "duet_kv_cache_bytes": ("KV cache bytes allocated now (it grows as blocks are used)", s.kv_bytes),
+            "duet_kv_cache_budget_bytes": (
+                "KV cache bytes once grown to its budget",
+                s.kv_blocks_total * s.kv_block_bytes,
+            ),
             "duet_prefix_cache_hit_rate": (
                 "prompt tokens served from the prefix cache / prompt tokens looked up",
                 s.prefix_hit_rate,

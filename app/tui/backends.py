@@ -105,10 +105,9 @@ class LocalBackend:
 
     def resources(self) -> Resources:
         s = self.engine.stats()
-        per_block = s.kv_bytes / max(1, s.kv_blocks_total)
-        return Resources(
-            kv_used_bytes=int((s.kv_blocks_used) * per_block),
-            kv_total_bytes=s.kv_bytes,
+        return Resources(  # blocks held by requests, of the budget (the pool grows toward it as used)
+            kv_used_bytes=s.kv_blocks_used * s.kv_block_bytes,
+            kv_total_bytes=s.kv_blocks_total * s.kv_block_bytes,
             prefix_hit_rate=s.prefix_hit_rate if s.prefix_query_tokens else None,
             detail=f"{s.backend} · {s.weight_format} · BLAS {s.blas}"
             + (f" · KV {s.kv_bits}-bit" if s.kv_bits else ""),
