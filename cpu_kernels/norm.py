@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import BACKENDS, KernelSpec, available, run, unavailable_reason
+from cpu_kernels.spec import KernelSpec, choose_backend, run
 
 SPEC = KernelSpec("rms_norm", bits=(), group_sizes=())
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -21,14 +21,7 @@ FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 def rms_norm(x: mx.array, weight: mx.array, eps: float, *, backend: str | None = None) -> mx.array:
     """``mx.fast.rms_norm(x, weight, eps)``; the CPU kernel when it is built (``backend=None``)."""
     fits = x.ndim >= 1 and weight.ndim == 1 and x.dtype in FLOATS and weight.dtype in FLOATS
-    if backend is None:
-        backend = "native" if fits and available() else "reference"
-    elif backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "native":
-        if not available():
-            raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-        if not fits:
-            raise ValueError("rms_norm's kernel takes float x (..., D) and a float weight (D,)")
+    requirement = "rms_norm's kernel takes float x (..., D) and a float weight (D,)"
+    if choose_backend(backend, fits, requirement) == "native":
         return run(SPEC, x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import BACKENDS, KernelSpec, available, run, unavailable_reason
+from cpu_kernels.spec import KernelSpec, choose_backend, run
 
 SPEC = KernelSpec("rope", bits=(), group_sizes=())
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -38,16 +38,9 @@ def rope(
         and off.dtype in OFFSET_DTYPES
         and (base is None) == (freqs is not None)
     )
-    if backend is None:
-        backend = "native" if fits and available() else "reference"
-    elif backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "native":
-        if not available():
-            raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-        if not fits:
-            raise ValueError(
-                "rope's kernel takes float x (B, *, T, D), an integer offset, and exactly one of base and freqs"
-            )
+    requirement = (
+        "rope's kernel takes float x (B, *, T, D), an integer offset, and exactly one of base and freqs"
+    )
+    if choose_backend(backend, fits, requirement) == "native":
         return run(SPEC, x, dims, traditional, 0.0 if base is None else base, scale, off, freqs)
     return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)

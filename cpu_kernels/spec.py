@@ -132,22 +132,28 @@ def set_threads(threads: int | None = None) -> int:
     return n
 
 
-def resolve_backend(
-    backend: str | None, spec: KernelSpec, *, bits: int, group_size: int, dtype: mx.Dtype
-) -> str:
+def choose_backend(backend: str | None, fits: bool, requirement: str) -> str:
+    """``backend`` checked, or chosen when None: "native" when the extension is built and the call
+    ``fits`` the kernel, else "reference". Asking for "native" where it cannot run is an error
+    (``requirement`` says what the kernel takes)."""
     if backend is None:
-        native = available() and spec.supports(bits=bits, group_size=group_size, dtype=dtype)
-        return "native" if native else "reference"
+        return "native" if fits and available() else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "native":
         if not available():
             raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-        if not spec.supports(bits=bits, group_size=group_size, dtype=dtype):
-            raise ValueError(
-                f"{spec.name} supports bits {spec.bits}, group sizes {spec.group_sizes} and float dtypes"
-            )
+        if not fits:
+            raise ValueError(requirement)
     return backend
+
+
+def resolve_backend(
+    backend: str | None, spec: KernelSpec, *, bits: int, group_size: int, dtype: mx.Dtype
+) -> str:
+    fits = spec.supports(bits=bits, group_size=group_size, dtype=dtype)
+    requirement = f"{spec.name} supports bits {spec.bits}, group sizes {spec.group_sizes} and float dtypes"
+    return choose_backend(backend, fits, requirement)
 
 
 def run(spec: KernelSpec, *args: Any, **kwargs: Any) -> mx.array:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from cpu_kernels.spec import BACKENDS, KernelSpec, available, run, unavailable_reason
+from cpu_kernels.spec import KernelSpec, choose_backend, run
 
 SPEC = KernelSpec("swiglu", bits=(), group_sizes=())
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -21,14 +21,7 @@ FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 def swiglu(gate: mx.array, up: mx.array, *, backend: str | None = None) -> mx.array:
     """``nn.silu(gate) * up``; the CPU kernel when it is built (``backend=None``)."""
     fits = gate.dtype in FLOATS and gate.dtype == up.dtype and gate.shape == up.shape
-    if backend is None:
-        backend = "native" if fits and available() else "reference"
-    elif backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "native":
-        if not available():
-            raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-        if not fits:
-            raise ValueError("swiglu's kernel takes gate and up of one shape and one float dtype")
+    requirement = "swiglu's kernel takes gate and up of one shape and one float dtype"
+    if choose_backend(backend, fits, requirement) == "native":
         return run(SPEC, gate, up)
     return nn.silu(gate) * up

@@ -7,8 +7,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "dispatch.h"
 #include "kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "pool.h"
 #include "strided.h"
 
@@ -250,12 +250,6 @@ mx::array paged_attention(
 
 void PagedAttentionCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  encoder.set_output_array(out);
   const auto& q = inputs[0];
   const Shape shape{
       q.shape(0),
@@ -268,7 +262,7 @@ void PagedAttentionCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vect
       block_size_,
       window_,
       scale_};
-  encoder.dispatch([inputs, out, shape]() mutable {
+  dispatch_cpu(stream(), inputs, out, [inputs, out, shape]() mutable {
     if (out.dtype() == mx::float32) {
       run_typed<float>(inputs, out, shape);
     } else if (out.dtype() == mx::float16) {

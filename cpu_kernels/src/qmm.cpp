@@ -6,8 +6,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "dispatch.h"
 #include "kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "pool.h"
 #include "strided.h"
 
@@ -360,14 +360,8 @@ mx::array quantized_matmul(
 
 void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  encoder.set_output_array(out);
-  encoder.dispatch([x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3], out,
-                    group_size = group_size_, bits = bits_]() mutable {
+  dispatch_cpu(stream(), inputs, out, [x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3], out,
+                                       group_size = group_size_, bits = bits_]() mutable {
     run_qmm(x, w, scales, biases, out, group_size, bits);
   });
 }
@@ -394,14 +388,10 @@ mx::array dequantize(
 
 void DequantizeCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  encoder.set_output_array(out);
-  encoder.dispatch([w = inputs[0], scales = inputs[1], biases = inputs[2], out, group_size = group_size_,
-                    bits = bits_]() mutable { run_dequant(w, scales, biases, out, group_size, bits); });
+  dispatch_cpu(stream(), inputs, out, [w = inputs[0], scales = inputs[1], biases = inputs[2], out,
+                                       group_size = group_size_, bits = bits_]() mutable {
+    run_dequant(w, scales, biases, out, group_size, bits);
+  });
 }
 
 void DequantizeCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

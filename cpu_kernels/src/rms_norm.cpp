@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
+#include "dispatch.h"
 #include "pool.h"
 #include "strided.h"
 
@@ -135,13 +135,9 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::Stream
 
 void RMSNormCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  encoder.set_output_array(out);
-  encoder.dispatch([x = inputs[0], w = inputs[1], out, eps = eps_]() mutable { run_rms_norm(x, w, out, eps); });
+  dispatch_cpu(stream(), inputs, out, [x = inputs[0], w = inputs[1], out, eps = eps_]() mutable {
+    run_rms_norm(x, w, out, eps);
+  });
 }
 
 void RMSNormCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

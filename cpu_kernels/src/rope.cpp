@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
+#include "dispatch.h"
 #include "strided.h"
 
 namespace duet_cpu {
@@ -178,14 +178,8 @@ mx::array rope(
 
 void RoPECPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  encoder.set_output_array(out);
   RopeParams p{dims_, traditional_, base_, scale_, inputs.size() > 2};
-  encoder.dispatch([inputs, out, p]() mutable { run_rope(inputs, out, p); });
+  dispatch_cpu(stream(), inputs, out, [inputs, out, p]() mutable { run_rope(inputs, out, p); });
 }
 
 void RoPECPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

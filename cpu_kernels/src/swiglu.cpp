@@ -5,8 +5,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "dispatch.h"
 #include "kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "pool.h"
 #include "strided.h"
 
@@ -81,13 +81,7 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
 
 void SwiGLUCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  encoder.set_output_array(out);
-  encoder.dispatch([gate = inputs[0], up = inputs[1], out]() mutable {
+  dispatch_cpu(stream(), inputs, out, [gate = inputs[0], up = inputs[1], out]() mutable {
     if (out.dtype() == mx::float32) {
       run_typed<float>(gate, up, out);
     } else if (out.dtype() == mx::float16) {

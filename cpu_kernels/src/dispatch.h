@@ -1,0 +1,26 @@
+// The part every CPU primitive's eval_cpu shares: allocate its one output, declare its inputs and
+// output to MLX's CPU command encoder (which keeps them alive and orders the work), enqueue the work.
+#pragma once
+
+#include <utility>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/stream.h"
+
+namespace duet_cpu {
+
+template <typename F>
+void dispatch_cpu(const mlx::core::Stream& stream, const std::vector<mlx::core::array>& inputs, mlx::core::array& out, F&& work) {
+  out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+  auto& encoder = mlx::core::cpu::get_command_encoder(stream);
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch(std::forward<F>(work));
+}
+
+} // namespace duet_cpu
