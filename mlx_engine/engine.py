@@ -96,9 +96,8 @@ class EngineStats:
     kv_bytes_loaded: int = 0  # KV bytes applied from loads
     remote_prefills: int = 0  # requests that got prompt KV from a remote source
     kv_frames_dropped: int = 0  # arriving layer ranges of dead loads (cancelled, failed, finished)
-    kv_block_bytes: int = (
-        0  # one KV block, every layer (and a draft model's): kv_blocks_total of them is the budget
-    )
+    # one KV block, every layer (and a draft model's): kv_blocks_total of them is the budget
+    kv_block_bytes: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
