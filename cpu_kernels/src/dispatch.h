@@ -23,4 +23,16 @@ void dispatch_cpu(const mlx::core::Stream& stream, const std::vector<mlx::core::
   encoder.dispatch(std::forward<F>(work));
 }
 
+// f(T{}) with T the C++ type of a float dtype: float, float16_t or bfloat16_t (the kernels' three).
+template <typename F>
+void with_float_type(mlx::core::Dtype t, F&& f) {
+  if (t == mlx::core::float32) {
+    f(float{});
+  } else if (t == mlx::core::float16) {
+    f(mlx::core::float16_t{});
+  } else {
+    f(mlx::core::bfloat16_t{});
+  }
+}
+
 } // namespace duet_cpu

@@ -23,21 +23,6 @@ bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
-// A row-contiguous view of an input: the array itself when it is, else a row-major copy.
-template <typename T>
-struct Dense {
-  std::vector<T> copy;
-  const T* ptr;
-  explicit Dense(const mx::array& a) {
-    if (a.flags().row_contiguous) {
-      ptr = a.data<T>();
-    } else {
-      copy = row_major_copy<T>(a);
-      ptr = copy.data();
-    }
-  }
-};
-
 struct Shape {
   int B, Hq, Hkv, L, D, Dv, max_blocks, block_size, window;
   float scale;
@@ -263,13 +248,7 @@ void PagedAttentionCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vect
       window_,
       scale_};
   dispatch_cpu(stream(), inputs, out, [inputs, out, shape]() mutable {
-    if (out.dtype() == mx::float32) {
-      run_typed<float>(inputs, out, shape);
-    } else if (out.dtype() == mx::float16) {
-      run_typed<mx::float16_t>(inputs, out, shape);
-    } else {
-      run_typed<mx::bfloat16_t>(inputs, out, shape);
-    }
+    with_float_type(out.dtype(), [&](auto t) { run_typed<decltype(t)>(inputs, out, shape); });
   });
 }
 

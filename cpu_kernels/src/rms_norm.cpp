@@ -59,10 +59,10 @@ void run_typed(const mx::array& x, const mx::array& w, mx::array& out, float eps
   if (M == 0) {
     return;
   }
-  const std::vector<XT> xcopy = x.flags().row_contiguous ? std::vector<XT>{} : row_major_copy<XT>(x);
-  const std::vector<WT> wcopy = w.flags().row_contiguous ? std::vector<WT>{} : row_major_copy<WT>(w);
-  const XT* xp = xcopy.empty() ? x.data<XT>() : xcopy.data();
-  const WT* wp = wcopy.empty() ? w.data<WT>() : wcopy.data();
+  const Dense<XT> xd(x);
+  const Dense<WT> wd(w);
+  const XT* xp = xd.ptr;
+  const WT* wp = wd.ptr;
   OutT* yp = out.data<OutT>();
   auto pool = shared_pool();
   // One thread up to ~64K elements (a decode step's rows): waking the pool costs more than the work.
@@ -81,36 +81,14 @@ void run_typed(const mx::array& x, const mx::array& w, mx::array& out, float eps
   });
 }
 
-template <typename XT, typename WT>
-void run_out(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
-  if (out.dtype() == mx::float32) {
-    run_typed<XT, WT, float>(x, w, out, eps);
-  } else if (out.dtype() == mx::float16) {
-    run_typed<XT, WT, mx::float16_t>(x, w, out, eps);
-  } else {
-    run_typed<XT, WT, mx::bfloat16_t>(x, w, out, eps);
-  }
-}
-
-template <typename XT>
-void run_w(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
-  if (w.dtype() == mx::float32) {
-    run_out<XT, float>(x, w, out, eps);
-  } else if (w.dtype() == mx::float16) {
-    run_out<XT, mx::float16_t>(x, w, out, eps);
-  } else {
-    run_out<XT, mx::bfloat16_t>(x, w, out, eps);
-  }
-}
-
 void run_rms_norm(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
-  if (x.dtype() == mx::float32) {
-    run_w<float>(x, w, out, eps);
-  } else if (x.dtype() == mx::float16) {
-    run_w<mx::float16_t>(x, w, out, eps);
-  } else {
-    run_w<mx::bfloat16_t>(x, w, out, eps);
-  }
+  with_float_type(x.dtype(), [&](auto xt) {
+    with_float_type(w.dtype(), [&](auto wt) {
+      with_float_type(out.dtype(), [&](auto ot) {
+        run_typed<decltype(xt), decltype(wt), decltype(ot)>(x, w, out, eps);
+      });
+    });
+  });
 }
 
 } // namespace

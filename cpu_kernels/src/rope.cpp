@@ -25,13 +25,7 @@ void gather(const mx::array& a, std::vector<T>& out) {
 
 template <typename T>
 void gather_float(const mx::array& a, std::vector<T>& out) {
-  if (a.dtype() == mx::float32) {
-    gather<T, float>(a, out);
-  } else if (a.dtype() == mx::float16) {
-    gather<T, mx::float16_t>(a, out);
-  } else {
-    gather<T, mx::bfloat16_t>(a, out);
-  }
+  with_float_type(a.dtype(), [&](auto s) { gather<T, decltype(s)>(a, out); });
 }
 
 void gather_offsets(const mx::array& a, std::vector<int64_t>& out) {

@@ -51,4 +51,19 @@ std::vector<T> row_major_copy(const mx::array& a) {
   return out;
 }
 
+// A row-contiguous view of an input: the array itself when it is, else a row-major copy.
+template <typename T>
+struct Dense {
+  std::vector<T> copy;
+  const T* ptr;
+  explicit Dense(const mx::array& a) {
+    if (a.flags().row_contiguous) {
+      ptr = a.data<T>();
+    } else {
+      copy = row_major_copy<T>(a);
+      ptr = copy.data();
+    }
+  }
+};
+
 } // namespace duet_cpu

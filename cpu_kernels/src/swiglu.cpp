@@ -27,10 +27,9 @@ void run_typed(const mx::array& gate, const mx::array& up, mx::array& out) {
   if (n == 0) {
     return;
   }
-  const std::vector<T> gcopy = gate.flags().row_contiguous ? std::vector<T>{} : row_major_copy<T>(gate);
-  const std::vector<T> ucopy = up.flags().row_contiguous ? std::vector<T>{} : row_major_copy<T>(up);
-  const T* g = gcopy.empty() ? gate.data<T>() : gcopy.data();
-  const T* u = ucopy.empty() ? up.data<T>() : ucopy.data();
+  const Dense<T> gd(gate), ud(up);
+  const T* g = gd.ptr;
+  const T* u = ud.ptr;
   T* y = out.data<T>();
   const SwigluFn fn = swiglu_fn();
   auto span = [&](size_t i0, size_t i1) {
@@ -82,13 +81,7 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
 void SwiGLUCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   dispatch_cpu(stream(), inputs, out, [gate = inputs[0], up = inputs[1], out]() mutable {
-    if (out.dtype() == mx::float32) {
-      run_typed<float>(gate, up, out);
-    } else if (out.dtype() == mx::float16) {
-      run_typed<mx::float16_t>(gate, up, out);
-    } else {
-      run_typed<mx::bfloat16_t>(gate, up, out);
-    }
+    with_float_type(out.dtype(), [&](auto t) { run_typed<decltype(t)>(gate, up, out); });
   });
 }
 
