@@ -25,6 +25,9 @@ struct QmmArgs {
   int group_size;
   int bits;
   int scale_type;
+  // One row of x as three signed bytes per value (quantize_x), or null for the float kernel.
+  const int8_t* xq = nullptr;
+  const float* xunit = nullptr;
 };
 
 // One chunk of n <= 32 keys for the paged attention kernel (paged_attention.cpp): R query rows (scaled
@@ -60,6 +63,9 @@ void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx512 {
+// x (K values, K a multiple of 32; in the 4-bit order when bits == 4, K then a multiple of 64) as
+// the integer form qmm_rows takes in QmmArgs::xq: q holds 3 * K bytes, unit K / 8 floats.
+void quantize_x(const float* x, int K, int bits, int8_t* q, float* unit);
 void attend_chunk(const AttendChunk& c);
 void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);

@@ -18,20 +18,24 @@ namespace {
 using RowsFn = void (*)(const QmmArgs&, int, int);
 using DequantFn = void (*)(const QmmArgs&, int, int, float*);
 
+using QuantizeXFn = void (*)(const float*, int, int, int8_t*, float*);
+
 struct Variant {
   const char* name;
   RowsFn fn;
   DequantFn dequant;
   AttendFn attend;
   SwigluFn swiglu;
+  QuantizeXFn quantize_x = nullptr; // one row of x as bytes for the integer dot-product kernel
 };
 
 Variant best_variant() {
 #if defined(DUET_X86)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi")) {
-    return {"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk, avx512::swiglu};
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+      __builtin_cpu_supports("avx512vnni")) {
+    return {"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk, avx512::swiglu, avx512::quantize_x};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     return {"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk, avx2::swiglu};
@@ -46,7 +50,8 @@ const Variant& variant_named(const std::string& name) {
   static const Variant base_v{"base", base::qmm_rows, base::dequant_rows, base::attend_chunk, base::swiglu};
 #if defined(DUET_X86)
   static const Variant avx2_v{"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk, avx2::swiglu};
-  static const Variant avx512_v{"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk, avx512::swiglu};
+  static const Variant avx512_v{
+      "avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk, avx512::swiglu, avx512::quantize_x};
   if (name == "avx512") {
     return avx512_v;
   }
@@ -64,10 +69,6 @@ const Variant& variant() {
     g_variant.store(v);
   }
   return *v;
-}
-
-RowsFn rows_fn() {
-  return variant().fn;
 }
 
 } // namespace
@@ -203,7 +204,18 @@ void run_qmm(
       group_size,
       bits,
       scale_type(scales.dtype())};
-  const RowsFn fn = rows_fn();
+  // One row of x (a decode step): as bytes for the integer dot-product kernel where there is one.
+  const Variant& v = variant();
+  std::vector<int8_t> xq;
+  std::vector<float> xunit;
+  if (v.quantize_x != nullptr && M == 1 && K % (bits == 4 ? 64 : 32) == 0) {
+    xq.resize(size_t(3) * K);
+    xunit.resize(size_t(K) / 8);
+    v.quantize_x(xf.data(), K, bits, xq.data(), xunit.data());
+    a.xq = xq.data();
+    a.xunit = xunit.data();
+  }
+  const RowsFn fn = v.fn;
   auto pool = shared_pool();
   const int tasks = task_count(w.nbytes(), M, pool->size());
   if (tasks <= 1) {
