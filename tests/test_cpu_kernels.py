@@ -132,7 +132,9 @@ def test_one_row_integer_kernel_keeps_float32_accuracy(ext, bits):
             outs.append(np.array(y))
         assert np.array_equal(outs[0], outs[1])
         xs[0, 200] = np.nan
-        y = quantized_matmul(mx.array(xs), wq, scales, biases, group_size=group_size, bits=bits, backend="native")
+        y = quantized_matmul(
+            mx.array(xs), wq, scales, biases, group_size=group_size, bits=bits, backend="native"
+        )
         assert np.isnan(np.array(y)).all()
     x, wq, scales, biases = case(rng, 1, 33, 96, 32, bits)  # 4-bit: 96 is not a multiple of 64
     y = quantized_matmul(x, wq, scales, biases, group_size=32, bits=bits, backend="native")
