@@ -30,10 +30,13 @@ struct Shape {
 
 constexpr int kQueryTile = 16; // query tokens of one row that share each key and value they read
 
-// Row b, KV head hk, query tokens [i0, i1) of the row's L: each query token with its G = Hq / Hkv
-// query heads is a query row r of its own, over the row's tokens it may see (causal: the query at
-// position p = len - L + i sees [max(0, p + 1 - window), p]); online softmax in float32 over chunks
-// of kChunk tokens, each key and value read once for all query rows of the tile.
+// Row b, KV heads [h0, h1), query tokens [i0, i1) of the row's L: each query token with its G = Hq /
+// Hkv query heads is a query row r of its own, over the row's tokens it may see (causal: the query
+// at position p = len - L + i sees [max(0, p + 1 - window), p]); online softmax in float32 over
+// chunks of kChunk tokens, each key and value read once for all query rows of the tile. The heads of
+// a slot sit side by side in the pool, so taking every head of a chunk before the next chunk reads
+// the pool's blocks front to back (one head at a time read every Hkv-th row of scattered blocks:
+// decode at a 1K context ran at ~4 GB/s), and the next chunk's rows are prefetched meanwhile.
 template <typename T>
 void attend(
     const T* q,
@@ -45,15 +48,18 @@ void attend(
     T* out,
     const Shape& s,
     int b,
-    int hk,
+    int h0,
+    int h1,
     int i0,
     int i1) {
   const int G = s.Hq / s.Hkv;
   const int D = s.D, Dv = s.Dv;
-  const int R = G * (i1 - i0);
+  const int R = G * (i1 - i0); // query rows per KV head
+  const int H = h1 - h0;
   const int len = std::min(lens[b], s.max_blocks * s.block_size); // never past the table
   const int first = len - s.L; // position of query token 0
-  std::vector<float> qf(size_t(R) * D), acc(size_t(R) * Dv, 0.0f), m(R), l(R);
+  // per head h (0..H), its R rows: row h * R + r
+  std::vector<float> qf(size_t(H) * R * D), acc(size_t(H) * R * Dv, 0.0f), m(size_t(H) * R), l(size_t(H) * R);
   std::vector<int> lo(R), hi(R);
   int t_begin = len, t_end = 0;
   for (int i = i0; i < i1; ++i) {
@@ -64,16 +70,19 @@ void attend(
     t_end = std::max(t_end, hi_i);
     for (int g = 0; g < G; ++g) {
       const int r = (i - i0) * G + g;
-      const int h = hk * G + g;
-      const T* qr = q + ((size_t(b) * s.Hq + h) * s.L + i) * D;
-      for (int d = 0; d < D; ++d) {
-        qf[size_t(r) * D + d] = static_cast<float>(qr[d]) * s.scale;
-      }
-      // a sink is a logit with no value: it starts the running max and sum
-      m[r] = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
-      l[r] = sinks ? 1.0f : 0.0f;
       lo[r] = lo_i;
       hi[r] = hi_i;
+      for (int hk = h0; hk < h1; ++hk) {
+        const int h = hk * G + g;
+        const size_t row = size_t(hk - h0) * R + r;
+        const T* qr = q + ((size_t(b) * s.Hq + h) * s.L + i) * D;
+        for (int d = 0; d < D; ++d) {
+          qf[row * D + d] = static_cast<float>(qr[d]) * s.scale;
+        }
+        // a sink is a logit with no value: it starts the running max and sum
+        m[row] = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+        l[row] = sinks ? 1.0f : 0.0f;
+      }
     }
   }
   const int32_t* row_table = table + size_t(b) * s.max_blocks;
@@ -90,7 +99,9 @@ void attend(
   const float* vv_rows[kChunk];
   std::vector<int> j0(R), j1(R);
   const AttendFn attend_chunk = attend_chunk_fn();
-  for (int t0 = t_begin; t0 < t_end; t0 += kChunk) {
+  // the pool slots of a chunk's tokens, this chunk's and the next's
+  size_t slots[2][kChunk];
+  auto locate = [&](int t0, size_t* out_slots) {
     const int n = std::min(kChunk, t_end - t0);
     int blk = t0 / s.block_size, off = t0 % s.block_size; // walked, not divided, per token
     for (int j = 0; j < n; ++j, ++off) {
@@ -98,54 +109,85 @@ void attend(
         ++blk;
         off = 0;
       }
-      const size_t slot = size_t(row_table[blk]) * s.block_size + off;
-      const T* kr = k + (slot * s.Hkv + hk) * D;
-      const T* vr = v + (slot * s.Hkv + hk) * Dv;
-      if constexpr (std::is_same_v<T, float>) {
-        kv_rows[j] = kr;
-        vv_rows[j] = vr;
-      } else {
-        float* kd = kbuf.data() + size_t(j) * D;
-        float* vd = vbuf.data() + size_t(j) * Dv;
-        for (int d = 0; d < D; ++d) {
-          kd[d] = static_cast<float>(kr[d]);
-        }
-        for (int d = 0; d < Dv; ++d) {
-          vd[d] = static_cast<float>(vr[d]);
-        }
-        kv_rows[j] = kd;
-        vv_rows[j] = vd;
+      out_slots[j] = size_t(row_table[blk]) * s.block_size + off;
+    }
+  };
+  const size_t k_slot_bytes = size_t(s.Hkv) * D * sizeof(T), v_slot_bytes = size_t(s.Hkv) * Dv * sizeof(T);
+  auto prefetch = [&](int t0, const size_t* sl) {
+    const int n = std::min(kChunk, t_end - t0);
+    for (int j = 0; j < n; ++j) {
+      const char* kp = reinterpret_cast<const char*>(k + (sl[j] * s.Hkv + h0) * D);
+      const char* vp = reinterpret_cast<const char*>(v + (sl[j] * s.Hkv + h0) * Dv);
+      for (size_t o = 0; o < k_slot_bytes / s.Hkv * H; o += 64) {
+        __builtin_prefetch(kp + o);
+      }
+      for (size_t o = 0; o < v_slot_bytes / s.Hkv * H; o += 64) {
+        __builtin_prefetch(vp + o);
       }
     }
-    for (int j = n; j < kChunk; ++j) {
-      kv_rows[j] = vv_rows[j] = zeros.data();
+  };
+  if (t_begin < t_end) {
+    locate(t_begin, slots[0]);
+  }
+  for (int t0 = t_begin, c = 0; t0 < t_end; t0 += kChunk, c ^= 1) {
+    const int n = std::min(kChunk, t_end - t0);
+    if (t0 + kChunk < t_end) {
+      locate(t0 + kChunk, slots[c ^ 1]);
+      prefetch(t0 + kChunk, slots[c ^ 1]);
     }
     for (int r = 0; r < R; ++r) {
       j0[r] = std::max(lo[r] - t0, 0);
       j1[r] = std::min(hi[r] - t0, n);
     }
-    attend_chunk(AttendChunk{
-        qf.data(),
-        kv_rows,
-        vv_rows,
-        j0.data(),
-        j1.data(),
-        m.data(),
-        l.data(),
-        acc.data(),
-        n,
-        R,
-        D,
-        Dv});
+    for (int j = n; j < kChunk; ++j) {
+      kv_rows[j] = vv_rows[j] = zeros.data();
+    }
+    for (int hk = h0; hk < h1; ++hk) {
+      for (int j = 0; j < n; ++j) {
+        const T* kr = k + (slots[c][j] * s.Hkv + hk) * D;
+        const T* vr = v + (slots[c][j] * s.Hkv + hk) * Dv;
+        if constexpr (std::is_same_v<T, float>) {
+          kv_rows[j] = kr;
+          vv_rows[j] = vr;
+        } else {
+          float* kd = kbuf.data() + size_t(j) * D;
+          float* vd = vbuf.data() + size_t(j) * Dv;
+          for (int d = 0; d < D; ++d) {
+            kd[d] = static_cast<float>(kr[d]);
+          }
+          for (int d = 0; d < Dv; ++d) {
+            vd[d] = static_cast<float>(vr[d]);
+          }
+          kv_rows[j] = kd;
+          vv_rows[j] = vd;
+        }
+      }
+      const size_t row0 = size_t(hk - h0) * R;
+      attend_chunk(AttendChunk{
+          qf.data() + row0 * D,
+          kv_rows,
+          vv_rows,
+          j0.data(),
+          j1.data(),
+          m.data() + row0,
+          l.data() + row0,
+          acc.data() + row0 * Dv,
+          n,
+          R,
+          D,
+          Dv});
+    }
   }
-  for (int i = i0; i < i1; ++i) {
-    for (int g = 0; g < G; ++g) {
-      const int r = (i - i0) * G + g;
-      T* o = out + ((size_t(b) * s.Hq + hk * G + g) * s.L + i) * Dv;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      const float* ag = acc.data() + size_t(r) * Dv;
-      for (int d = 0; d < Dv; ++d) {
-        o[d] = static_cast<T>(ag[d] * inv);
+  for (int hk = h0; hk < h1; ++hk) {
+    for (int i = i0; i < i1; ++i) {
+      for (int g = 0; g < G; ++g) {
+        const size_t row = size_t(hk - h0) * R + (i - i0) * G + g;
+        T* o = out + ((size_t(b) * s.Hq + hk * G + g) * s.L + i) * Dv;
+        const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+        const float* ag = acc.data() + row * Dv;
+        for (int d = 0; d < Dv; ++d) {
+          o[d] = static_cast<T>(ag[d] * inv);
+        }
       }
     }
   }
@@ -163,19 +205,25 @@ void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s)
   }
   T* o = out.data<T>();
   const int tiles = (s.L + kQueryTile - 1) / kQueryTile;
-  const int tasks_total = s.B * s.Hkv * tiles;
   // the work of the whole call, in multiply-adds: one thread below ~256K (waking the pool costs more)
   size_t work = 0;
   for (int b = 0; b < s.B; ++b) {
     work += size_t(std::max(lens.ptr[b], 0)) * s.L * s.Hq * (s.D + s.Dv);
   }
   auto pool = shared_pool();
-  const int tasks = pool->size() <= 1 || work < (size_t(1) << 18) ? 1 : std::min(tasks_total, pool->size() * 4);
+  const bool one_thread = pool->size() <= 1 || work < (size_t(1) << 18);
+  // A task takes every KV head of its rows' tiles (the pool read front to back), unless that leaves
+  // too few tasks for the threads (one sequence's decode): then one head per task.
+  const int heads = one_thread || s.B * tiles >= 2 * pool->size() ? s.Hkv : 1;
+  const int groups = s.Hkv / heads;
+  const int tasks_total = s.B * groups * tiles;
+  const int tasks = one_thread ? 1 : std::min(tasks_total, pool->size() * 4);
   auto run_range = [&](int t0, int t1) {
     for (int t = t0; t < t1; ++t) {
-      const int tile = t % tiles, bh = t / tiles;
+      const int tile = t % tiles, bg = t / tiles;
       const int i0 = tile * kQueryTile, i1 = std::min(s.L, i0 + kQueryTile);
-      attend<T>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, bh / s.Hkv, bh % s.Hkv, i0, i1);
+      const int h0 = (bg % groups) * heads;
+      attend<T>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, bg / groups, h0, h0 + heads, i0, i1);
     }
   };
   if (tasks <= 1) {
