@@ -108,21 +108,21 @@ def test_matches_float64_every_variant_shape_batch_and_thread_count(ext, bits, g
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_one_row_integer_kernel_keeps_float32_accuracy(ext, bits):
-    """One row of x (a decode step) goes through 8-bit integer dot products where the CPU has them
-    (AVX-512 VNNI), with x split into three bytes per value. It must stay within the float kernel's
-    tolerance when a block of x mixes an outlier with tiny values, when a block is all zeros, and
-    with a NaN in x (NaN out, as in float arithmetic); K that is not a whole number of the integer
-    kernel's steps takes the float kernel."""
+def test_integer_kernel_for_one_or_two_rows_keeps_float32_accuracy(ext, bits):
+    """One or two rows of x (a decode step, a short verification) go through 8-bit integer dot
+    products where the CPU has them (AVX-512 VNNI), with x split into three bytes per value. It must
+    stay within the float kernel's tolerance when a block of x mixes an outlier with tiny values, when
+    a block is all zeros, and with a NaN in x (NaN out, as in float arithmetic); K that is not a whole
+    number of the integer kernel's steps takes the float kernel."""
     rng = np.random.default_rng(40 + bits)
-    for group_size in GROUPS:
+    for group_size, m in ((32, 1), (64, 2), (128, 1), (32, 2)):
         k = 6 * 64 if group_size != 128 else 4 * 128
-        x, wq, scales, biases = case(rng, 1, 71, k, group_size, bits)
+        x, wq, scales, biases = case(rng, m, 71, k, group_size, bits)
         xs = np.array(x)
-        xs[0, :32] *= 1e-4
-        xs[0, 5] = 300.0  # an outlier beside values 1e6 times smaller
-        xs[0, 64:96] = 0.0
-        xs[0, 128:160] *= 1e-30  # tiny, still normal floats
+        xs[:, :32] *= 1e-4
+        xs[:, 5] = 300.0  # an outlier beside values 1e6 times smaller
+        xs[:, 64:96] = 0.0
+        xs[:, 128:160] *= 1e-30  # tiny, still normal floats
         x = mx.array(xs)
         outs = []
         for t in (1, max(2, spec.physical_cores())):
@@ -131,11 +131,13 @@ def test_one_row_integer_kernel_keeps_float32_accuracy(ext, bits):
             check(y, x, wq, scales, biases, group_size, bits, F32_TOL)
             outs.append(np.array(y))
         assert np.array_equal(outs[0], outs[1])
-        xs[0, 200] = np.nan
+        xs[-1, 200] = np.nan
         y = quantized_matmul(
             mx.array(xs), wq, scales, biases, group_size=group_size, bits=bits, backend="native"
         )
-        assert np.isnan(np.array(y)).all()
+        assert np.isnan(np.array(y)[..., -1, :]).all()
+        if m == 2:
+            assert np.array_equal(np.array(y)[0], outs[0][0])  # the other row is untouched
     x, wq, scales, biases = case(rng, 1, 33, 96, 32, bits)  # 4-bit: 96 is not a multiple of 64
     y = quantized_matmul(x, wq, scales, biases, group_size=32, bits=bits, backend="native")
     check(y, x, wq, scales, biases, 32, bits, F32_TOL)
