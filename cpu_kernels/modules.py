@@ -19,24 +19,38 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cpu_kernels.norm import rms_norm
-from cpu_kernels.qmm import SPEC, quantized_matmul
+from cpu_kernels.qmm import DEQUANTIZE_ROWS, SPEC, quantized_matmul
 from cpu_kernels.rope import rope
-from cpu_kernels.spec import available
+from cpu_kernels.spec import available, extension
 from cpu_kernels.swiglu import swiglu
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> mx.array:
+    """``x @ dequantize(layer).T`` through the kernel. A few rows of x (decode: ~200 calls a step) go
+    straight to the extension: ``use_cpu_kernels`` checked the layer's format when it switched it."""
+    k = x.shape[-1]
+    ext = extension()
+    if ext is not None and k and x.size < DEQUANTIZE_ROWS * k and x.dtype in _FLOATS:
+        return ext.quantized_matmul(
+            x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
+        )
+    return quantized_matmul(
+        x,
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        transpose=True,
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+    )
 
 
 class CPUQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
-        y = quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
+        y = _product(self, x)
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -44,16 +58,7 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
 
 class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
-        return quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
+        return _product(self, x)
 
 
 class CPURMSNorm(nn.RMSNorm):
