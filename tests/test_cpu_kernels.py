@@ -85,7 +85,14 @@ def test_matches_float64_every_variant_shape_batch_and_thread_count(ext, bits, g
     threads = max(2, spec.physical_cores())
     # Odd row counts (a thread's share ends mid 8-row block), K of 1-5 groups, 1..16 rows of x
     # (every tile size and tail), and enough rows that several threads share the work.
-    shapes = [(1, 1, group_size), (3, 37, 2 * group_size), (16, 67, 5 * group_size), (9, 1031, group_size)]
+    # 20 groups: the bias term takes 16 groups as one vector, then 4 one by one.
+    shapes = [
+        (1, 1, group_size),
+        (3, 37, 2 * group_size),
+        (16, 67, 5 * group_size),
+        (9, 1031, group_size),
+        (2, 19, 20 * group_size),
+    ]
     for isa in variants(ext):
         ext.set_isa(isa)
         for m, n, k in shapes:
@@ -187,13 +194,22 @@ def test_many_rows_go_through_dequantize_and_gemm(ext):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_half_precision_inputs_and_scales(ext, dtype):
     rng = np.random.default_rng(7)
-    for bits in BITS:
-        x, wq, scales, biases = case(rng, 4, 50, 128, 64, bits, dtype)
-        assert scales.dtype == dtype
-        y = quantized_matmul(x, wq, scales, biases, group_size=64, bits=bits, backend="native")
-        assert y.dtype == dtype
-        # float32 inside; the only extra error is the output's rounding to dtype
-        check(y, x, wq, scales, biases, 64, bits, 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10)
+    for isa in variants(ext):
+        ext.set_isa(isa)
+        for bits in BITS:
+            # 2 groups, and 40 (the bias term is summed 16 groups at a time, then one by one)
+            for m, k, group_size in ((4, 128, 64), (5, 1280, 32), (1, 1280, 32)):
+                x, wq, scales, biases = case(rng, m, 50, k, group_size, bits, dtype)
+                assert scales.dtype == dtype
+                y = quantized_matmul(
+                    x, wq, scales, biases, group_size=group_size, bits=bits, backend="native"
+                )
+                assert y.dtype == dtype
+                # float32 inside; the only extra error is the output's rounding to dtype
+                check(
+                    y, x, wq, scales, biases, group_size, bits, 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
+                )
+    ext.set_isa("")
 
 
 def test_batch_dims_and_strided_inputs(ext):
