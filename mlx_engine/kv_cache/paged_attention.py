@@ -99,6 +99,13 @@ class BatchLayout:
         return self._masks[window]
 
 
+# Every this many layers, the layers built so far start computing (``mx.async_eval`` of the layer's
+# pool write) while Python builds the next ones: the graph's construction (~3 ms a decode step of
+# a 30-layer model) and MLX's per-op scheduling overlap the computation instead of preceding it.
+# Bundled model, one kernel thread, decode at a 64-token context: ~44 -> ~53 tok/s.
+ASYNC_EVERY = 2
+
+
 class PagedLayerCache:
     """mlx-lm's cache contract for one layer of one forward pass over the paged pool."""
 
@@ -114,6 +121,8 @@ class PagedLayerCache:
         k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
         _write(self.pool, self.layer, self.layout.write_slots, k, v)
+        if self.layer % ASYNC_EVERY == ASYNC_EVERY - 1 and not self.layout.exports:
+            mx.async_eval(self.pool.layer_arrays(self.layer))  # the layers so far, computing meanwhile
         if self.layout.exports:
             # this layer's KV is final now: evaluate the write (in place), then copy the exported
             # rows out, never holding a slice or a pending gather of the pool array
