@@ -25,7 +25,8 @@ struct QmmArgs {
   int group_size;
   int bits;
   int scale_type;
-  // One row of x as three signed bytes per value (quantize_x), or null for the float kernel.
+  // The rows of x (at most two: qmm.cpp's kIntegerRows) as three signed bytes per value and a unit
+  // per 32 (quantize_x, row after row), or null for the float kernel.
   const int8_t* xq = nullptr;
   const float* xunit = nullptr;
 };

@@ -127,13 +127,13 @@ int scale_type(mx::Dtype t) {
   return t == mx::float32 ? kF32 : (t == mx::float16 ? kF16 : kBF16);
 }
 
-// Splits N rows into tasks that each read at least ~16 KB of weights (8 KB for several rows of x),
-// up to 4 per thread: the pool's threads claim them in turn, so a late or slow thread costs little.
 // Up to this many rows of x take the integer kernel (qmm_rows with QmmArgs::xq): its three byte
 // dot products per value cost about a float multiply-add's once more rows share the unpacking (one
 // 49152 x 576 matrix, one thread: 4-bit 1 row 2.5 -> 1.6 ms, 2 rows 2.9 -> 2.6 ms, 3 rows even).
 constexpr int kIntegerRows = 2;
 
+// Splits N rows into tasks that each read at least ~16 KB of weights (8 KB for several rows of x),
+// up to 4 per thread: the pool's threads claim them in turn, so a late or slow thread costs little.
 int task_count(size_t weight_bytes, int M, int threads) {
   if (threads <= 1) {
     return 1;
