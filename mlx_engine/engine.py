@@ -1047,7 +1047,10 @@ class Engine:
         # tokens they made one more proposed token look nearly free in a busy batch.
         if not prefill:
             self.speculation.observe(
-                len({len(r.tokens) for r in rows}), sum(len(r.tokens) for r in rows), time.perf_counter() - t0
+                len({len(r.tokens) for r in rows}),
+                sum(len(r.tokens) for r in rows),
+                time.perf_counter() - t0,
+                rows=len(rows),
             )
         return True
 

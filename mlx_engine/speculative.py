@@ -84,16 +84,24 @@ class SpeculationPolicy:
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # pp, pt, tt, py, ty
     _fixed: float | None = None  # a, the fitted fixed cost of a target pass (seconds)
     _draft_pass: float | None = None  # EWMA of a draft pass's seconds
+    # A lone decoding row's step seconds by the tokens it held (EWMA). The line a + c * T fits a batch;
+    # a lone row's cost need not be a line in its tokens (on the CPU one or two rows of x take the
+    # integer matmul kernel and from three the float one: 1.23x a plain step for 2 tokens, 1.57x for 3).
+    _lone: dict[int, float] = field(default_factory=dict)
 
     def acceptance(self, proposed: int, accepted: int) -> float:
         if proposed < self.min_proposals:
             return self.prior_accept
         return min(accepted / proposed, 0.99)
 
-    def observe(self, passes: int, tokens: int, seconds: float) -> None:
-        """One step: ``passes`` batched passes over ``tokens`` tokens, then sampling, took ``seconds``."""
+    def observe(self, passes: int, tokens: int, seconds: float, rows: int = 0) -> None:
+        """One step: ``passes`` batched passes over ``tokens`` tokens of ``rows`` rows, then sampling,
+        took ``seconds``."""
         if not self.measure:
             return
+        if rows == 1:
+            was = self._lone.get(tokens)
+            self._lone[tokens] = seconds if was is None else 0.8 * was + 0.2 * seconds
         s, d = self._sums, self.decay
         for i, v in enumerate(
             (passes * passes, passes * tokens, tokens * tokens, passes * seconds, tokens * seconds)
@@ -127,7 +135,17 @@ class SpeculationPolicy:
         passes = 2 if decoding_rows > 1 else 1  # proposing rows, and those with none
         best_k, best = 0, 1.0
         for k in range(1, self.max_k + 1):
-            gain = (1 - p ** (k + 1)) / (1 - p) * (1 + rb) / (passes + rb * (1 + k) + self.draft_cost * k)
+            cost = (passes + rb * (1 + k)) / (1 + rb)  # relative to a step without proposals
+            lone = self._lone_cost(k) if decoding_rows <= 1 else None
+            if lone is not None:
+                cost = lone
+            gain = (1 - p ** (k + 1)) / (1 - p) / (cost + self.draft_cost * k / (1 + rb))
             if gain > best * 1.02:  # a clear win only
                 best_k, best = k, gain
         return best_k
+
+    def _lone_cost(self, k: int) -> float | None:
+        """A lone row's step with ``k`` proposals relative to one without, as measured; None until
+        both have been seen (the line's estimate stands in, and trying it measures it)."""
+        plain, step = self._lone.get(1), self._lone.get(1 + k)
+        return step / plain if plain and step else None

@@ -63,6 +63,25 @@ def test_policy_measures_what_a_token_costs_in_a_pass():
     assert cheap.choose(100, 60, decoding_rows=8) > pol.choose(100, 60, decoding_rows=8) == 0
 
 
+def test_a_lone_row_uses_its_measured_step_costs_where_they_are_not_a_line():
+    """On the CPU one or two rows of x take the integer matmul kernel and three or more the float one:
+    a lone row's step with 1, 2, 3, 4, 6 tokens measured 1.00, 1.23, 1.57, 1.82, 2.44x (bundled model,
+    one kernel thread). The line fitted through them prices 3 tokens too low; with up to 70% of
+    the proposals kept only k = 1 pays. Until a size is measured, the line stands in (and trying it
+    measures it); a batch keeps the line."""
+    pol = SpeculationPolicy()
+    for tokens, rel in [(1, 1.00), (2, 1.23), (3, 1.57), (4, 1.82), (6, 2.44)] * 3:
+        pol.observe(1, tokens, 0.020 * rel, rows=1)
+    assert pol.choose(100, 52, decoding_rows=1) == pol.choose(100, 70, decoding_rows=1) == 1
+    assert pol.choose(100, 95, decoding_rows=1) >= 3  # nearly every proposal kept: longer pays
+    line = SpeculationPolicy(cost_ratio=pol.cost_ratio, measure=False)
+    assert line.choose(100, 70, decoding_rows=1) == 2  # what the line alone would have chosen
+    assert pol.choose(100, 60, decoding_rows=4) == line.choose(100, 60, decoding_rows=4)
+    fresh = SpeculationPolicy()
+    fresh.observe(1, 1, 0.020, rows=1)  # nothing with proposals measured yet: the prior line
+    assert fresh.choose(100, 52, decoding_rows=1) == SpeculationPolicy().choose(100, 52, decoding_rows=1)
+
+
 def test_the_cost_model_learns_from_decoding_steps_only(tiny_dirs, monkeypatch):
     """Prompt tokens cost less each than decoding ones (on the CPU many rows of x take another matmul
     path); fitted together they made a proposed token look free in a busy batch. Every step the
