@@ -93,7 +93,7 @@ def test_the_cost_model_learns_from_decoding_steps_only(tiny_dirs, monkeypatch):
     seen: list[tuple[int, int]] = []
     real = engine.speculation.observe
     monkeypatch.setattr(
-        engine.speculation, "observe", lambda p, t, s: (seen.append((p, t)), real(p, t, s))[1]
+        engine.speculation, "observe", lambda p, t, s, **kw: (seen.append((p, t)), real(p, t, s, **kw))[1]
     )
     ps = [(p * 16)[:64] for p in repetitive_prompts(loaded.tokenizer.vocab_size, 3, seed=4)]
     try:
