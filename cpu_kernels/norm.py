@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import KernelSpec, choose_backend, run
+from cpu_kernels.spec import FLOATS, KernelSpec, choose_backend, run
 
 SPEC = KernelSpec("rms_norm", bits=(), group_sizes=())
-FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, *, backend: str | None = None) -> mx.array:

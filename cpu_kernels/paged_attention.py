@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import KernelSpec, available, run
+from cpu_kernels.spec import FLOATS, KernelSpec, available, run
 
 SPEC = KernelSpec("paged_attention", bits=(), group_sizes=())
-FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def fits(q: mx.array, k: mx.array, v: mx.array) -> bool:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import KernelSpec, choose_backend, run
+from cpu_kernels.spec import FLOATS, KernelSpec, choose_backend, run
 
 SPEC = KernelSpec("rope", bits=(), group_sizes=())
-FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 OFFSET_DTYPES = (mx.int32, mx.int64, mx.uint32)
 
 

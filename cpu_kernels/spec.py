@@ -26,6 +26,7 @@ import mlx.core as mx
 log = logging.getLogger("duet.cpu_kernels")
 
 BACKENDS: tuple[str, ...] = ("native", "reference")
+FLOATS = (mx.float32, mx.float16, mx.bfloat16)  # the dtypes every kernel takes
 STAMP = Path(__file__).resolve().parent / "_ext.stamp"
 
 
@@ -36,11 +37,7 @@ class KernelSpec:
     group_sizes: tuple[int, ...]
 
     def supports(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
-        return (
-            bits in self.bits
-            and group_size in self.group_sizes
-            and dtype in (mx.float32, mx.float16, mx.bfloat16)
-        )
+        return bits in self.bits and group_size in self.group_sizes and dtype in FLOATS
 
 
 _state: dict[str, Any] = {"loaded": False, "ext": None, "reason": None}

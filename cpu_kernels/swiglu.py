@@ -12,10 +12,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from cpu_kernels.spec import KernelSpec, choose_backend, run
+from cpu_kernels.spec import FLOATS, KernelSpec, choose_backend, run
 
 SPEC = KernelSpec("swiglu", bits=(), group_sizes=())
-FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def swiglu(gate: mx.array, up: mx.array, *, backend: str | None = None) -> mx.array:
