@@ -112,16 +112,16 @@ void attend(
       out_slots[j] = size_t(row_table[blk]) * s.block_size + off;
     }
   };
-  const size_t k_slot_bytes = size_t(s.Hkv) * D * sizeof(T), v_slot_bytes = size_t(s.Hkv) * Dv * sizeof(T);
+  const size_t k_bytes = size_t(H) * D * sizeof(T), v_bytes = size_t(H) * Dv * sizeof(T); // heads h0..h1
   auto prefetch = [&](int t0, const size_t* sl) {
     const int n = std::min(kChunk, t_end - t0);
     for (int j = 0; j < n; ++j) {
       const char* kp = reinterpret_cast<const char*>(k + (sl[j] * s.Hkv + h0) * D);
       const char* vp = reinterpret_cast<const char*>(v + (sl[j] * s.Hkv + h0) * Dv);
-      for (size_t o = 0; o < k_slot_bytes / s.Hkv * H; o += 64) {
+      for (size_t o = 0; o < k_bytes; o += 64) {
         __builtin_prefetch(kp + o);
       }
-      for (size_t o = 0; o < v_slot_bytes / s.Hkv * H; o += 64) {
+      for (size_t o = 0; o < v_bytes; o += 64) {
         __builtin_prefetch(vp + o);
       }
     }
