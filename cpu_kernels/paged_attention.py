@@ -35,8 +35,8 @@ def fits(q: mx.array, k: mx.array, v: mx.array) -> bool:
         and k.ndim == 3
         and v.ndim == 3
         and q.dtype in FLOATS
-        and k.dtype == q.dtype
-        and v.dtype == q.dtype
+        and k.dtype in FLOATS
+        and v.dtype == k.dtype
         and k.shape[1] > 0
         and q.shape[1] % k.shape[1] == 0
         and k.shape[2] == q.shape[3]

@@ -82,12 +82,14 @@ def oracle(case, scale, block_size, window):
     return out
 
 
-def run_kernel(case, dtype, scale, block_size, window):
+def run_kernel(case, dtype, scale, block_size, window, kv_dtype=None):
+    """The kernel on the case with queries in ``dtype`` and the pool in ``kv_dtype`` (``dtype`` when None)."""
     q, k, v, table, lens, s = case
+    kv_dtype = kv_dtype or dtype
     out = attend(
         mx.array(q).astype(dtype),
-        mx.array(k).astype(dtype),
-        mx.array(v).astype(dtype),
+        mx.array(k).astype(kv_dtype),
+        mx.array(v).astype(kv_dtype),
         mx.array(table),
         mx.array(lens),
         scale=scale,
@@ -98,10 +100,12 @@ def run_kernel(case, dtype, scale, block_size, window):
     return np.array(out.astype(mx.float32))
 
 
-def rounded(case, dtype):
-    """The case's arrays as the kernel sees them (rounded to ``dtype``), for the oracle."""
+def rounded(case, dtype, kv_dtype=None):
+    """The case's arrays as the kernel sees them (q rounded to ``dtype``, K and V to ``kv_dtype``,
+    ``dtype`` when None), for the oracle."""
     q, k, v, table, lens, s = case
-    r = [np.array(mx.array(a).astype(dtype).astype(mx.float32)) for a in (q, k, v)]
+    kv_dtype = kv_dtype or dtype
+    r = [np.array(mx.array(a).astype(t).astype(mx.float32)) for a, t in ((q, dtype), (k, kv_dtype), (v, kv_dtype))]
     return (*r, table, lens, s)
 
 
@@ -149,6 +153,27 @@ def test_query_chunks_attend_causally_like_float64(dtype, lens, L, Hq, Hkv, D, b
     np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(
+    "lens, L, Hq, Hkv, D, Dv",
+    [
+        ([1000, 70, 5], 1, 9, 3, 64, 64),  # decode over many chunks (SmolLM2's heads)
+        ([333], 1, 8, 1, 128, 128),  # GQA 8: the transposed-key path
+        ([130, 64], 3, 6, 2, 80, 48),  # a verification pass; head dims not multiples of 32
+        ([300, 41], 37, 8, 2, 64, 64),  # prefill tiles over a long history
+    ],
+)
+@pytest.mark.parametrize("window", [None, 40])
+def test_float32_queries_over_a_16_bit_pool_match_float64(kv_dtype, lens, L, Hq, Hkv, D, Dv, window):
+    """The CPU engine's pool stores K and V in float16 while the model computes in float32: the kernel
+    widens each key and value as it reads it, with float32 arithmetic throughout."""
+    case = make_case(lens, Hq, Hkv, D, Dv, 16, seed=L + Hq + D, L=L)
+    got = run_kernel(case, mx.float32, D**-0.5, 16, window, kv_dtype=kv_dtype)
+    want = oracle(rounded(case, mx.float32, kv_dtype), D**-0.5, 16, window)
+    assert np.isfinite(got).all(), "read a poisoned slot"
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_and_a_long_context_give_the_same_result(threads):
     case = make_case([2048, 1000, 5, 1500], 9, 3, 64, 64, 16, seed=3, L=3)
@@ -180,11 +205,12 @@ def test_bad_input_is_a_clear_error_and_unfit_operands_are_declined():
     with pytest.raises(ValueError, match="divide"):
         attend(args[0][:, :3], *args[1:], scale=1.0, block_size=16)
     with pytest.raises(ValueError, match="dtype"):
-        attend(args[0].astype(mx.float16), *args[1:], scale=1.0, block_size=16)
+        attend(args[0], args[1], args[2].astype(mx.float16), *args[3:], scale=1.0, block_size=16)
     with pytest.raises(ValueError, match="L, D"):
         attend(args[0][:, :, 0], *args[1:], scale=1.0, block_size=16)
     assert fits(*args[:3]) and not fits(args[0][:, :3], *args[1:3])
-    assert not fits(args[0], args[1].astype(mx.float16), args[2])
+    assert not fits(args[0], args[1].astype(mx.float16), args[2])  # K and V of different dtypes
+    assert fits(args[0], args[1].astype(mx.float16), args[2].astype(mx.float16))  # a 16-bit pool
     # the op still works after the errors
     np.testing.assert_allclose(
         np.array(attend(*args, scale=1.0, block_size=16)),

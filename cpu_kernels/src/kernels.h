@@ -36,8 +36,8 @@ struct QmmArgs {
 // sum l and (R, Dv) accumulator acc (online softmax, float32).
 struct AttendChunk {
   const float* q; // (R, D)
-  const float* const* k; // 32 key rows of D floats: the chunk's n, then rows of zeros
-  const float* const* v; // 32 value rows of Dv floats, likewise
+  const void* const* k; // 32 key rows of D values of kv_type: the chunk's n, then rows of zeros
+  const void* const* v; // 32 value rows of Dv values, likewise
   const int* j0;
   const int* j1;
   float* m;
@@ -47,6 +47,13 @@ struct AttendChunk {
   int R;
   int D;
   int Dv;
+  int kv_type; // ScaleType of the pool's rows
+  // the next chunk's n_next key and value rows (the same head's), prefetched into L2 as this chunk's
+  // are read: a steady trickle the loads then find in cache (a burst of prefetches per chunk, or
+  // none, left decode at a 1K context waiting on memory at ~6 GB/s)
+  const void* const* k_next = nullptr;
+  const void* const* v_next = nullptr;
+  int n_next = 0;
 };
 
 // qmm_rows: y[:, n0:n1] for every row of x. dequant_rows: rows n0..n1 of the dequantized weights

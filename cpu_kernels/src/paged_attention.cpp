@@ -4,7 +4,6 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "dispatch.h"
@@ -23,9 +22,14 @@ bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
+int kv_type(mx::Dtype t) {
+  return t == mx::float32 ? kF32 : (t == mx::float16 ? kF16 : kBF16);
+}
+
 struct Shape {
   int B, Hq, Hkv, L, D, Dv, max_blocks, block_size, window;
   float scale;
+  int kv_type; // the pool's dtype as a ScaleType (kernels.h)
 };
 
 constexpr int kQueryTile = 16; // query tokens of one row that share each key and value they read
@@ -36,12 +40,12 @@ constexpr int kQueryTile = 16; // query tokens of one row that share each key an
 // chunks of kChunk tokens, each key and value read once for all query rows of the tile. The heads of
 // a slot sit side by side in the pool, so taking every head of a chunk before the next chunk reads
 // the pool's blocks front to back (one head at a time read every Hkv-th row of scattered blocks:
-// decode at a 1K context ran at ~4 GB/s), and the next chunk's rows are prefetched meanwhile.
-template <typename T>
+// decode at a 1K context ran at ~4 GB/s), and attend_chunk prefetches the next chunk's rows as it goes.
+template <typename T, typename KV>
 void attend(
     const T* q,
-    const T* k,
-    const T* v,
+    const KV* k,
+    const KV* v,
     const int32_t* table,
     const int32_t* lens,
     const float* sinks,
@@ -86,17 +90,13 @@ void attend(
     }
   }
   const int32_t* row_table = table + size_t(b) * s.max_blocks;
-  // float32 rows of this chunk's keys and values: the pool's own rows, or converted copies
-  std::vector<float> kbuf, vbuf;
-  if constexpr (!std::is_same_v<T, float>) {
-    kbuf.resize(size_t(kChunk) * D);
-    vbuf.resize(size_t(kChunk) * Dv);
-  }
-  // every chunk hands over kChunk row pointers; rows past its n point at zeros (attend_chunk scores
-  // whole blocks of 8 keys and masks the lanes outside each query's range)
+  // every chunk hands over kChunk row pointers into the pool; rows past its n point at zeros
+  // (attend_chunk scores whole blocks of 8 keys and masks the lanes outside each query's range)
   const std::vector<float> zeros(size_t(std::max(D, Dv)), 0.0f);
-  const float* kv_rows[kChunk];
-  const float* vv_rows[kChunk];
+  const void* kv_rows[kChunk];
+  const void* vv_rows[kChunk];
+  const void* k_next[kChunk]; // the next chunk's rows, which attend_chunk prefetches
+  const void* v_next[kChunk];
   std::vector<int> j0(R), j1(R);
   const AttendFn attend_chunk = attend_chunk_fn();
   // the pool slots of a chunk's tokens, this chunk's and the next's
@@ -112,28 +112,14 @@ void attend(
       out_slots[j] = size_t(row_table[blk]) * s.block_size + off;
     }
   };
-  const size_t k_bytes = size_t(H) * D * sizeof(T), v_bytes = size_t(H) * Dv * sizeof(T); // heads h0..h1
-  auto prefetch = [&](int t0, const size_t* sl) {
-    const int n = std::min(kChunk, t_end - t0);
-    for (int j = 0; j < n; ++j) {
-      const char* kp = reinterpret_cast<const char*>(k + (sl[j] * s.Hkv + h0) * D);
-      const char* vp = reinterpret_cast<const char*>(v + (sl[j] * s.Hkv + h0) * Dv);
-      for (size_t o = 0; o < k_bytes; o += 64) {
-        __builtin_prefetch(kp + o);
-      }
-      for (size_t o = 0; o < v_bytes; o += 64) {
-        __builtin_prefetch(vp + o);
-      }
-    }
-  };
   if (t_begin < t_end) {
     locate(t_begin, slots[0]);
   }
   for (int t0 = t_begin, c = 0; t0 < t_end; t0 += kChunk, c ^= 1) {
     const int n = std::min(kChunk, t_end - t0);
-    if (t0 + kChunk < t_end) {
+    const int n_next = std::max(0, std::min(kChunk, t_end - t0 - kChunk));
+    if (n_next > 0) {
       locate(t0 + kChunk, slots[c ^ 1]);
-      prefetch(t0 + kChunk, slots[c ^ 1]);
     }
     for (int r = 0; r < R; ++r) {
       j0[r] = std::max(lo[r] - t0, 0);
@@ -144,23 +130,12 @@ void attend(
     }
     for (int hk = h0; hk < h1; ++hk) {
       for (int j = 0; j < n; ++j) {
-        const T* kr = k + (slots[c][j] * s.Hkv + hk) * D;
-        const T* vr = v + (slots[c][j] * s.Hkv + hk) * Dv;
-        if constexpr (std::is_same_v<T, float>) {
-          kv_rows[j] = kr;
-          vv_rows[j] = vr;
-        } else {
-          float* kd = kbuf.data() + size_t(j) * D;
-          float* vd = vbuf.data() + size_t(j) * Dv;
-          for (int d = 0; d < D; ++d) {
-            kd[d] = static_cast<float>(kr[d]);
-          }
-          for (int d = 0; d < Dv; ++d) {
-            vd[d] = static_cast<float>(vr[d]);
-          }
-          kv_rows[j] = kd;
-          vv_rows[j] = vd;
-        }
+        kv_rows[j] = k + (slots[c][j] * s.Hkv + hk) * D;
+        vv_rows[j] = v + (slots[c][j] * s.Hkv + hk) * Dv;
+      }
+      for (int j = 0; j < n_next; ++j) {
+        k_next[j] = k + (slots[c ^ 1][j] * s.Hkv + hk) * D;
+        v_next[j] = v + (slots[c ^ 1][j] * s.Hkv + hk) * Dv;
       }
       const size_t row0 = size_t(hk - h0) * R;
       attend_chunk(AttendChunk{
@@ -175,7 +150,11 @@ void attend(
           n,
           R,
           D,
-          Dv});
+          Dv,
+          s.kv_type,
+          k_next,
+          v_next,
+          n_next});
     }
   }
   for (int hk = h0; hk < h1; ++hk) {
@@ -193,9 +172,10 @@ void attend(
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s) {
-  const Dense<T> q(in[0]), k(in[1]), v(in[2]);
+  const Dense<T> q(in[0]);
+  const Dense<KV> k(in[1]), v(in[2]);
   const Dense<int32_t> table(in[3]), lens(in[4]);
   std::vector<float> sink_copy;
   const float* sinks = nullptr;
@@ -223,7 +203,7 @@ void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s)
       const int tile = t % tiles, bg = t / tiles;
       const int i0 = tile * kQueryTile, i1 = std::min(s.L, i0 + kQueryTile);
       const int h0 = (bg % groups) * heads;
-      attend<T>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, bg / groups, h0, h0 + heads, i0, i1);
+      attend<T, KV>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, bg / groups, h0, h0 + heads, i0, i1);
     }
   };
   if (tasks <= 1) {
@@ -251,8 +231,8 @@ mx::array paged_attention(
   if (q.ndim() != 4 || k.ndim() != 3 || v.ndim() != 3) {
     throw std::invalid_argument("q must be (B, Hq, L, D), k (slots, Hkv, D) and v (slots, Hkv, Dv)");
   }
-  if (!supported_float(q.dtype()) || k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
-    throw std::invalid_argument("q, k and v must share one float dtype (float32, float16 or bfloat16)");
+  if (!supported_float(q.dtype()) || !supported_float(k.dtype()) || v.dtype() != k.dtype()) {
+    throw std::invalid_argument("q, k and v must be float32, float16 or bfloat16, k and v of one dtype");
   }
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), Hkv = k.shape(1);
   if (k.shape(2) != q.shape(3) || v.shape(1) != Hkv || v.shape(0) != k.shape(0) || Hkv == 0 || Hq % Hkv) {
@@ -294,9 +274,12 @@ void PagedAttentionCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vect
       inputs[3].shape(1),
       block_size_,
       window_,
-      scale_};
+      scale_,
+      kv_type(inputs[1].dtype())};
   dispatch_cpu(stream(), inputs, out, [inputs, out, shape]() mutable {
-    with_float_type(out.dtype(), [&](auto t) { run_typed<decltype(t)>(inputs, out, shape); });
+    with_float_type(out.dtype(), [&](auto t) {
+      with_float_type(inputs[1].dtype(), [&](auto kv) { run_typed<decltype(t), decltype(kv)>(inputs, out, shape); });
+    });
   });
 }
 
