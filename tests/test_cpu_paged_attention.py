@@ -105,7 +105,10 @@ def rounded(case, dtype, kv_dtype=None):
     ``dtype`` when None), for the oracle."""
     q, k, v, table, lens, s = case
     kv_dtype = kv_dtype or dtype
-    r = [np.array(mx.array(a).astype(t).astype(mx.float32)) for a, t in ((q, dtype), (k, kv_dtype), (v, kv_dtype))]
+    r = [
+        np.array(mx.array(a).astype(t).astype(mx.float32))
+        for a, t in ((q, dtype), (k, kv_dtype), (v, kv_dtype))
+    ]
     return (*r, table, lens, s)
 
 
