@@ -161,7 +161,7 @@ def test_query_chunks_attend_causally_like_float64(dtype, lens, L, Hq, Hkv, D, b
     "lens, L, Hq, Hkv, D, Dv",
     [
         ([1000, 70, 5], 1, 9, 3, 64, 64),  # decode over many chunks (SmolLM2's heads)
-        ([333], 1, 8, 1, 128, 128),  # GQA 8: the transposed-key path
+        ([333], 1, 16, 1, 128, 128),  # GQA 16: the transposed-key path
         ([130, 64], 3, 6, 2, 80, 48),  # a verification pass; head dims not multiples of 32
         ([300, 41], 37, 8, 2, 64, 64),  # prefill tiles over a long history
     ],
