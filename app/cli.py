@@ -47,6 +47,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="quantize the KV cache to 8 or 4 bits: more tokens in the same memory (default: off)",
     )
     p.add_argument(
+        "--kv-dtype",
+        choices=("auto", "float16", "bfloat16", "float32"),
+        default="auto",
+        help="what an unquantized KV cache stores (default auto: float16 on the CPU, as llama.cpp, "
+        "the model's dtype on a GPU; float32 keeps a float32 model's KV exact)",
+    )
+    p.add_argument(
         "--cache-gb",
         type=float,
         default=None,
@@ -224,6 +231,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     }
     config = EngineConfig(
         kv_bits=args.kv_bits,
+        kv_dtype=args.kv_dtype,
         cache_gb=args.cache_gb,
         cache_fraction=args.cache_fraction,
         weights=args.weights,
@@ -297,7 +305,7 @@ def _describe(engine) -> str:
     s = engine.stats()
     return (
         f"model {s.model} | {s.backend} | weights {s.weight_format} | BLAS {s.blas} | "
-        f"KV {s.kv_blocks_total} blocks{' ' + str(s.kv_bits) + '-bit' if s.kv_bits else ''}"
+        f"KV {s.kv_blocks_total} blocks {s.kv_format}"
     )
 
 

@@ -411,6 +411,8 @@ def declines(
     dim = q.shape[-1]
     if q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype}"
+    if bits is None and k_pool.dtype != q.dtype:
+        return f"a {k_pool.dtype} pool under {q.dtype} queries"
     if dim > MAX_HEAD_DIM:
         return f"head_dim {dim} > {MAX_HEAD_DIM}"
     if v_pool.shape[-1] != k_pool.shape[-1]:

@@ -20,6 +20,10 @@ GiB = 2**30
 MAX_MEMORY_FRACTION = 0.9
 WEIGHT_FORMATS = ("auto", "dense", "quantized")
 KV_BITS = (4, 8)
+# What an unquantized KV cache stores. "auto": float16 for a model computing in float32 on the CPU
+# (half the memory and the bytes attention reads, as llama.cpp's and Ollama's default f16 cache),
+# the model's own dtype elsewhere (``KVPool.store_dtype``).
+KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 KV_GROUP_SIZES = (32, 64, 128)
 # The KV pool starts with room for this many tokens and grows (doubling) as sequences need
@@ -34,6 +38,7 @@ def _plain(name: str) -> str:
 @dataclass
 class EngineConfig:
     kv_bits: int | None = None  # 8 or 4 to quantize the KV cache
+    kv_dtype: str = "auto"  # an unquantized KV cache's dtype (KV_DTYPES)
     kv_group_size: int = 32
     cache_gb: float | None = None  # KV pool budget in GiB; default min(4 GiB, 15% of memory), taken as used
     cache_fraction: float | None = None  # or the budget as a fraction of device memory
@@ -79,6 +84,10 @@ class EngineConfig:
 
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
             raise fail("kv_bits", f"{spell('kv_bits')} must be 4 or 8, not {self.kv_bits!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise fail("kv_dtype", f"{spell('kv_dtype')} must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
+        if self.kv_bits is not None and self.kv_dtype != "auto":
+            raise fail("kv_dtype", f"give {spell('kv_bits')} or {spell('kv_dtype')}, not both")
         if self.kv_group_size not in KV_GROUP_SIZES:
             raise fail("kv_group_size", f"{spell('kv_group_size')} must be 32, 64 or 128")
         if self.speculative not in SPECULATIVE_MODES:

@@ -86,6 +86,7 @@ class EngineStats:
     kv_blocks_cached: int
     kv_bytes: int
     kv_bits: int | None
+    kv_format: str  # what a KV element is stored as: "float16", "8-bit", ...
     prefix_query_tokens: int
     prefix_hit_tokens: int
     preemptions: int
@@ -366,10 +367,14 @@ class Engine:
         check_same_tokenizer(self.loaded, draft)
         return draft
 
+    def _kv_dtype(self, m: LoadedModel) -> mx.Dtype:
+        """What the KV pool of model ``m`` stores (``KVPool.store_dtype``)."""
+        return KVPool.store_dtype(self.config.kv_dtype, m.dtype, self.config.kv_bits, backend_name())
+
     def _kv_bytes_per_token(self, m: LoadedModel) -> int:
         c = self.config
         return m.num_layers * KVPool.bytes_per_token_per_layer(
-            m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
+            m.n_kv_heads, m.head_dim, self._kv_dtype(m), c.kv_bits, c.kv_group_size
         )
 
     # --- set-up on the worker thread (MLX streams are per thread) -----------------
@@ -385,7 +390,7 @@ class Engine:
             m.num_layers,
             m.n_kv_heads,
             m.head_dim,
-            m.dtype,
+            self._kv_dtype(m),
             c.kv_bits,
             c.kv_group_size,
             c.block_size,
@@ -394,7 +399,7 @@ class Engine:
         num_blocks = min(num_blocks, c.max_running * -(-m.context_length // c.block_size) + 1)
         per_block = c.block_size * m.num_layers
         per_block *= KVPool.bytes_per_token_per_layer(
-            m.n_kv_heads, m.head_dim, m.dtype, c.kv_bits, c.kv_group_size
+            m.n_kv_heads, m.head_dim, self._kv_dtype(m), c.kv_bits, c.kv_group_size
         )
         if self.draft is not None:
             per_block += c.block_size * self._kv_bytes_per_token(self.draft)
@@ -412,10 +417,11 @@ class Engine:
             c.block_size,
             m.n_kv_heads,
             m.head_dim,
-            m.dtype,
+            self._kv_dtype(m),
             c.kv_bits,
             c.kv_group_size,
             capacity=(first := c.kv_first_blocks()),
+            act_dtype=m.dtype,
         )
         self.allocator = BlockAllocator(
             num_blocks, c.block_size, enable_prefix_cache=c.prefix_cache, initial_blocks=first
@@ -430,10 +436,11 @@ class Engine:
                 c.block_size,
                 d.n_kv_heads,
                 d.head_dim,
-                d.dtype,
+                self._kv_dtype(d),
                 c.kv_bits,
                 c.kv_group_size,
                 capacity=first,
+                act_dtype=d.dtype,
             )
             pool = self.pool
 
@@ -690,6 +697,7 @@ class Engine:
             backend=backend_name(),
             weight_format=self.loaded.weight_format,
             dtype=str(self.loaded.dtype),
+            kv_dtype=str(self._kv_dtype(self.loaded)),
             kv_bits=c.kv_bits,
             kv_group_size=c.kv_group_size,
             prefill_chunk=min(c.prefill_chunk, c.max_batch_tokens),
@@ -710,6 +718,7 @@ class Engine:
             kv_bytes=self.pool.nbytes,
             kv_block_bytes=self._kv_block_bytes,
             kv_bits=self.config.kv_bits,
+            kv_format=f"{self.pool.kv_bits}-bit" if self.pool.kv_bits else str(self.pool.dtype).rsplit(".", 1)[-1],
             prefix_query_tokens=s.prefix_query_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             preemptions=s.preemptions,

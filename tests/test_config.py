@@ -24,12 +24,19 @@ def test_the_defaults_are_valid():
     EngineConfig().validate(MEMORY)
     EngineConfig(cache_gb=0.25, kv_bits=8, weights="dense", max_running=1).validate(MEMORY)
     EngineConfig(cache_fraction=0.9, kv_bits=4, kv_group_size=64).validate(MEMORY)
+    EngineConfig(kv_dtype="float32").validate(MEMORY)
 
 
 @pytest.mark.parametrize(
     "options, option, message",
     [
         ({"kv_bits": 3}, "kv_bits", "kv_bits must be 4 or 8, not 3"),
+        (
+            {"kv_dtype": "fp8"},
+            "kv_dtype",
+            "kv_dtype must be one of auto, float16, bfloat16, float32, not 'fp8'",
+        ),
+        ({"kv_bits": 8, "kv_dtype": "float32"}, "kv_dtype", "give kv_bits or kv_dtype, not both"),
         ({"kv_group_size": 16}, "kv_group_size", "kv_group_size must be 32, 64 or 128"),
         ({"weights": "fast"}, "weights", "weights must be one of auto, dense, quantized"),
         ({"block_size": 0}, "block_size", "block_size must be a positive integer, not 0"),

@@ -13,12 +13,19 @@ import random
 import mlx.core as mx
 import pytest
 
+from mlx_engine.backend import backend_name
 from mlx_engine.engine import Engine, EngineConfig
+from mlx_engine.kv_cache.kv_pool import KVPool
 from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, RequestError, SamplingParams
 from tests.tiny_models import ARCHS
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def pool_dtype(loaded) -> mx.Dtype:
+    """What an engine's KV pool stores for ``loaded`` by default (float16 for a float32 model on the CPU)."""
+    return KVPool.store_dtype("auto", loaded.dtype, None, backend_name())
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -66,11 +73,20 @@ def arch_setup(request, tiny_dirs):
     return request.param, loaded
 
 
-def test_alone_and_batched_match_mlx_lm(arch_setup):
+@pytest.mark.parametrize("kv_dtype", ["auto", "float32"])
+def test_alone_and_batched_match_mlx_lm(arch_setup, kv_dtype):
+    """Greedy tokens of mlx-lm's loop (float32 KV), from the default pool (float16 KV under these
+    float32 models on the CPU) and from a float32 one."""
     arch, loaded = arch_setup
     ps = prompts(loaded.tokenizer.vocab_size, [1, 5, 17, 33, 2, 64, 16, 40])
     expected = [reference_greedy(loaded.model, p, 12) for p in ps]
-    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16))
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, kv_dtype=kv_dtype))
+    want = pool_dtype(loaded) if kv_dtype == "auto" else mx.float32
+    assert engine.pool.dtype == want and engine.pool.k[0].dtype == want
+    assert (
+        engine.stats().kv_block_bytes
+        == 16 * loaded.num_layers * 2 * loaded.n_kv_heads * loaded.head_dim * want.size
+    )
     try:
         alone = [asyncio.run(run_all(engine, [req(p)]))[0] for p in ps[:3]]
         assert alone == expected[:3], arch
@@ -217,7 +233,7 @@ def test_prefix_from_disk_tier_after_restart(tiny_dirs, tmp_path):
 def test_evicted_blocks_spill_to_disk_and_come_back(tiny_dirs, tmp_path):
     loaded = load_model(str(tiny_dirs("llama")))
     ps = prompts(loaded.tokenizer.vocab_size, [64, 64, 64], seed=13)
-    per_block = loaded.num_layers * 2 * loaded.n_kv_heads * loaded.head_dim * 4 * 16
+    per_block = loaded.num_layers * 2 * loaded.n_kv_heads * loaded.head_dim * pool_dtype(loaded).size * 16
     # 9 usable blocks: the third prompt evicts the first one's cached blocks
     cfg = EngineConfig(cache_gb=10 * per_block / 2**30, disk_cache_dir=str(tmp_path / "kv"))
     engine = Engine(loaded, cfg)

@@ -105,7 +105,12 @@ def test_windowed_and_global_layers_all_use_the_kernel(windowed_model, kv_bits, 
             calls.append((cache.layer, window))
         return out
 
-    engine = Engine(loaded, EngineConfig(cache_gb=0.01, kv_bits=kv_bits))
+    # the pool Metal's "auto" keeps, the model's own dtype, also under the emulator (the CPU
+    # backend's "auto" stores float16 KV for this float32 model)
+    cfg = EngineConfig(
+        cache_gb=0.01, kv_bits=kv_bits, kv_dtype="auto" if kv_bits else str(loaded.dtype).split(".")[-1]
+    )
+    engine = Engine(loaded, cfg)
     paged_attention.use_metal_kernels(True, backend=backend)
     monkeypatch.setattr(paged_attention, "attention_kernel", counting)
     try:
@@ -116,7 +121,7 @@ def test_windowed_and_global_layers_all_use_the_kernel(windowed_model, kv_bits, 
     if kv_bits is None:
         assert got == expected, arch
     else:  # 8-bit KV rounds differently from mlx-lm's fp32 cache: the kernel must match the engine's own path
-        engine = Engine(loaded, EngineConfig(cache_gb=0.01, kv_bits=kv_bits))
+        engine = Engine(loaded, cfg)
         try:
             assert got == asyncio.run(run_all(engine, [req(p, 6) for p in ps])), arch
         finally:

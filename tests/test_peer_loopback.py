@@ -24,7 +24,7 @@ from mlx_engine.kv_cache.kv_pool import KVPool
 from mlx_engine.request import GenerationRequest
 from peer.server import EngineBackend, ExportJob
 from tests.peer_pair import WAIT, Pair, tiny_cfg, two_models
-from tests.test_engine_tiny import prompts
+from tests.test_engine_tiny import pool_dtype, prompts
 from tests.test_remote_prefill_engine import GREEDY, Capture, collect, run, split_tokens
 
 
@@ -84,7 +84,7 @@ def test_a_quantized_decoder_gets_its_own_format_and_is_told_it_is_approximate(l
     the decoder's own pool write would. Layer 0's KV does not depend on attention, so it is
     bit-exact; the later layers attended over unquantized KV on the peer (approximate)."""
     (p,) = prompts(llama2[0].tokenizer.vocab_size, [150], seed=11)
-    pair = Pair(*llama2, tiny_cfg(kv_bits=8), tiny_cfg())
+    pair = Pair(*llama2, tiny_cfg(kv_bits=8), tiny_cfg(kv_dtype="float32"))
     try:
         assert not pair.src.exact and any("kv_bits" in r for r in pair.src.inexact)
         ref_cap, dec_cap = Capture(pair.ref, p), Capture(pair.dec, p)
@@ -267,7 +267,8 @@ def test_ingest_stays_within_a_small_receive_buffer(llama2):
     """A receive pool of two frames: the reader stops reading while the decoder's worker has not
     applied what it holds, the peer is pushed back, and the result is still exact."""
     (p,) = prompts(llama2[0].tokenizer.vocab_size, [600], seed=14)
-    frame = 64 * 512  # one layer of one chunk: 64 tokens x 2 heads x 32 dims x K,V x float32
+    # one layer of one chunk: 64 tokens x 2 heads x 32 dims x K,V in the pool's dtype
+    frame = 64 * 2 * 32 * 2 * pool_dtype(llama2[0]).size
     pair = Pair(*llama2, tiny_cfg(), buffer_cap_bytes=2 * frame)
     try:
         assert per_token_bytes(pair.dec) * 64 == frame

@@ -112,8 +112,10 @@ def test_memory_is_per_cache_salt_and_bounded(tok):
 
 
 def printable_only(tok: Tokenizer) -> dict[int, float]:
-    """A logit bias that keeps a random model to whole printable ASCII pieces (no broken characters)."""
+    """A logit bias that keeps a random model to whole printable ASCII pieces (no broken characters)
+    and never ends a reply early (no end of sequence: a reply is as long as asked)."""
     ok = {i for i in range(tok.vocab_size) if (p := tok.piece(i)).isascii() and p.isprintable() and p.strip()}
+    ok -= tok.eos_token_ids
     return {i: -100.0 for i in range(tok.vocab_size) if i not in ok}
 
 
@@ -135,7 +137,8 @@ def ask(engine: Engine, messages: list[dict], n: int) -> tuple[str, list[int], o
 
 def second_turn_hit(loaded, remember: bool) -> tuple[int, int, int]:
     """(turn 1 prompt + reply tokens, turn 2 cached tokens, turn 2 prompt tokens)."""
-    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=BS))
+    # float32 KV: the reply this model gives with it does not re-tokenize to its own ids
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=BS, kv_dtype="float32"))
     try:
         if not remember:
             engine.replies.max_entries = 0

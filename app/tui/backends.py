@@ -110,7 +110,7 @@ class LocalBackend:
             kv_total_bytes=s.kv_blocks_total * s.kv_block_bytes,
             prefix_hit_rate=s.prefix_hit_rate if s.prefix_query_tokens else None,
             detail=f"{s.backend} · {s.weight_format} · BLAS {s.blas}"
-            + (f" · KV {s.kv_bits}-bit" if s.kv_bits else ""),
+            + f" · KV {s.kv_format}",
         )
 
     def close(self) -> None:

@@ -1,9 +1,10 @@
 """The paged KV pool: per-layer arrays of fixed-size token blocks (layout: docs/architecture.md).
 
 Unquantized, each layer has K and V of shape ``(num_blocks, block_size, n_kv_heads, head_dim)``
-in the model's activation dtype. With ``kv_bits`` 8 or 4 each of K and V is a triplet in MLX's
-affine format along ``head_dim``: packed ``uint32 (..., head_dim * bits / 32)``, and scales and
-biases ``(..., head_dim / group_size)``. Token ``t`` of a sequence lives in block
+in the pool's ``dtype`` (16-bit floats by default, ``config.kv_store_dtype``; reads return the
+model's activation dtype, ``act_dtype``). With ``kv_bits`` 8 or 4 each of K and V is a triplet in
+MLX's affine format along ``head_dim``: packed ``uint32 (..., head_dim * bits / 32)``, and scales
+and biases ``(..., head_dim / group_size)`` in ``dtype``. Token ``t`` of a sequence lives in block
 ``block_table[t // block_size]`` at slot ``t % block_size``; block 0 is the null block.
 
 Writes are indexed assignments on a flat ``(num_blocks * block_size, ...)`` view, so MLX
@@ -36,9 +37,11 @@ class KVPool:
         group_size: int = 32,
         v_head_dim: int | None = None,
         capacity: int | None = None,
+        act_dtype: mx.Dtype | None = None,
     ):
         """``num_blocks`` (the null block included) is the most the pool may grow to; ``capacity``
-        blocks of it are allocated now (all when None)."""
+        blocks of it are allocated now (all when None). ``dtype`` is what the pool stores,
+        ``act_dtype`` (``dtype`` when None) what its reads return."""
         if kv_bits not in (None, 4, 8):
             raise ValueError("kv_bits must be 4, 8 or None")
         if kv_bits is not None and head_dim % 32:
@@ -47,6 +50,7 @@ class KVPool:
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.dtype, self.kv_bits = dtype, kv_bits
+        self.act_dtype = act_dtype or dtype
         self.group_size = min(group_size, head_dim)
         self.capacity = num_blocks if capacity is None else max(2, min(capacity, num_blocks))
         n = self.capacity * block_size
@@ -88,6 +92,18 @@ class KVPool:
             return out
 
         return tuple(one(a) for a in old) if isinstance(old, tuple) else one(old)
+
+    @staticmethod
+    def store_dtype(kv_dtype: str, model_dtype: mx.Dtype, kv_bits: int | None, backend: str) -> mx.Dtype:
+        """The dtype a pool stores for ``EngineConfig.kv_dtype`` (``config.KV_DTYPES``) on ``backend``
+        (``backend_name()``): a quantized pool's scales and biases stay in the model's dtype; "auto"
+        stores float16 for a float32 model on the CPU (whose attention kernel widens it as it reads)
+        and the model's own dtype elsewhere (the Metal kernels read the activation dtype)."""
+        if kv_bits is not None:
+            return model_dtype
+        if kv_dtype == "auto":
+            return mx.float16 if backend == "cpu" and model_dtype == mx.float32 else model_dtype
+        return getattr(mx, kv_dtype)
 
     @staticmethod
     def bytes_per_token_per_layer(
@@ -154,9 +170,11 @@ class KVPool:
 
     def _load(self, pool, slots: mx.array) -> mx.array:
         if self.kv_bits is None:
-            return pool[slots]
-        q, s, b = (p[slots] for p in pool)
-        return mx.dequantize(q, s, b, group_size=self.group_size, bits=self.kv_bits).astype(self.dtype)
+            x = pool[slots]
+        else:
+            q, s, b = (p[slots] for p in pool)
+            x = mx.dequantize(q, s, b, group_size=self.group_size, bits=self.kv_bits)
+        return x if x.dtype == self.act_dtype else x.astype(self.act_dtype)
 
     def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """``slots``: (B, S) -> K, V as (B, n_kv_heads, S, head_dim) in the activation dtype."""
