@@ -85,7 +85,10 @@ class EngineConfig:
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
             raise fail("kv_bits", f"{spell('kv_bits')} must be 4 or 8, not {self.kv_bits!r}")
         if self.kv_dtype not in KV_DTYPES:
-            raise fail("kv_dtype", f"{spell('kv_dtype')} must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
+            raise fail(
+                "kv_dtype",
+                f"{spell('kv_dtype')} must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}",
+            )
         if self.kv_bits is not None and self.kv_dtype != "auto":
             raise fail("kv_dtype", f"give {spell('kv_bits')} or {spell('kv_dtype')}, not both")
         if self.kv_group_size not in KV_GROUP_SIZES:

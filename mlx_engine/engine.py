@@ -718,7 +718,9 @@ class Engine:
             kv_bytes=self.pool.nbytes,
             kv_block_bytes=self._kv_block_bytes,
             kv_bits=self.config.kv_bits,
-            kv_format=f"{self.pool.kv_bits}-bit" if self.pool.kv_bits else str(self.pool.dtype).rsplit(".", 1)[-1],
+            kv_format=f"{self.pool.kv_bits}-bit"
+            if self.pool.kv_bits
+            else str(self.pool.dtype).rsplit(".", 1)[-1],
             prefix_query_tokens=s.prefix_query_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             preemptions=s.preemptions,
