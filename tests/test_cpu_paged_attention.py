@@ -258,13 +258,20 @@ def test_engine_runs_through_the_kernel_with_the_reference_paths_tokens(arch, ti
 
 def test_every_instruction_set_this_cpu_has_gives_the_float64_result(ext):
     """The arithmetic is compiled per instruction set (attention_impl.inc): each variant the CPU can
-    run, on a case with head dims that are not a multiple of 8 and a partial query tile."""
-    case = make_case([70, 19], 6, 2, 36, 20, 16, seed=9, sinks=True, L=19)
-    want = oracle(case, 0.2, 16, 24)
+    run, on a case with head dims that are not a multiple of 8 and a partial query tile, and on decode
+    over many chunks (paired query heads, the next chunk prefetched), with float32, float16 and
+    bfloat16 pools under float32 queries."""
+    cases = [
+        (make_case([70, 19], 6, 2, 36, 20, 16, seed=9, sinks=True, L=19), 24),
+        (make_case([300, 45], 9, 3, 64, 64, 16, seed=10), None),
+    ]
     try:
         for isa in variants(ext):
             ext.set_isa(isa)
-            got = run_kernel(case, mx.float32, 0.2, 16, 24)
-            np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=isa)
+            for case, window in cases:
+                for kv in (mx.float32, mx.float16, mx.bfloat16):
+                    got = run_kernel(case, mx.float32, 0.2, 16, window, kv_dtype=kv)
+                    want = oracle(rounded(case, mx.float32, kv), 0.2, 16, window)
+                    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"{isa} {kv}")
     finally:
         ext.set_isa("")
