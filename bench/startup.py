@@ -37,7 +37,7 @@ PARTS = [
     ("  GGUF metadata parse", "mlx_engine.loading.gguf_file", "read_gguf"),
     ("  tensor read + decode", "mlx_engine.loading.gguf_loader", "_read_tensors"),
     ("  tokenizer from GGUF", "mlx_engine.tokenization.gguf_tokenizer", "tokenizer_from_gguf"),
-    ("  mlx-lm model module", "mlx_engine.mlx_lm_lazy", "import_module"),
+    ("  mlx-lm model module", "mlx_engine.loading.mlx_lm_lazy", "import_module"),
     ("  weight re-layout (CPU)", "mlx_engine.loading.loader", "_input_major_weights"),
     ("engine build", "mlx_engine.engine", "Engine._build"),
     ("  KV pool allocation", "mlx_engine.kv_cache.kv_pool", "KVPool.__init__"),

@@ -8,7 +8,7 @@ import sys
 
 SCRIPT = r"""
 import sys
-from mlx_engine import mlx_lm_lazy
+from mlx_engine.loading import mlx_lm_lazy
 
 llama = mlx_lm_lazy.import_module("models.llama")
 assert hasattr(llama, "Model")

@@ -295,7 +295,7 @@ _SDPA_NAME = "scaled_dot_product_attention"  # the name each mlx-lm model module
 def install() -> None:
     """Point every loaded mlx-lm model module's ``scaled_dot_product_attention`` at the dispatcher."""
     global _ORIGINAL_SDPA
-    from mlx_engine import mlx_lm_lazy
+    from mlx_engine.loading import mlx_lm_lazy
 
     base = mlx_lm_lazy.import_module("models.base")
 

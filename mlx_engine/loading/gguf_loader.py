@@ -32,8 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_engine import mlx_lm_lazy
-from mlx_engine.loading import weight_cache
+from mlx_engine.loading import mlx_lm_lazy, weight_cache
 from mlx_engine.loading.dequantize import dequantize_model
 from mlx_engine.loading.ggml_blocks import decode, to_8bit_groups_of_32
 from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_gguf

@@ -46,7 +46,7 @@ def _check_hf_dir(path: Path) -> None:
 def _has_module(model_type: str) -> bool:
     if not model_type.isidentifier():
         return False
-    from mlx_engine import mlx_lm_lazy
+    from mlx_engine.loading import mlx_lm_lazy
 
     mlx_lm_lazy.install()  # find_spec imports the parent packages: not mlx_lm/__init__ (transformers)
     return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
