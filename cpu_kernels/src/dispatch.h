@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -33,6 +34,12 @@ void with_float_type(mlx::core::Dtype t, F&& f) {
   } else {
     f(mlx::core::bfloat16_t{});
   }
+}
+
+// A float dtype as the kernels' ScaleType (kernels.h: kF32, kF16, kBF16): the type of a quantized
+// matrix's scales, or of a KV pool's rows.
+inline int scale_type(mlx::core::Dtype t) {
+  return t == mlx::core::float32 ? kF32 : (t == mlx::core::float16 ? kF16 : kBF16);
 }
 
 } // namespace duet_cpu

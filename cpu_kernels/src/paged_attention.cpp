@@ -22,10 +22,6 @@ bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
-int kv_type(mx::Dtype t) {
-  return t == mx::float32 ? kF32 : (t == mx::float16 ? kF16 : kBF16);
-}
-
 struct Shape {
   int B, Hq, Hkv, L, D, Dv, max_blocks, block_size, window;
   float scale;
@@ -275,7 +271,7 @@ void PagedAttentionCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vect
       block_size_,
       window_,
       scale_,
-      kv_type(inputs[1].dtype())};
+      scale_type(inputs[1].dtype())};
   dispatch_cpu(stream(), inputs, out, [inputs, out, shape]() mutable {
     with_float_type(out.dtype(), [&](auto t) {
       with_float_type(inputs[1].dtype(), [&](auto kv) { run_typed<decltype(t), decltype(kv)>(inputs, out, shape); });

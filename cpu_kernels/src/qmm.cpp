@@ -123,10 +123,6 @@ Dense dense_bytes(const mx::array& a) {
   return d;
 }
 
-int scale_type(mx::Dtype t) {
-  return t == mx::float32 ? kF32 : (t == mx::float16 ? kF16 : kBF16);
-}
-
 // Up to this many rows of x take the integer kernel (qmm_rows with QmmArgs::xq): its three byte
 // dot products per value cost about a float multiply-add's once more rows share the unpacking (one
 // 49152 x 576 matrix, one thread: 4-bit 1 row 2.5 -> 1.6 ms, 2 rows 2.9 -> 2.6 ms, 3 rows even).
