@@ -380,6 +380,7 @@ class Engine:
     # --- set-up on the worker thread (MLX streams are per thread) -----------------
     def _build(self) -> None:
         c, m = self.config, self.loaded
+        kv_dtype = self._kv_dtype(m)
         memory = total_memory_bytes()
         budget = c.kv_budget_bytes(memory)
         if self.draft is not None:  # each block holds the draft's KV too (draft_model.py): split the budget
@@ -390,17 +391,14 @@ class Engine:
             m.num_layers,
             m.n_kv_heads,
             m.head_dim,
-            self._kv_dtype(m),
+            kv_dtype,
             c.kv_bits,
             c.kv_group_size,
             c.block_size,
         )
         # never more than the running sequences could fill at full context
         num_blocks = min(num_blocks, c.max_running * -(-m.context_length // c.block_size) + 1)
-        per_block = c.block_size * m.num_layers
-        per_block *= KVPool.bytes_per_token_per_layer(
-            m.n_kv_heads, m.head_dim, self._kv_dtype(m), c.kv_bits, c.kv_group_size
-        )
+        per_block = c.block_size * self._kv_bytes_per_token(m)
         if self.draft is not None:
             per_block += c.block_size * self._kv_bytes_per_token(self.draft)
         self._kv_block_bytes = per_block
@@ -417,7 +415,7 @@ class Engine:
             c.block_size,
             m.n_kv_heads,
             m.head_dim,
-            self._kv_dtype(m),
+            kv_dtype,
             c.kv_bits,
             c.kv_group_size,
             capacity=(first := c.kv_first_blocks()),

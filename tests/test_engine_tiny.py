@@ -28,6 +28,14 @@ def pool_dtype(loaded) -> mx.Dtype:
     return KVPool.store_dtype("auto", loaded.dtype, None, backend_name())
 
 
+def kv_token_bytes(loaded, dtype: mx.Dtype | None = None) -> int:
+    """One token's K and V in every layer of a pool storing ``dtype`` (the default pool's when None)."""
+    per_layer = KVPool.bytes_per_token_per_layer(
+        loaded.n_kv_heads, loaded.head_dim, dtype or pool_dtype(loaded), None
+    )
+    return loaded.num_layers * per_layer
+
+
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """mlx-lm's generate_step with its own KV cache: the independent reference."""
     from mlx_lm.generate import generate_step
@@ -83,10 +91,7 @@ def test_alone_and_batched_match_mlx_lm(arch_setup, kv_dtype):
     engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, kv_dtype=kv_dtype))
     want = pool_dtype(loaded) if kv_dtype == "auto" else mx.float32
     assert engine.pool.dtype == want and engine.pool.k[0].dtype == want
-    assert (
-        engine.stats().kv_block_bytes
-        == 16 * loaded.num_layers * 2 * loaded.n_kv_heads * loaded.head_dim * want.size
-    )
+    assert engine.stats().kv_block_bytes == 16 * kv_token_bytes(loaded, want)
     try:
         alone = [asyncio.run(run_all(engine, [req(p)]))[0] for p in ps[:3]]
         assert alone == expected[:3], arch
@@ -131,7 +136,7 @@ def test_preemption_and_recompute_keep_outputs(tiny_dirs):
     ps = prompts(loaded.tokenizer.vocab_size, [30, 28, 26, 31, 29, 27], seed=7)
     expected = [reference_greedy(loaded.model, p, 40) for p in ps]
     # room for ~2.5 sequences at full length: the scheduler must preempt and recompute
-    per_block = loaded.num_layers * 2 * loaded.n_kv_heads * loaded.head_dim * 4 * 16
+    per_block = 16 * kv_token_bytes(loaded)
     engine = Engine(loaded, EngineConfig(cache_gb=12 * per_block / 2**30, block_size=16, prefix_cache=False))
     try:
         got = asyncio.run(run_all(engine, [req(p, 40) for p in ps]))
@@ -233,7 +238,7 @@ def test_prefix_from_disk_tier_after_restart(tiny_dirs, tmp_path):
 def test_evicted_blocks_spill_to_disk_and_come_back(tiny_dirs, tmp_path):
     loaded = load_model(str(tiny_dirs("llama")))
     ps = prompts(loaded.tokenizer.vocab_size, [64, 64, 64], seed=13)
-    per_block = loaded.num_layers * 2 * loaded.n_kv_heads * loaded.head_dim * pool_dtype(loaded).size * 16
+    per_block = 16 * kv_token_bytes(loaded)
     # 9 usable blocks: the third prompt evicts the first one's cached blocks
     cfg = EngineConfig(cache_gb=10 * per_block / 2**30, disk_cache_dir=str(tmp_path / "kv"))
     engine = Engine(loaded, cfg)

@@ -26,7 +26,7 @@ from mlx_engine.kv_cache.block_allocator import BlockAllocator, OutOfBlocks
 from mlx_engine.kv_cache.kv_pool import KVPool
 from mlx_engine.loading.loader import load_model
 from mlx_engine.model_runner import ModelRunner, Row
-from tests.test_engine_tiny import assert_no_leaks, pool_dtype, prompts, reference_greedy, req, run_all
+from tests.test_engine_tiny import assert_no_leaks, kv_token_bytes, prompts, reference_greedy, req, run_all
 
 BS = 4
 
@@ -359,7 +359,7 @@ def test_engine_budget_is_enforced_while_growing(tiny_dirs, small_first_chunk):
     loaded = load_model(str(tiny_dirs("llama")))
     ps = prompts(loaded.tokenizer.vocab_size, [30, 28, 26, 31, 29, 27], seed=7)
     expected = [reference_greedy(loaded.model, p, 40) for p in ps]
-    per_block = loaded.num_layers * 2 * loaded.n_kv_heads * loaded.head_dim * pool_dtype(loaded).size * 16
+    per_block = 16 * kv_token_bytes(loaded)
     engine = Engine(loaded, EngineConfig(cache_gb=12 * per_block / 2**30, block_size=16, prefix_cache=False))
     try:
         assert engine.pool.num_blocks == 12 and engine.pool.capacity == 3

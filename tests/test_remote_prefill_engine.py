@@ -38,7 +38,7 @@ from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, RangeSet
 from mlx_engine.loading.loader import LoadedModel, load_model
 from mlx_engine.request import GenerationEvent, GenerationRequest, SamplingParams
 from peer.wire.kv_wire import to_wire
-from tests.test_engine_tiny import assert_no_leaks, pool_dtype, prompts
+from tests.test_engine_tiny import assert_no_leaks, kv_token_bytes, prompts
 
 WAIT = 120.0  # a deadline for hangs only
 GREEDY = SamplingParams(temperature=0.0)
@@ -333,10 +333,7 @@ def test_remote_prefill_is_exact_on_a_tiny_model(llama, length):
         # every layer of [0, N - 1) arrived, and the bytes are what the pool holds for it
         (load,) = trio.src.loads
         assert (load.start, load.end) == (0, length - 1)
-        per_token = KVPool.bytes_per_token_per_layer(
-            llama.n_kv_heads, llama.head_dim, pool_dtype(llama), None
-        )
-        assert usage.remote_bytes == (length - 1) * per_token * llama.num_layers
+        assert usage.remote_bytes == (length - 1) * kv_token_bytes(llama)
         for layer in range(llama.num_layers):
             assert trio.src.ranges(load.load_id, layer) == [(0, length - 1)]
     finally:
@@ -411,10 +408,7 @@ def test_a_warm_decoder_loads_only_what_it_lacks(llama):
             assert trio.src.ranges(load.load_id, layer) == [(32, 299)]
         u = last.usage
         assert (u.cached_tokens, u.remote_tokens, u.prompt_tokens_computed) == (32, 267, 1)
-        per_token = KVPool.bytes_per_token_per_layer(
-            llama.n_kv_heads, llama.head_dim, pool_dtype(llama), None
-        )
-        assert u.remote_bytes == 267 * per_token * llama.num_layers
+        assert u.remote_bytes == 267 * kv_token_bytes(llama)
         # the loaded tokens are bit for bit what local prefill computes for them
         assert split_tokens(dec_cap.kv, trio.dec.pool, 32, 299) == split_tokens(
             ref_cap.kv, trio.ref.pool, 32, 299
@@ -766,11 +760,7 @@ def test_late_frames_of_a_cancelled_load_never_touch_reused_blocks(llama):
     tokens are those of local prefill."""
     vocab = llama.tokenizer.vocab_size
     a_prompt, b_prompt = prompts(vocab, [300, 260], seed=12)
-    per_block = (
-        16
-        * llama.num_layers
-        * KVPool.bytes_per_token_per_layer(llama.n_kv_heads, llama.head_dim, pool_dtype(llama), None)
-    )
+    per_block = 16 * kv_token_bytes(llama)
     # 25 usable blocks: A's load takes 19; B needs 17, more than the 6 never used
     trio = Trio(llama, tiny_cfg(cache_gb=26 * per_block / 2**30), stop_on_cancel=False)
     try:

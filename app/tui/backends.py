@@ -109,7 +109,7 @@ class LocalBackend:
             kv_used_bytes=s.kv_blocks_used * s.kv_block_bytes,
             kv_total_bytes=s.kv_blocks_total * s.kv_block_bytes,
             prefix_hit_rate=s.prefix_hit_rate if s.prefix_query_tokens else None,
-            detail=f"{s.backend} · {s.weight_format} · BLAS {s.blas}" + f" · KV {s.kv_format}",
+            detail=f"{s.backend} · {s.weight_format} · BLAS {s.blas} · KV {s.kv_format}",
         )
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The paged KV pool: per-layer arrays of fixed-size token blocks (layout: docs/architecture.md).
 
 Unquantized, each layer has K and V of shape ``(num_blocks, block_size, n_kv_heads, head_dim)``
-in the pool's ``dtype`` (16-bit floats by default, ``config.kv_store_dtype``; reads return the
+in the pool's ``dtype`` (``KVPool.store_dtype``: float16 on the CPU by default; reads return the
 model's activation dtype, ``act_dtype``). With ``kv_bits`` 8 or 4 each of K and V is a triplet in
 MLX's affine format along ``head_dim``: packed ``uint32 (..., head_dim * bits / 32)``, and scales
 and biases ``(..., head_dim / group_size)`` in ``dtype``. Token ``t`` of a sequence lives in block
