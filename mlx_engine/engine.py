@@ -497,7 +497,7 @@ class Engine:
         if self.disk is None or self.allocator.index is None:
             return
         index = self.allocator.index
-        for b in index.blocks(salted=False):  # salted prefixes never go to disk
+        for b in index.blocks(salted=False, tails=False):  # no salted prefix, and whole blocks only
             self.disk.save(index.path_tokens(b), self.pool.read_block(b))
 
     # --- public API -------------------------------------------------------------
@@ -1000,6 +1000,13 @@ class Engine:
                 except Exception as e:
                     self._finish_export(x, f"can_send failed: {e}")
         step = self.scheduler.schedule()
+        # copy-on-write of blocks shared (n > 1 choices) or cached part-full, before a load or the
+        # forward pass writes on
+        for src, dst in step.copies:
+            self.pool.copy_block(src, dst)
+            if self.draft_pool is not None and isinstance(self._proposer, DraftModelProposer):
+                self.draft_pool.copy_block(src, dst)
+                self._proposer.copied(src, dst)
         for sl in step.loads:
             self._start_load(sl)
         for rid in step.admitted:
@@ -1010,11 +1017,6 @@ class Engine:
         if not step.tokens:
             return bool(step.loads)
         self._steps += 1
-        for src, dst in step.copies:  # copy-on-write of blocks shared by n > 1 choices
-            self.pool.copy_block(src, dst)
-            if self.draft_pool is not None and isinstance(self._proposer, DraftModelProposer):
-                self.draft_pool.copy_block(src, dst)
-                self._proposer.copied(src, dst)
         if isinstance(self._proposer, DraftModelProposer):  # the step's proposals, in one batch
             passes, t_draft = self._proposer.passes, time.perf_counter()
             for seq in self._proposer.fill(list(step.seqs.values())):

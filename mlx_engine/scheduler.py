@@ -207,9 +207,11 @@ class Scheduler:
         return cancelled
 
     def _release(self, seq: Sequence) -> None:
-        # full blocks become matchable by later requests, then every block loses this reference
+        # full blocks, and the part-full last one, become matchable by later requests, then every
+        # block loses this reference
         self._drop_draft(seq)
-        self.alloc.register(seq.tokens, seq.blocks, seq.num_computed // self.bs, seq.cache_salt)
+        full, tail = divmod(min(seq.num_computed, len(seq.tokens)), self.bs)
+        self.alloc.register(seq.tokens, seq.blocks, full, seq.cache_salt, tail)
         self.alloc.free(seq.blocks)
         seq.blocks = []
 
@@ -237,7 +239,7 @@ class Scheduler:
         shared = [
             i
             for i in range(seq.num_computed // self.bs, min(end, len(seq.blocks)))
-            if self.alloc.ref[seq.blocks[i]] > 1
+            if not self.alloc.writable(seq.blocks[i])  # shared, or a cached block ends mid-way
         ]
         if need + len(shared) > self.alloc.num_free:
             return False
@@ -425,9 +427,13 @@ class Scheduler:
             matched = not seq.blocks and self.alloc.index is not None
             if matched:
                 # reuse the longest cached prefix; always recompute at least the last token
-                hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens) - 1, seq.cache_salt)
-                seq.blocks = hit
-                seq.num_computed = len(hit) * self.bs
+                end = len(seq.tokens) - 1
+                hit = self.alloc.match_prefix(seq.tokens, end, seq.cache_salt)
+                seq.blocks, seq.num_computed = hit, len(hit) * self.bs
+                tail = self.alloc.match_tail(seq.tokens, hit, end, seq.cache_salt)
+                if tail is not None:  # a block that ends mid-way: copied when this writes on
+                    seq.blocks = [*hit, tail[0]]
+                    seq.num_computed += tail[1]
             if matched and self._start_loads(seq, step):
                 self._count_reuse(seq)
                 self.waiting.popleft()
@@ -507,7 +513,7 @@ class Scheduler:
             if n:
                 offers.append((src, pos, pos + n))
                 pos += n
-        if not offers:
+        if not offers or not self._grow(seq, 0, step.copies):  # own a part-full hit before loads write
             return False
         # blocks: what is free, and the share of the pool loads may hold
         held = sum(len(s.blocks) for s in self.loading)

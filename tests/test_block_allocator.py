@@ -100,6 +100,50 @@ def test_prefix_index_matches_longest_inserted_prefix(prompts):
         assert got == best
 
 
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=24), min_size=1, max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_a_prompt_reuses_the_longest_cached_prefix_to_the_token(prompts):
+    """Sequences end mid-block: with their last block indexed as a tail, a later prompt's hit (full
+    blocks, then a tail or full block below them) is its longest common prefix with any of them."""
+    a = BlockAllocator(num_blocks=200, block_size=BS)
+    for p in prompts:
+        blocks = a.allocate(-(-len(p) // BS))
+        full, tail = divmod(len(p), BS)
+        a.register(p, blocks, full, tail=tail)
+        a.free(blocks)
+        a.check_invariants()
+    for q in prompts:
+        hit = a.match_prefix(q, len(q))
+        tail = a.match_tail(q, hit, len(q))
+        got = len(hit) * BS + (tail[1] if tail else 0)
+        best = 0
+        for p in prompts:
+            n = 0
+            while n < min(len(p), len(q)) and p[n] == q[n]:
+                n += 1
+            best = max(best, n)
+        assert got == best
+        a.free(hit + ([tail[0]] if tail else []))
+    a.check_invariants()
+
+
+def test_a_cached_tail_is_copied_before_it_is_written_and_evicted_like_any_block():
+    a = BlockAllocator(num_blocks=4, block_size=4)
+    blocks = a.allocate(2)
+    a.register([1, 2, 3, 4, 5, 6], blocks, 1, tail=2)  # a sequence that ended after 6 tokens
+    a.free(blocks)
+    assert a.num_cached == 2 and a.num_used == 0
+    hit = a.match_prefix([1, 2, 3, 4, 5, 6, 7], 6)
+    assert a.match_tail([1, 2, 3, 4, 5, 9], hit, 6) == (blocks[1], 1)
+    assert not a.writable(blocks[1])  # held once, but a later prompt may still match it
+    new, copy = a.make_writable(blocks[1])
+    assert copy and new != blocks[1]
+    a.free(hit + [new])
+    a.allocate(3)  # the pool's three blocks: the cached ones are evicted
+    assert a.num_cached == 0
+    a.check_invariants()
+
+
 def test_eviction_drops_unreachable_descendants():
     a = BlockAllocator(num_blocks=4, block_size=2)
     blocks = a.allocate(3)

@@ -117,7 +117,7 @@ def test_ungrouped_sequences_keep_arrival_order():
     admitted = []
     d.run_until(lambda: all(s.status == FINISHED for s in d.seqs.values()))
     for step in d.steps:
-        admitted += [rid for rid, n in step.items() if n > 1 and rid not in admitted]
+        admitted += [rid for rid in step if rid not in admitted]
     assert admitted == ["r0", "r1", "r2", "r3"]
     assert d.sched.preemptions == 0
 

@@ -105,17 +105,17 @@ def test_a_warm_decoder_is_sent_only_what_it_lacks(llama2):
         ref_cap = Capture(pair.ref, p)
         ref_tokens, _ = run(pair.ref, p)
         pair.dec.remove_kv_source(pair.src)
-        run(pair.dec, p[:40])  # the decoder caches 2 blocks (32 tokens) of the prompt
+        run(pair.dec, p[:40])  # the decoder caches the prompt's first 40 tokens (2 blocks and 8)
         pair.dec.add_kv_source(pair.src)
         dec_cap = Capture(pair.dec, p)
         tokens, last = run(pair.dec, p)
         u = last.usage
-        assert (u.cached_tokens, u.remote_tokens, u.prompt_tokens_computed) == (32, 267, 1)
+        assert (u.cached_tokens, u.remote_tokens, u.prompt_tokens_computed) == (40, 259, 1)
         (info,) = pair.src.loads_of(last.request_id)
-        assert (info["start"], info["end"]) == (32, 299)
-        assert info["bytes"] == 267 * per_token_bytes(pair.dec) * pair.dec.pool.num_layers
-        assert split_tokens(dec_cap.kv, pair.dec.pool, 32, 299) == split_tokens(
-            ref_cap.kv, pair.ref.pool, 32, 299
+        assert (info["start"], info["end"]) == (40, 299)
+        assert info["bytes"] == 259 * per_token_bytes(pair.dec) * pair.dec.pool.num_layers
+        assert split_tokens(dec_cap.kv, pair.dec.pool, 40, 299) == split_tokens(
+            ref_cap.kv, pair.ref.pool, 40, 299
         )
         assert tokens == ref_tokens
         pair.assert_no_leaks()
@@ -128,10 +128,10 @@ def test_a_warm_peer_reports_its_hit_and_computes_only_the_rest(llama2):
     pair = Pair(*llama2, tiny_cfg())
     try:
         ref_tokens, _ = run(pair.ref, p)
-        run(pair.peer, p[:70])  # the peer caches 4 blocks (64 tokens)
+        run(pair.peer, p[:70])  # the peer caches the prompt's first 70 tokens (4 blocks and 6)
         tokens, last = run(pair.dec, p)
         (info,) = pair.src.loads_of(last.request_id)
-        assert info["hit"] == 64 and info["tokens_computed"] == 299 - 64
+        assert info["hit"] == 70 and info["tokens_computed"] == 299 - 70
         assert last.usage.remote_tokens == 299 and tokens == ref_tokens
         pair.assert_no_leaks()
     finally:

@@ -1,9 +1,9 @@
 """The prefix cache through the real Engine (tiny fp32 random model).
 
 A prompt sent again gives the same tokens and log-probabilities as the first time, also when it
-exactly fills whole KV blocks; every response reports its own cached tokens; and a block is
-reused only once its KV is fully computed, whether its sequence is still prefilling, was cut off
-or ended on a block boundary.
+exactly fills whole KV blocks; every response reports its own cached tokens; a block is reused
+only once its KV is fully computed while its sequence is still prefilling; and a finished
+sequence's part-full last block serves the next turn to the token.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def test_a_block_aligned_prompt_sent_twice_gives_the_same_tokens_and_logprobs(lo
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert [t for t, _, _ in a.top] == [t for t, _, _ in b.top]
         assert [v for _, _, v in a.top] == pytest.approx([v for _, _, v in b.top], abs=1e-4)
-    # all but the last block came from the cache; the last one is recomputed for the logits
+    # all but the last token came from the cache (the last block's first 15 through a copy); the
+    # last token is recomputed for the logits
     assert first[-1].usage.cached_tokens == 0
-    assert second[-1].usage.cached_tokens == (num_blocks - 1) * BS
+    assert second[-1].usage.cached_tokens == num_blocks * BS - 1
     assert_no_leaks(engine)
 
 
@@ -88,14 +89,38 @@ def test_usage_reports_each_requests_own_cached_tokens(loaded, engine):
     assert_no_leaks(engine)
 
 
-def test_a_conversation_reuses_only_the_blocks_whose_kv_was_computed(loaded, engine):
+def test_a_conversation_reuses_only_the_tokens_whose_kv_was_computed(loaded, engine):
     (p, more) = prompts(loaded.tokenizer.vocab_size, [20, 5], seed=50)
-    # 20 + 12 = 32 tokens end exactly on a block boundary: the last one was sampled, never computed
+    # 20 + 12 = 32 tokens end exactly on a block boundary: the last one was sampled, never computed,
+    # so the second block is cached part-full (a tail) with the 15 before it
     out = tokens(run(engine, greedy(p, 12)))
     follow = p + out + more
     evs = run(engine, greedy(follow, 6))
-    assert evs[-1].usage.cached_tokens == BS
+    assert evs[-1].usage.cached_tokens == 31
     assert tokens(evs) == reference_greedy(loaded.model, follow, 6)
+    assert_no_leaks(engine)
+
+
+def test_next_turns_reuse_the_last_turns_part_full_block_and_leave_it_intact(loaded, engine):
+    """A conversation's turns end mid-block. Each next turn reuses the previous turn's prompt and
+    reply to the token, copying the part-full block before writing on; two next turns that diverge
+    inside that block (a regenerated reply, an edited message) run at once and both get what they
+    would alone, and the cached block still serves a third."""
+    vocab = loaded.tokenizer.vocab_size
+    p, more_a, more_b = prompts(vocab, [21, 6, 4], seed=51)
+    out = tokens(run(engine, greedy(p, 5)))  # 25 tokens computed: one full block and 9 of the next
+    turn_a, turn_b = p + out + more_a, p + out[:3] + more_b
+
+    async def both():
+        return await asyncio.gather(collect(engine, greedy(turn_a, 6)), collect(engine, greedy(turn_b, 6)))
+
+    evs_a, evs_b = asyncio.run(both())
+    assert [evs_a[-1].usage.cached_tokens, evs_b[-1].usage.cached_tokens] == [25, 24]
+    assert tokens(evs_a) == reference_greedy(loaded.model, turn_a, 6)
+    assert tokens(evs_b) == reference_greedy(loaded.model, turn_b, 6)
+    again = run(engine, greedy(turn_a, 6))
+    assert again[-1].usage.cached_tokens == len(turn_a) - 1  # all but the last, which gives logits
+    assert tokens(again) == tokens(evs_a)
     assert_no_leaks(engine)
 
 

@@ -398,20 +398,20 @@ def test_a_warm_decoder_loads_only_what_it_lacks(llama):
         ref_cap = Capture(trio.ref, p)
         ref_tokens, _ = run(trio.ref, p)
         trio.src.enabled = False
-        run(trio.dec, p[:40])  # the decoder caches 2 blocks of 16 (32 tokens) of the prompt
+        run(trio.dec, p[:40])  # the decoder caches the prompt's first 40 tokens (2 blocks of 16 and 8)
         trio.src.enabled = True
         dec_cap = Capture(trio.dec, p)
         tokens, last = run(trio.dec, p)
         (load,) = trio.src.loads
-        assert (load.start, load.end) == (32, 299)
+        assert (load.start, load.end) == (40, 299)  # mid-block: into a copy of the cached block
         for layer in range(llama.num_layers):
-            assert trio.src.ranges(load.load_id, layer) == [(32, 299)]
+            assert trio.src.ranges(load.load_id, layer) == [(40, 299)]
         u = last.usage
-        assert (u.cached_tokens, u.remote_tokens, u.prompt_tokens_computed) == (32, 267, 1)
-        assert u.remote_bytes == 267 * kv_token_bytes(llama)
+        assert (u.cached_tokens, u.remote_tokens, u.prompt_tokens_computed) == (40, 259, 1)
+        assert u.remote_bytes == 259 * kv_token_bytes(llama)
         # the loaded tokens are bit for bit what local prefill computes for them
-        assert split_tokens(dec_cap.kv, trio.dec.pool, 32, 299) == split_tokens(
-            ref_cap.kv, trio.ref.pool, 32, 299
+        assert split_tokens(dec_cap.kv, trio.dec.pool, 40, 299) == split_tokens(
+            ref_cap.kv, trio.ref.pool, 40, 299
         )
         assert tokens == ref_tokens
         assert_no_leaks(trio.dec)
@@ -424,17 +424,19 @@ def test_a_warm_peer_computes_from_its_own_hit_and_exports_its_cached_tokens_fir
     trio = Trio(llama, tiny_cfg())
     try:
         ref_tokens, _ = run(trio.ref, p)
-        run(trio.peer, p[:70])  # the peer caches 4 blocks (64 tokens) of the prompt
+        run(trio.peer, p[:70])  # the peer caches the prompt's first 70 tokens (4 blocks and 6)
         tokens, last = run(trio.dec, p)
         (load,) = trio.src.loads
-        assert trio.src.accepts[load.load_id] == 64
+        assert trio.src.accepts[load.load_id] == 70
         computed, _ = trio.src.peer_done[load.load_id]
-        assert computed == 299 - 64  # the peer computed from its own hit
+        assert computed == 299 - 70  # the peer computed from its own hit
         L = llama.num_layers
-        # its cached tokens went first, from its pool, layer by layer; then the computed chunks
+        # its cached tokens went first, from its pool, layer by layer; then the computed chunks; all
+        # on the grid anchored at 0 (chunks of 64)
         sent = [(ly, t0, t1) for lid, ly, t0, t1, _ in trio.src.frames if lid == load.load_id]
         assert sent[:L] == [(ly, 0, 64) for ly in range(L)]
-        assert sent[L : 2 * L] == [(ly, 64, 128) for ly in range(L)]
+        assert sent[L : 2 * L] == [(ly, 64, 70) for ly in range(L)]
+        assert sent[2 * L : 3 * L] == [(ly, 70, 128) for ly in range(L)]
         assert last.usage.remote_tokens == 299 and last.usage.prompt_tokens_computed == 1
         assert tokens == ref_tokens
         assert_no_leaks(trio.dec)
@@ -628,7 +630,7 @@ def test_a_load_that_fails_keeps_the_landed_prefix(llama, fail_after, caplog):
         # a follow-up request hits the prefix cache, with the same result
         trio.src.enabled = False
         again, last2 = run(trio.dec, p)
-        assert again == ref_tokens and last2.usage.cached_tokens == 299 // 16 * 16
+        assert again == ref_tokens and last2.usage.cached_tokens == 299  # all but the last token
         assert_no_leaks(trio.dec)
         assert_no_leaks(trio.peer)
     finally:

@@ -4,7 +4,8 @@ Every slot of the shadow store records which token's KV was written there. Rando
 of submissions (some sharing prompts through the prefix cache, some forking another request's
 prompt as n > 1 choices do), steps, cancellations and preemptions under a small block budget
 must keep each running sequence's blocks holding exactly its own tokens — the property that
-copy-on-write, prefix hits and recompute exist to preserve — and must leak no block.
+copy-on-write, prefix hits and recompute exist to preserve — and must leak no block. A finished
+sequence's part-full last block is cached too (a tail), so later prompts sharing part of it copy it.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.status == RUNNING
             for t in range(seq.num_computed, seq.num_computed + n):
                 b = seq.blocks[t // BS]
-                assert self.alloc.ref[b] == 1, f"{rid} writes into block {b} that others hold"
+                assert self.alloc.writable(b), f"{rid} writes into block {b} that others hold or may match"
                 self.kv[b][t % BS] = seq.tokens[t]
         for rid in self.sched.advance(step):  # "sample": a token unique to this request
             seq = self.seqs[rid]
@@ -84,7 +85,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert got == seq.tokens[: seq.num_computed], seq.request_id
         index = self.alloc.index
         for b in index.blocks() if index is not None else []:  # the prefix cache holds what it says
-            assert self.kv[b] == index.path_tokens(b)[-BS:], f"cached block {b} was overwritten"
+            path = index.path_tokens(b)
+            n = len(path) % BS or BS  # a part-full tail block: its first n tokens
+            assert self.kv[b][:n] == path[-n:], f"cached block {b} was overwritten"
         self.alloc.check_invariants()
 
     def teardown(self):
@@ -130,7 +133,7 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
             assert seq.status == RUNNING and len(seq.tokens) <= seq.max_total - 1 + (n > 1)
             for t in range(seq.num_computed, seq.num_computed + n):
                 b = seq.blocks[t // BS]
-                assert self.alloc.ref[b] == 1, f"{rid} writes into block {b} that others hold"
+                assert self.alloc.writable(b), f"{rid} writes into block {b} that others hold or may match"
                 self.kv[b][t % BS] = seq.tokens[t]
         for rid in self.sched.advance(step):
             seq = self.seqs[rid]

@@ -172,7 +172,10 @@ def body_for(route: str, text: str, salt: str | None = None) -> dict:
 async def cached(c: httpx.AsyncClient, route: str, key: str, text: str, salt: str | None = None) -> int:
     r = await c.post(route, json=body_for(route, text, salt), headers=bearer(key))
     assert r.status_code == 200, r.text
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    usage = r.json()["usage"]
+    hit = usage["prompt_tokens_details"]["cached_tokens"]
+    assert hit in (0, usage["prompt_tokens"] - 1)  # nothing, or all but the last token (one text)
+    return hit
 
 
 def client_for(engine, isolation: str) -> httpx.AsyncClient:
@@ -190,7 +193,7 @@ async def test_per_key_isolation_hides_one_keys_prompts_from_another(engine, rou
     async with client_for(engine, "per-key") as c:
         assert await cached(c, route, KEY_A, text) == 0
         hit = await cached(c, route, KEY_A, text)
-        assert hit > 0 and hit % 16 == 0  # the same key shares its own prefix cache
+        assert hit > 0  # the same key shares its own prefix cache
         assert await cached(c, route, KEY_B, text) == 0  # another key learns nothing
         assert await cached(c, route, KEY_B, text) == hit  # ... and has a cache of its own
         assert await cached(c, route, KEY_A, text, salt="tab-2") == 0  # a body salt splits further

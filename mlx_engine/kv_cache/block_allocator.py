@@ -107,7 +107,8 @@ class BlockAllocator:
             # salted blocks never reach the disk tier: its files are keyed by tokens alone
             if self.on_evict is not None and self.index.salt_of(b) is None:
                 for blk in self.index.subtree(b):  # their contents are still intact: spill them
-                    self.on_evict(blk, self.index.path_tokens(blk))
+                    if not self.index.is_tail(blk):  # the disk tier keeps whole blocks
+                        self.on_evict(blk, self.index.path_tokens(blk))
             for blk in self.index.remove_block(b):
                 if blk != b and self.ref[blk] == 0:
                     self._blank[blk] = None  # unreachable now: free, not cached
@@ -139,9 +140,13 @@ class BlockAllocator:
             self.incref(b)
         return list(blocks)
 
+    def writable(self, b: int) -> bool:
+        """Only one sequence holds ``b`` and no later request can match it."""
+        return self.ref[b] == 1 and (self.index is None or not self.index.contains_block(b))
+
     def make_writable(self, b: int) -> tuple[int, bool]:
         """Copy-on-write: returns (block to write into, whether its content must be copied from ``b``)."""
-        if self.ref[b] == 1 and (self.index is None or not self.index.contains_block(b)):
+        if self.writable(b):
             return b, False
         (new,) = self.allocate(1)
         self.free([b])
@@ -158,11 +163,26 @@ class BlockAllocator:
             self.incref(b)
         return blocks
 
-    def register(self, tokens: list[int], blocks: list[int], num_full: int, salt: str | None = None) -> None:
+    def match_tail(
+        self, tokens: list[int], hit: list[int], max_tokens: int, salt: str | None = None
+    ) -> tuple[int, int] | None:
+        """After the full-block ``hit``: ``(block, n)``, a cached block whose first ``n`` tokens are
+        the prompt's next (prefix_index.PrefixIndex.match_tail), with a reference; None if none."""
+        if self.index is None:
+            return None
+        tail = self.index.match_tail(tokens, hit, max_tokens, salt)
+        if tail is not None:
+            self.incref(tail[0])
+        return tail
+
+    def register(
+        self, tokens: list[int], blocks: list[int], num_full: int, salt: str | None = None, tail: int = 0
+    ) -> None:
         """Make the first ``num_full`` full blocks of a sequence matchable by later requests with
-        the same ``salt``."""
-        if self.index is not None and num_full > 0:
-            self.index.insert(tokens[: num_full * self.block_size], blocks[:num_full], salt)
+        the same ``salt``, and with ``tail`` the first ``tail`` tokens of the block after them."""
+        if self.index is not None and num_full + tail > 0:
+            n = num_full * self.block_size + tail
+            self.index.insert(tokens[:n], blocks[: num_full + (tail > 0)], salt)
 
     def check_invariants(self) -> None:
         assert 2 <= self.capacity <= self.num_blocks
