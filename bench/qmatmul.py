@@ -6,7 +6,7 @@
 
 ``--paths`` also times the two native paths ``quantized_matmul`` chooses between by the number of rows
 of x (the fused kernel, and the dequantize kernel + MLX's GEMM): the measurement behind
-``cpu_kernels.qmm.DEQUANTIZE_ROWS``.
+``cpu_kernels.qmm.dequantize_rows()`` (rows per kernel thread).
 
 ``--model-decode`` instead measures the whole model: Duet's engine decoding the bundled GGUF (greedy,
 batch 1, 64-token prompt, 128 tokens) with its weights dense float32 through BLAS (the path without

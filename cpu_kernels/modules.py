@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cpu_kernels.norm import rms_norm
-from cpu_kernels.qmm import DEQUANTIZE_ROWS, SPEC, quantized_matmul
+from cpu_kernels.qmm import SPEC, dequantize_rows, quantized_matmul
 from cpu_kernels.rope import rope
 from cpu_kernels.spec import FLOATS, available, extension
 from cpu_kernels.swiglu import swiglu
@@ -30,7 +30,7 @@ def _product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> 
     straight to the extension: ``use_cpu_kernels`` checked the layer's format when it switched it."""
     k = x.shape[-1]
     ext = extension()
-    if ext is not None and k and x.size < DEQUANTIZE_ROWS * k and x.dtype in FLOATS:
+    if ext is not None and k and x.size < dequantize_rows() * k and x.dtype in FLOATS:
         return ext.quantized_matmul(
             x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
         )

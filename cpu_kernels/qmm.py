@@ -9,23 +9,30 @@ is unpacked once into float lanes (16 at a time, 32 for 4-bit) and used by every
 group's scale applied once per group and its bias through the group sums of x, float32 throughout.
 One copy per instruction set (AVX-512, AVX2, baseline/NEON) is chosen at run time.
 
-From ``DEQUANTIZE_ROWS`` rows of x on (prefill), the fused kernel loses to a BLAS GEMM, so the weights
-are dequantized by the ``dequantize`` kernel (~9 Gweights/s per core, a transient float32 copy of one
-matrix) and multiplied by MLX's matmul.
+From ``dequantize_rows()`` rows of x on (prefill), the fused kernel loses to a BLAS GEMM, so the
+weights are dequantized by the ``dequantize`` kernel (~9 Gweights/s per core, a transient float32 copy
+of one matrix) and multiplied by MLX's matmul.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import KernelSpec, resolve_backend, run
+from cpu_kernels.spec import KernelSpec, kernel_threads, resolve_backend, run
 
 SPEC = KernelSpec("quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
 DEQUANTIZE_SPEC = KernelSpec("dequantize", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
-# Rows of x from which dequantize + GEMM beats the fused kernel (one thread, 1536 x 576, 4-bit:
-# 16 rows 0.53 vs 0.70 ms, 32 rows 1.07 vs 1.00 ms, 256 rows 8.5 vs 5.3 ms; docs/BENCHMARKS.md,
+# Rows of x per kernel thread from which dequantize + GEMM beats the fused kernel. One thread, 1536 x
+# 576, 4-bit: 16 rows 0.53 vs 0.70 ms, 32 rows 1.07 vs 1.00 ms, 256 rows 8.5 vs 5.3 ms. The fused
+# kernel's threads split its work, the other path gains less from them: two threads (wall) 45 rows
+# 0.61 vs 1.00 ms, 64 rows 0.90 vs 0.90 ms, 96 rows 1.39 vs 1.14 ms (docs/BENCHMARKS.md,
 # bench/qmatmul.py --paths).
-DEQUANTIZE_ROWS = 32
+DEQUANTIZE_ROWS_PER_THREAD = 32
+
+
+def dequantize_rows() -> int:
+    """Rows of x from which ``quantized_matmul`` dequantizes and multiplies by a GEMM."""
+    return DEQUANTIZE_ROWS_PER_THREAD * kernel_threads()
 
 
 def quantized_matmul(
@@ -53,7 +60,7 @@ def quantized_matmul(
     if chosen == "native":
         assert biases is not None
         k = x.shape[-1]
-        if k and x.size // k >= DEQUANTIZE_ROWS:
+        if k and x.size // k >= dequantize_rows():
             dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
             out = x.dtype if x.dtype == scales.dtype else mx.float32
             return (x.astype(mx.float32) @ dense.T).astype(out)

@@ -75,7 +75,8 @@ def extension() -> ModuleType | None:
                 except ImportError as e:
                     reason = f"cannot import cpu_kernels._ext ({e})"
         if ext is not None:
-            ext.set_num_threads(default_threads())
+            _state["threads"] = default_threads()
+            ext.set_num_threads(_state["threads"])
         else:
             log.warning(
                 "CPU kernels unavailable: %s; quantized weights use the slower dequantized path (run `make setup`)",
@@ -126,7 +127,14 @@ def set_threads(threads: int | None = None) -> int:
     ext = extension()
     if ext is not None:
         ext.set_num_threads(n)
+        _state["threads"] = n
     return n
+
+
+def kernel_threads() -> int:
+    """The kernels' thread count now (1 without the extension)."""
+    extension()
+    return _state.get("threads") or 1
 
 
 def choose_backend(backend: str | None, fits: bool, requirement: str) -> str:

@@ -18,7 +18,7 @@ import pytest
 
 from cpu_kernels import spec
 from cpu_kernels.modules import CPUQuantizedEmbedding, CPUQuantizedLinear, use_cpu_kernels
-from cpu_kernels.qmm import DEQUANTIZE_ROWS, dequantize, quantized_matmul
+from cpu_kernels.qmm import dequantize, dequantize_rows, quantized_matmul
 
 pytestmark = pytest.mark.skipif(
     mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
@@ -174,12 +174,24 @@ def test_dequantize_matches_float64_every_variant_and_thread_count(ext, bits):
                 assert np.array_equal(outs[0], outs[1])
 
 
+def test_the_gemm_path_starts_later_with_more_kernel_threads(ext):
+    """The fused kernel's threads split its work, dequantize + GEMM gains less from them: the
+    crossover scales with the kernels' thread count."""
+    try:
+        spec.set_threads(1)
+        one = dequantize_rows()
+        spec.set_threads(2)
+        assert dequantize_rows() == 2 * one
+    finally:
+        spec.set_threads()
+
+
 def test_many_rows_go_through_dequantize_and_gemm(ext):
-    """Prefill-sized x (>= DEQUANTIZE_ROWS rows): the weights are dequantized by the kernel and
+    """Prefill-sized x (>= dequantize_rows() rows): the weights are dequantized by the kernel and
     multiplied by MLX's GEMM; same results as the fused kernel within float32 rounding."""
     rng = np.random.default_rng(4)
     for bits in BITS:
-        x, wq, scales, biases = case(rng, DEQUANTIZE_ROWS + 13, 70, 192, 64, bits)
+        x, wq, scales, biases = case(rng, dequantize_rows() + 13, 70, 192, 64, bits)
         y = quantized_matmul(x, wq, scales, biases, group_size=64, bits=bits, backend="native")
         check(y, x, wq, scales, biases, 64, bits, F32_TOL)
         fused = ext.quantized_matmul(x, wq, scales, biases, 64, bits)
