@@ -41,6 +41,7 @@ class _Node:
 class PrefixIndex:
     def __init__(self, block_size: int):
         self.block_size = block_size
+        self.min_tail = max(1, block_size // 4)  # the fewest tokens match_tail takes
         self.root = _Node((), 0, None)
         self._salted: dict[str, _Node] = {}  # salt -> the root of its own trie
         self._by_block: dict[int, _Node] = {}
@@ -89,9 +90,11 @@ class PrefixIndex:
         self, tokens: list[int], blocks: list[int], max_tokens: int, salt: str | None = None
     ) -> tuple[int, int] | None:
         """After ``blocks``, the full-block hit of ``tokens`` (``match``): ``(block, n)`` for the
-        block below it whose first ``n >= 1`` tokens are the most of ``tokens[start:max_tokens]``
-        (``start`` = the hit's tokens), or None. Below a node with very many children (a root
-        that many prompts diverge from) only tails are compared."""
+        block below it whose first ``n`` tokens are the most of ``tokens[start:max_tokens]``
+        (``start`` = the hit's tokens), or None. ``n`` is at least ``min_tail`` (a quarter block):
+        a copied block that saves a token or two saves nothing, and prompts that merely share a
+        first token by chance would take their KV from whichever came first. Below a node with
+        very many children (a root that many prompts diverge from) only tails are compared."""
         node = self._by_block[blocks[-1]] if blocks else self._root(salt)
         if node is None:
             return None
@@ -105,7 +108,7 @@ class PrefixIndex:
                 if a != b:
                     break
                 n += 1
-            if n and (best is None or n > best[1]):
+            if n >= self.min_tail and (best is None or n > best[1]):
                 best = (cand.block, n)
         return best
 
