@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -132,9 +133,22 @@ def repetitive_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
 
 async def run_all(engine: Engine, reqs: list[GenerationRequest], logprobs: list | None = None):
     """(ids, last event) per request; ``logprobs``, when given, is filled with each request's
-    (token id, logprob) pairs, in request order."""
+    (token id, logprob) pairs, in request order.
+
+    Every request is queued before the engine's worker takes any (it is held until then), so they
+    are admitted together on every run. Which requests share a step would otherwise depend on
+    timing, and a tiny random model's greedy choice between two nearly equal logits can flip with
+    the shape of the batch (gemma3's 8-prompt case did, in off and on alike, under load)."""
     if logprobs is not None:
         logprobs[:] = [[] for _ in reqs]
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(60)
+
+    held = asyncio.get_running_loop().run_in_executor(None, engine.run_on_worker, hold, 120)
+    assert await asyncio.to_thread(started.wait, 60)
 
     async def one(i, r):
         ids, last = [], None
@@ -145,7 +159,15 @@ async def run_all(engine: Engine, reqs: list[GenerationRequest], logprobs: list 
             last = ev
         return ids, last
 
-    return await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+    tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(reqs)]
+    try:
+        async with asyncio.timeout(60):
+            while engine.stats().waiting < len(reqs):
+                await asyncio.sleep(0.001)
+    finally:
+        release.set()
+        await held
+    return await asyncio.gather(*tasks)
 
 
 def generate(
