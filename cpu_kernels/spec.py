@@ -132,8 +132,8 @@ def set_threads(threads: int | None = None) -> int:
 
 
 def kernel_threads() -> int:
-    """The kernels' thread count now (1 without the extension)."""
-    extension()
+    """The kernels' thread count now (1 before the extension is loaded, or without it). Cheap: on
+    the decode step's path."""
     return _state.get("threads") or 1
 
 
