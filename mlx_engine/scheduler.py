@@ -210,7 +210,7 @@ class Scheduler:
         # full blocks, and the part-full last one, become matchable by later requests, then every
         # block loses this reference
         self._drop_draft(seq)
-        full, tail = divmod(min(seq.num_computed, len(seq.tokens)), self.bs)
+        full, tail = divmod(seq.num_computed, self.bs)  # no proposals left: all computed are kept
         self.alloc.register(seq.tokens, seq.blocks, full, seq.cache_salt, tail)
         self.alloc.free(seq.blocks)
         seq.blocks = []
