@@ -40,6 +40,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct)",
     )
     p.add_argument(
+        "--context-length",
+        "-c",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the context in tokens, as llama.cpp's --ctx-size (default: the model's own; above what "
+        "the model was trained for it runs with a warning, as agents' long prompts may need)",
+    )
+    p.add_argument(
         "--kv-bits",
         type=int,
         choices=(4, 8),
@@ -226,7 +235,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     check_peer_args(args)
     extra = {
         name: getattr(args, name)
-        for name in ("max_queue", "max_running")
+        for name in ("max_queue", "max_running", "context_length")
         if getattr(args, name, None) is not None
     }
     config = EngineConfig(
@@ -488,7 +497,10 @@ def line_chat(args, config: EngineConfig, *, interactive: bool) -> int:
 
 
 def cmd_serve(args) -> int:
+    from app.server.options import check_serve_args
+
     engine_config(args)
+    check_serve_args(args)
     _check_model(args)
     _use_fast_blas()
     from app.server.main import serve

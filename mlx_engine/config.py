@@ -42,6 +42,9 @@ class EngineConfig:
     kv_group_size: int = 32
     cache_gb: float | None = None  # KV pool budget in GiB; default min(4 GiB, 15% of memory), taken as used
     cache_fraction: float | None = None  # or the budget as a fraction of device memory
+    # the context in tokens, as llama.cpp's --ctx-size and Ollama's num_ctx (None: the model's own, from
+    # its config); above what the model was trained for it runs, with a warning, and quality may drop
+    context_length: int | None = None
     block_size: int = 16
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
@@ -104,6 +107,10 @@ class EngineConfig:
             )
         if self.weights not in WEIGHT_FORMATS:
             raise fail("weights", f"{spell('weights')} must be one of {', '.join(WEIGHT_FORMATS)}")
+        if self.context_length is not None:
+            positive_int("context_length")
+            if self.context_length < 16:
+                raise fail("context_length", f"{spell('context_length')} must be at least 16 tokens")
         for option in ("block_size", "max_batch_tokens", "prefill_chunk", "max_running", "max_queue"):
             positive_int(option)
         if self.cache_gb is not None and self.cache_fraction is not None:

@@ -321,7 +321,7 @@ class Engine:
         self.draft = self._load_draft()  # the draft model (speculative="draft"), else None
         self._proposer: NgramProposer | DraftModelProposer | None = None
         self.model_name = loaded.name
-        self.context_length = loaded.context_length
+        self.context_length = self._context_length(loaded)
         self._mailbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._sink = _Sink(self._mailbox)
         self._lock = threading.Lock()  # guards _live, _queued and _stopping
@@ -356,6 +356,21 @@ class Engine:
         config = config or EngineConfig()
         config.validate()
         return cls(load_model(model, weights=config.weights), config)
+
+    def _context_length(self, loaded: LoadedModel) -> int:
+        """``config.context_length`` when given (a warning above the model's trained context, as
+        llama.cpp gives), else the model's own."""
+        asked = self.config.context_length
+        if asked is None:
+            return loaded.context_length
+        if asked > loaded.context_length:
+            log.warning(
+                "context length %d is above the %d tokens %s was trained for: replies past that may degrade",
+                asked,
+                loaded.context_length,
+                loaded.name,
+            )
+        return asked
 
     def _load_draft(self) -> LoadedModel | None:
         """The draft model of ``speculative="draft"``, loaded (or given loaded), checked to share the
@@ -397,7 +412,7 @@ class Engine:
             c.block_size,
         )
         # never more than the running sequences could fill at full context
-        num_blocks = min(num_blocks, c.max_running * -(-m.context_length // c.block_size) + 1)
+        num_blocks = min(num_blocks, c.max_running * -(-self.context_length // c.block_size) + 1)
         per_block = c.block_size * self._kv_bytes_per_token(m)
         if self.draft is not None:
             per_block += c.block_size * self._kv_bytes_per_token(self.draft)

@@ -175,6 +175,8 @@ BAD_OPTIONS = {
         ["--cache-gb", "1", "--cache-fraction", "0.3"],
         "give --cache-gb or --cache-fraction, not both",
     ),
+    "context-length 0": (["--context-length", "0"], "--context-length must be a positive integer, not 0"),
+    "context-length 8": (["-c", "8"], "--context-length must be at least 16 tokens"),
     "draft without a draft model": (["--speculative", "draft"], "--speculative draft needs --draft-model"),
     "draft model without draft": (
         ["--speculative", "ngram", "--draft-model", "x"],
@@ -192,6 +194,7 @@ GENERATE_ONLY = {
 SERVE_ONLY = {
     "max-queue 0": (["--max-queue", "0"], "--max-queue must be"),
     "max-running 0": (["--max-running", "0"], "--max-running must be"),
+    "max-tokens 0": (["--max-tokens", "0"], "--max-tokens must be at least 1"),
 }
 COMMAND_ARGS = {"generate": ["--prompt", "hi"], "chat": [], "serve": []}
 

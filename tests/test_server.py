@@ -277,7 +277,13 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 300
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 0}, 400, "n"),
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 1000}, 400, "n"),
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 10**6}, 400, "max_tokens"),
+        # max_tokens past the context is a cap (tests/test_request_caps.py); a prompt that fills it is not
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "fox " * 3000}], "max_tokens": 4},
+            400,
+            "messages",
+        ),
         ("/v1/chat/completions", {"model": MODEL, "messages": USER, "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": USER}, 404, "model"),
         (
@@ -413,9 +419,11 @@ def test_deeply_nested_bodies_are_refused_before_anything_recurses_into_them(ser
 def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=USER)
+    long = [{"role": "user", "content": "fox " * 3000}]  # more tokens than the 2,048 of the context
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=10**6)
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=8)
     assert e.value.code == "context_length_exceeded"
+    assert "2048" in e.value.message
 
 
 # --- structured output -----------------------------------------------------------------------

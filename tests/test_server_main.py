@@ -62,11 +62,15 @@ def test_serve_options_are_defined_once_with_help():
         "insecure_no_key",
         "max_queue",
         "max_running",
+        "max_tokens",
         "embedding_model",
     }
     assert all(a.help for a in options.values())
     args = serve_args("--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "c.lan", "--docs")
     assert args.allowed_hosts == ["a.lan,b.lan", "c.lan"] and args.docs and args.max_body_mb == 8
+    assert args.max_tokens is None and args.context_length is None
+    args = serve_args("--max-tokens", "64", "-c", "32768")
+    assert args.max_tokens == 64 and args.context_length == 32768
 
 
 def test_api_key_sources(tmp_path, monkeypatch):

@@ -79,14 +79,27 @@ def _config(arch: str, vocab: int) -> dict:
     return base
 
 
-def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+def make_tiny_model_dir(
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    tokenizer: tuple[str, dict] | None = None,
+    context: int | None = None,
+) -> Path:
+    """``tokenizer``: another tokenizer.json text and tokenizer_config.json dict (default: the
+    tiny BPE and ChatML); ``context``: max_position_embeddings (default 2048)."""
     from mlx_lm.utils import _get_classes
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tj = tokenizer_json()
-    vocab = len(json.loads(tj)["model"]["vocab"]) + len(SPECIAL)
+    tj = tokenizer[0] if tokenizer else tokenizer_json()
+    added = json.loads(tj).get("added_tokens") or []
+    vocab = max([*json.loads(tj)["model"]["vocab"].values(), *(t["id"] for t in added)]) + 1
+    if tokenizer is None:
+        vocab = len(json.loads(tj)["model"]["vocab"]) + len(SPECIAL)
     config = _config(arch, vocab)
+    if context is not None:
+        config["max_position_embeddings"] = context
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -98,9 +111,62 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0) ->
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     (path / "tokenizer.json").write_text(tj)
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML, "add_bos_token": False}
-        )
+    tokenizer_config = (
+        tokenizer[1]
+        if tokenizer
+        else {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML, "add_bos_token": False}
     )
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
+def bundled_tokenizer(chat_template: str | None = None) -> tuple[str, dict]:
+    """The bundled SmolLM2's tokenizer (a 49,152-token BPE) as tokenizer.json text and a
+    tokenizer_config dict (its chat template unless ``chat_template`` is given): a tiny model
+    that tokenizes English as a real one does, so long prompts stay real-sized in tokens."""
+    from mlx_engine.loading.gguf_file import read_gguf
+    from mlx_engine.loading.resolve import bundled_model_path
+    from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
+
+    tok = tokenizer_from_gguf(read_gguf(bundled_model_path()).metadata)
+    config = {
+        "eos_token": tok.eos_token,
+        "bos_token": tok.bos_token,
+        "chat_template": chat_template or tok.chat_template,
+        "add_bos_token": tok.add_bos_token,
+    }
+    return tok.backend.to_str(), config
+
+
+def make_scripted_model_dir(
+    path: str | Path, reply: str = "Hi! How can I help?", context: int = 65536
+) -> Path:
+    """A tiny llama with the bundled tokenizer that answers every chat with ``reply``, then ends its
+    turn: its attention and MLP outputs are zero, so each next token depends on the current one
+    alone, and its embeddings and output rows chain the generation prompt's last token through
+    ``reply``'s tokens to the end-of-turn token. Real weights through the real engine, but a reply
+    a client can act on (Claude Code treats a reply cut off at max_tokens as an error)."""
+    tokenizer = bundled_tokenizer()
+    path = make_tiny_model_dir(path, tokenizer=tokenizer, context=context)
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_str(tokenizer[0])
+    start = tok.encode("<|im_start|>assistant\n").ids[-1]
+    chain = [start, *tok.encode(reply).ids, tok.token_to_id(tokenizer[1]["eos_token"])]
+    assert len(set(chain)) == len(chain), "the reply's tokens must differ from each other"
+    weights = mx.load(str(path / "model.safetensors"))
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    embed = mx.zeros_like(weights["model.embed_tokens.weight"])
+    head = mx.zeros_like(weights["lm_head.weight"])
+    eye = mx.eye(hidden)
+    for k, (cur, nxt) in enumerate(zip(chain, chain[1:], strict=False)):
+        embed[cur] = eye[k]  # after the final RMSNorm: sqrt(hidden) along direction k
+        head[nxt] = eye[k] * 4.0  # logit ~45 for the next token, 0 for every other
+    weights = {
+        k: mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v
+        for k, v in weights.items()
+    }
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = head
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
     return path

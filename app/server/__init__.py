@@ -8,8 +8,8 @@ endpoints), ``generation`` (the n engine requests of one call, fan-out bound), `
 (Hermes/Qwen parser), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects), ``common``;
 the other APIs, as adapters onto the chat call (``turns``): ``anthropic`` (Messages, with
 ``anthropic_protocol`` and ``anthropic_errors``), ``responses`` (OpenAI Responses, with
-``responses_protocol`` and the in-memory ``ResponseStore``), and ``embeddings`` (/v1/embeddings,
-batched onto the engine worker).
+``responses_protocol``, ``responses_tools`` (namespace and hosted tools) and the in-memory
+``ResponseStore``), and ``embeddings`` (/v1/embeddings, batched onto the engine worker).
 
 Behaviour worth knowing (decisions where OpenAI's API leaves room):
 - Model names: the served id (the GGUF's name, or the model directory's name) and, as aliases,
@@ -31,8 +31,16 @@ Behaviour worth knowing (decisions where OpenAI's API leaves room):
   a 400.
 - Omitted sampling fields take Duet's defaults (``mlx_engine.defaults``, Ollama's set:
   temperature 0.8, top_p 0.9, top_k 40), not OpenAI's 1.0. ``max_tokens`` absent, on both
-  endpoints: until EOS, a stop, or the context is full. prompt + max_tokens beyond the context
-  is a 400 ``context_length_exceeded``.
+  endpoints: until EOS, a stop, or the context is full. ``max_tokens`` beyond what the context
+  leaves after the prompt is a cap at that (as llama.cpp's server and Ollama; agents such as
+  opencode send 32000): the reply ends there with ``finish_reason: "length"``. A prompt that
+  fills the context alone is a 400 ``context_length_exceeded``. `duet serve --max-tokens N`
+  caps every reply on every endpoint, asked for or not (llama.cpp's ``--n-predict``).
+- System messages after the first turn (Claude Code sends them) stay where they were sent when
+  the chat template renders a system turn there, else join the system prompt
+  (``mlx_engine.tokenization.system_turns``, decided once per template by a probe render).
+- ``GET`` / ``HEAD /`` answer ``Duet is running`` (no key needed, nothing named), as Ollama's
+  root does: Claude Code probes it at start.
 - Every route also answers without the ``/v1`` prefix and with a trailing slash.
 - ``n > 1``: n engine requests; the others fork the first one's prompt KV (copy-on-write), so
   the prompt is computed once. ``seed`` gives choice i the seed ``seed + i``. Usage counts

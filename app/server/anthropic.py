@@ -15,13 +15,21 @@ with text and ``tool_use`` blocks, or as Anthropic's SSE events (``message_start
 Usage: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens`` those the
 prefix cache served. Image and document blocks are a 400: the served model reads text only.
 Thinking blocks from an earlier turn are dropped. A final assistant message is a prefill the
-reply continues. ``metadata`` and unknown fields are ignored.
+reply continues. ``system`` messages inside ``messages`` are system turns where they were sent,
+or join the system prompt where the template cannot take one there (``system_turns``).
+
+What Claude Code sends beyond that is accepted, never a 400: server and Anthropic-defined tools
+(``web_search_*``, ``bash_*``, ...; nothing here runs them) are left out of what the model sees,
+with a warning the first time; ``thinking``, ``output_config.effort``, ``context_management``,
+``metadata``, ``cache_control``, the ``anthropic-beta`` header and unknown fields are ignored, at
+debug level in the log (the served models have no reasoning control to map them onto yet).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import secrets
 from collections.abc import AsyncIterator
@@ -35,10 +43,11 @@ from mlx_engine.request import Usage
 from .anthropic_errors import error_body
 from .anthropic_protocol import ContentBlock, CountTokensRequest, MessagesRequest
 from .chat import ChatCall
-from .common import SSE_HEADERS, ServerState
+from .common import SSE_HEADERS, ServerState, fewest
 from .errors import APIError, bad_request
 from .turns import TurnEnd, collect, prepare, start, turn_items
 
+log = logging.getLogger("duet.server")
 _VERSION = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _TEXT_ONLY = ("image", "document", "search_result", "container_upload")
 
@@ -77,6 +86,15 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "system":  # a system message mid-conversation: text blocks only
+            for j, b in enumerate(m.content):
+                if b.type != "text":
+                    raise bad_request(
+                        f"a system message holds text blocks, not {b.type}",
+                        f"messages[{i}].content[{j}].type",
+                    )
+            out.append({"role": "system", "content": "\n".join(b.text or "" for b in m.content)})
             continue
         texts: list[str] = []
         calls: list[dict] = []
@@ -126,13 +144,13 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
 def _tool_fields(body: CountTokensRequest) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     tools = []
-    for i, t in enumerate(body.tools or []):
+    for t in body.tools or []:
         if t.type not in (None, "custom"):
-            raise bad_request(
-                f"server tools ({t.type}) are not supported by this server: declare a client tool "
-                "with a name and an input_schema",
-                f"tools[{i}].type",
-            )
+            # a server tool (web_search_..., code_execution_...) or an Anthropic-defined one (bash_...,
+            # text_editor_..., computer_...): nothing here runs it and its schema is not sent, so the
+            # model is not offered it (as a client's default configuration sends them, never a 400)
+            _warn_once("tool", t.type, f"tools: {t.type} tools are not offered to the local model")
+            continue
         fn: dict[str, Any] = {
             "name": t.name,
             "parameters": t.input_schema or {"type": "object", "properties": {}},
@@ -158,6 +176,34 @@ def _tool_fields(body: CountTokensRequest) -> dict[str, Any]:
     if choice.disable_parallel_tool_use is not None and tools:
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     return {k: v for k, v in fields.items() if v is not None}
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(kind: str, what: str, message: str) -> None:
+    """A warning the first time, a debug line after (a client sends the same tools every request)."""
+    key = (kind, what)
+    log.log(logging.DEBUG if key in _warned else logging.WARNING, "messages: %s", message)
+    _warned.add(key)
+
+
+def _log_ignored(body: CountTokensRequest, request: Request) -> None:
+    """What a request asks for that a local model has no use for, at debug level."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    ignored = sorted(k for k in (body.model_extra or {}))
+    if isinstance(body, MessagesRequest):
+        for name in ("thinking", "context_management", "metadata", "service_tier"):
+            if getattr(body, name) is not None:
+                ignored.append(name)
+        if body.output_config is not None and body.output_config.effort is not None:
+            ignored.append("output_config.effort")
+    beta = request.headers.get("anthropic-beta")
+    if beta:
+        ignored.append(f"anthropic-beta ({beta})")
+    if ignored:
+        log.debug("messages: ignoring %s", ", ".join(ignored))
 
 
 def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
@@ -343,12 +389,13 @@ async def build_call(
             "context_length_exceeded",
         )
     if max_tokens is not None:
-        call.max_tokens = min(max_tokens, room)
+        call.max_tokens = fewest(max_tokens, room, state.max_tokens)
     return call
 
 
 async def messages(state: ServerState, body: MessagesRequest, request: Request) -> Response:
     check_version(request)
+    _log_ignored(body, request)
     call = await build_call(state, body, request, "messages", max_tokens=body.max_tokens)
     m = MessagesCall(state, body, call)
     return await (m.stream(request) if body.stream else m.respond(request))
@@ -356,5 +403,6 @@ async def messages(state: ServerState, body: MessagesRequest, request: Request) 
 
 async def count_tokens(state: ServerState, body: CountTokensRequest, request: Request) -> Response:
     check_version(request)
+    _log_ignored(body, request)
     call = await build_call(state, body, request, "count_tokens")
     return JSONResponse({"input_tokens": len(call.prompt)}, headers=_headers())

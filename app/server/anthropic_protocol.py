@@ -1,9 +1,13 @@
 """Request bodies of Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``).
 
 Open objects throughout: clients such as Claude Code send fields this server has no use for
-(``cache_control`` on blocks, ``thinking``, ``context_management``, beta fields), and those are
-accepted and ignored. What is typed is checked, and a wrong type is a 400 in Anthropic's shape.
-Which block types a local text model can honour is decided by the adapter (``anthropic.py``).
+(``cache_control`` on blocks, ``context_management``, ``metadata``, beta fields), and those are
+accepted and ignored (the adapter logs them at debug level). ``system`` messages inside
+``messages`` (Claude Code's ``mid-conversation-system`` beta) are accepted: where the model's chat
+template can render a system turn there, it stays in place, else it joins the system prompt
+(``mlx_engine/tokenization/system_turns.py``). What is typed is checked, and a wrong type is a 400
+in Anthropic's shape. Which block and tool types a local text model can honour is decided by the
+adapter (``anthropic.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class ContentBlock(_Open):
 
 
 class InputMessage(_Open):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
@@ -73,7 +77,14 @@ class OutputFormat(_Open):
 
 class OutputConfig(_Open):
     format: OutputFormat | None = None
-    effort: str | None = None  # accepted and ignored
+    effort: str | None = None  # low / medium / high / max: accepted; no reasoning control maps it yet
+
+
+class ThinkingConfig(_Open):
+    """``{"type": "enabled", "budget_tokens": N}``, ``{"type": "adaptive"}`` or ``{"type": "disabled"}``."""
+
+    type: Annotated[str, Field(min_length=1, max_length=32)]
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
 class CountTokensRequest(_Body):
@@ -94,3 +105,6 @@ class MessagesRequest(CountTokensRequest):
     ignore_eos: bool | None = None  # extension, as on the chat endpoint
     metadata: dict[str, Any] | None = None  # user_id: accepted and ignored
     output_config: OutputConfig | None = None
+    thinking: ThinkingConfig | None = None
+    context_management: dict[str, Any] | None = None  # edits of a server-side context: ignored
+    service_tier: str | None = None  # ignored

@@ -7,7 +7,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mlx_engine import __version__
 from mlx_engine.embeddings import EmbeddingModel
@@ -35,15 +35,19 @@ def create_app(
     docs: bool = False,
     embedder: EmbeddingModel | None = None,
     embedding_aliases: tuple[str, ...] = (),
+    max_tokens: int | None = None,
 ) -> FastAPI:
     """``aliases``: other names clients may use for the served model (e.g. the --model path).
     ``security``: Host/Origin allowlists, API key and body limits (default: loopback only, no
     key, unless ``api_key`` is given). ``docs``: serve /docs, /redoc and /openapi.json.
     ``embedder``: an embedding model served at /v1/embeddings beside the chat model (its name,
-    then ``embedding_aliases``, are the ids clients use)."""
+    then ``embedding_aliases``, are the ids clients use). ``max_tokens``: the most tokens any reply
+    may have, on every endpoint, whatever a request asks for (None: until the model stops or the
+    context is full)."""
     policy = security if security is not None else SecurityPolicy.build(api_key=api_key)
     ids = tuple(dict.fromkeys([engine.model_name, *[a for a in aliases if a]]))
     state = ServerState(engine, Metrics(engine), GrammarFactory(engine.tokenizer), ids, policy.api_key)
+    state.max_tokens = max_tokens
     if embedder is not None:
         state.embedding_ids = tuple(dict.fromkeys([embedder.name, *[a for a in embedding_aliases if a]]))
     batcher = EmbeddingBatcher(engine, embedder) if embedder is not None else None
@@ -88,6 +92,12 @@ def create_app(
             "owned_by": "duet",
             "capabilities": ["embeddings"] if embedding else ["chat", "completions", "tools"],
         }
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> PlainTextResponse:
+        # what clients probe at start (Claude Code sends HEAD /), as Ollama's "Ollama is running";
+        # open without the API key, so it names nothing (the model is /v1/models's)
+        return PlainTextResponse("Duet is running\n")
 
     @app.get("/health")
     async def health() -> dict:

@@ -263,8 +263,9 @@ class ChatCall:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if requested is None:
             requested = defaults.MAX_TOKENS  # None: until EOS, a stop, or the context is full
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        self.max_tokens = max_new_tokens(requested, len(self.prompt), engine.context_length, param)
+        self.max_tokens = max_new_tokens(
+            requested, len(self.prompt), engine.context_length, server_cap=state.max_tokens
+        )
         vocab = engine.tokenizer.vocab_size
         self.samplings = [
             sampling_params(body, vocab, bool(body.logprobs), body.top_logprobs or 0, i)

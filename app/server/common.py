@@ -40,6 +40,7 @@ class ServerState:
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     embedding_ids: tuple[str, ...] = ()  # the embedding model's id and aliases (--embedding-model)
+    max_tokens: int | None = None  # the most tokens any reply may have (`duet serve --max-tokens`)
 
     @property
     def model_id(self) -> str:
@@ -120,20 +121,33 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def max_new_tokens(requested: int | None, prompt_len: int, context: int, param: str) -> int | None:
-    """``requested`` checked against the context; None stays None: until EOS, a stop, or the
-    context (or the KV cache) is full, which the engine enforces."""
-    if requested is None:
-        return None
-    if prompt_len + requested > context:
+def max_new_tokens(
+    requested: int | None,
+    prompt_len: int,
+    context: int,
+    prompt_param: str = "messages",
+    server_cap: int | None = None,
+) -> int | None:
+    """``requested`` as a cap: at most what the context leaves after the prompt, as llama.cpp's
+    server and Ollama do (agents send ``max_tokens`` far above a local model's context; a reply
+    that reaches the cap ends with ``finish_reason: "length"``). A prompt that leaves no room is a
+    400. None stays None: until EOS, a stop, or the context (or the KV cache) is full, which the
+    engine enforces. ``server_cap`` (`duet serve --max-tokens`) caps every reply, asked or not."""
+    if prompt_len >= context:
         raise bad_request(
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
-            "Please reduce the prompt or the completion length.",
-            param,
+            f"This model's maximum context length is {context} tokens. However, the prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the prompt.",
+            prompt_param,
             "context_length_exceeded",
         )
-    return requested
+    limit = fewest(requested, server_cap)
+    return None if limit is None else min(limit, context - prompt_len)
+
+
+def fewest(*limits: int | None) -> int | None:
+    """The smallest of the limits given (None: no limit)."""
+    given = [x for x in limits if x is not None]
+    return min(given) if given else None
 
 
 # Unicode normalization (NFC/NFKC composition) turns at most 4 characters of text into one.

@@ -101,7 +101,9 @@ class CompletionCall:
         for p in _prompts(body.prompt):
             ids = prompt_ids(engine, GenerationRequest(prompt=p, max_tokens=1), "prompt")
             self.prompts.append(ids)
-            self.max_tokens.append(max_new_tokens(requested, len(ids), engine.context_length, "max_tokens"))
+            self.max_tokens.append(
+                max_new_tokens(requested, len(ids), engine.context_length, "prompt", state.max_tokens)
+            )
         self.echo = [engine.tokenizer.decode(ids) if body.echo else "" for ids in self.prompts]
         vocab = engine.tokenizer.vocab_size
         want_lp = body.logprobs is not None

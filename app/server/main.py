@@ -226,6 +226,7 @@ def serve(args) -> int:
         docs=bool(getattr(args, "docs", False)),
         embedder=embedder,
         embedding_aliases=model_aliases(args.embedding_model) if embedder is not None else (),
+        max_tokens=getattr(args, "max_tokens", None),
     )
     s = engine.stats()
     host = f"[{args.host.strip('[]')}]" if ":" in args.host else args.host

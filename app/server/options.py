@@ -15,6 +15,14 @@ CacheIsolation = Literal["shared", "per-key"]
 CACHE_ISOLATION_MODES: tuple[CacheIsolation, ...] = ("shared", "per-key")
 
 
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The serve options no engine option covers, checked before anything loads."""
+    from mlx_engine.errors import ConfigError
+
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}", "max_tokens")
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The `duet serve` options (the model and cache options come from the CLI's shared set)."""
     p.add_argument(
@@ -87,6 +95,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="also serve this embedding model at /v1/embeddings (a BERT sentence-transformers "
         "directory such as all-MiniLM-L6-v2, or a Qwen3-Embedding-style one; path or HF repo id)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most tokens any reply may have, on every endpoint, whatever a request asks for, as "
+        "llama.cpp's --n-predict (default: what the request asks, capped by the context; a model "
+        "that rambles on past its answer stops here)",
     )
     p.add_argument(
         "--max-queue",

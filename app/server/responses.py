@@ -7,8 +7,11 @@ OpenAI's Responses API, as an adapter onto the chat call (``turns``).
 prompt begins with the earlier one and its KV comes from the prefix cache (``usage.
 input_tokens_details.cached_tokens``). Function ``tools`` and ``tool_choice`` are the chat's,
 ``text.format`` (json_object / json_schema) the chat's ``response_format``, enforced by the
-same grammar engine; ``max_output_tokens`` is a cap. Hosted tools (web search, file search,
-computer use...), image, file and audio inputs are a 400.
+same grammar engine; ``max_output_tokens`` is a cap. ``namespace`` tools are flattened into
+function tools and hosted tools (web search, file search, computer use...) left out of what the
+model sees (``responses_tools``); image, file and audio inputs are a 400. ``reasoning``,
+``include``, ``prompt_cache_key``, ``client_metadata`` and other fields that do not apply to a
+local model are accepted and ignored (logged at debug level).
 
 Responses are kept in memory (``ResponseStore``: the most recent ones, bounded by count and
 size; ``store: false`` keeps none) for retrieval, deletion, ``input_items`` and continuation,
@@ -22,6 +25,7 @@ Streaming sends Responses events (``response.created``, ``response.in_progress``
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -38,10 +42,12 @@ from .chat import ChatCall
 from .common import SSE_HEADERS, ServerState
 from .errors import APIError, bad_request
 from .responses_protocol import InputItem, ResponsesRequest
+from .responses_tools import ResponseTools
 from .security import KEY_ID_STATE
 from .tool_calls import ParsedToolCall
 from .turns import TurnEnd, collect, prepare, start, turn_items
 
+log = logging.getLogger("duet.server")
 _UNSUPPORTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
 
@@ -143,9 +149,10 @@ def input_items(body: ResponsesRequest) -> list[InputItem]:
     return body.input
 
 
-def to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+def to_messages(items: list[InputItem], tools: ResponseTools | None = None) -> list[dict[str, Any]]:
     """Chat messages for input items; consecutive function calls join the assistant message
-    before them, as one turn's calls."""
+    before them, as one turn's calls. A call to a function in a ``namespace`` takes the name the
+    model sees for it (``tools``)."""
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -157,10 +164,14 @@ def to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             if not item.name or item.call_id is None:
                 raise bad_request("a function_call item needs a name and a call_id", where)
+            namespace = (item.model_extra or {}).get("namespace")
+            name = item.name
+            if isinstance(namespace, str) and namespace:
+                name = (tools or ResponseTools()).flat_name(item.name, namespace)
             call = {
                 "id": item.call_id,
                 "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments or "{}"},
+                "function": {"name": name, "arguments": item.arguments or "{}"},
             }
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
@@ -196,8 +207,11 @@ def _item_record(item: InputItem) -> dict[str, Any]:
 # --- request -> chat fields -------------------------------------------------------------------
 
 
-def chat_fields(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> dict[str, Any]:
-    messages = [*earlier, *to_messages(input_items(body))]
+def chat_fields(
+    body: ResponsesRequest, earlier: list[dict[str, Any]], tools: ResponseTools | None = None
+) -> dict[str, Any]:
+    tools = tools if tools is not None else ResponseTools.of(body.tools)
+    messages = [*earlier, *to_messages(input_items(body), tools)]
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})
     if not messages:
@@ -207,34 +221,20 @@ def chat_fields(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> dict[s
         value = getattr(body, name)
         if value is not None:
             fields[name] = value
-    tools = []
-    for i, t in enumerate(body.tools or []):
-        if t.type != "function":
-            raise bad_request(
-                f"{t.type} tools are not supported by this server: declare function tools", f"tools[{i}].type"
-            )
-        if not t.name:
-            raise bad_request("a function tool needs a name", f"tools[{i}].name")
-        fn: dict[str, Any] = {
-            k: v
-            for k, v in (("name", t.name), ("description", t.description), ("parameters", t.parameters))
-            if v
-        }
-        if t.strict is not None:
-            fn["strict"] = t.strict
-        tools.append({"type": "function", "function": fn})
-    if tools:
-        fields["tools"] = tools
+    if tools.chat_tools:
+        fields["tools"] = tools.chat_tools
     choice = body.tool_choice
     if isinstance(choice, str):
-        if tools or choice != "auto":
+        if tools.chat_tools or choice != "auto":
             fields["tool_choice"] = choice
     elif choice is not None:
         if choice.type != "function" or not choice.name:
             raise bad_request(
                 "tool_choice must be none, auto, required or {'type': 'function', 'name': ...}", "tool_choice"
             )
-        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        namespace = (choice.model_extra or {}).get("namespace")
+        name = tools.flat_name(choice.name, namespace if isinstance(namespace, str) else None)
+        fields["tool_choice"] = {"type": "function", "function": {"name": name}}
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:
@@ -264,12 +264,14 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _call_item(item_id: str, call: ParsedToolCall, status: str = "completed") -> dict[str, Any]:
+def _call_item(
+    item_id: str, call: ParsedToolCall, tools: ResponseTools, status: str = "completed"
+) -> dict[str, Any]:
     return {
         "type": "function_call",
         "id": item_id,
         "call_id": call.id,
-        "name": call.name,
+        **tools.call_fields(call.name),
         "arguments": call.arguments if status == "completed" else "",
         "status": status,
     }
@@ -284,9 +286,10 @@ class ResponseCall:
         call: ChatCall,
         earlier: list,
         owner: str | None,
+        tools: ResponseTools,
     ):
         self.state, self.store, self.body, self.call = state, store, body, call
-        self.earlier, self.owner = earlier, owner
+        self.earlier, self.owner, self.tools = earlier, owner, tools
         self.id = _id("resp")
         self.created = int(time.time())
 
@@ -329,7 +332,7 @@ class ResponseCall:
             reply: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
                 reply["tool_calls"] = [c.to_openai() for c in calls]
-            conversation = [*self.earlier, *to_messages(input_items(self.body)), reply]
+            conversation = [*self.earlier, *to_messages(input_items(self.body), self.tools), reply]
             records = [_item_record(x) for x in input_items(self.body)]
             self.store.put(response, records, conversation, self.owner)
         return response
@@ -343,7 +346,7 @@ class ResponseCall:
         output: list[dict] = []
         if text.strip() or not calls:
             output.append(_message_item(_id("msg"), text))
-        output += [_call_item(_id("fc"), c) for c in calls]
+        output += [_call_item(_id("fc"), c, self.tools) for c in calls]
         return JSONResponse(self._finish(output, text, calls, end))
 
     async def stream(self, request: Request) -> Response:
@@ -436,7 +439,7 @@ class ResponseCall:
                     yield event(
                         "response.output_item.added",
                         output_index=index,
-                        item=_call_item(item_id, x, "in_progress"),
+                        item=_call_item(item_id, x, self.tools, "in_progress"),
                     )
                     yield event(
                         "response.function_call_arguments.delta",
@@ -448,10 +451,10 @@ class ResponseCall:
                         "response.function_call_arguments.done",
                         item_id=item_id,
                         output_index=index,
-                        name=x.name,
+                        name=self.tools.call_fields(x.name)["name"],
                         arguments=x.arguments,
                     )
-                    item = _call_item(item_id, x)
+                    item = _call_item(item_id, x, self.tools)
                     output.append(item)
                     yield event("response.output_item.done", output_index=index, item=item)
             except APIError as e:
@@ -473,10 +476,13 @@ async def create(
                 f"Previous response with id {body.previous_response_id!r} not found.", "previous_response_id"
             )
         earlier = prev.conversation
+    if body.model_extra and log.isEnabledFor(logging.DEBUG):
+        log.debug("responses: ignoring %s", ", ".join(sorted(body.model_extra)))
+    tools = ResponseTools.of(body.tools)
     call = await prepare(
-        state, chat_fields(body, earlier), request, "responses", max_tokens=body.max_output_tokens
+        state, chat_fields(body, earlier, tools), request, "responses", max_tokens=body.max_output_tokens
     )
-    rc = ResponseCall(state, store, body, call, earlier, owner_of(request))
+    rc = ResponseCall(state, store, body, call, earlier, owner_of(request), tools)
     return await (rc.stream(request) if body.stream else rc.respond(request))
 
 

@@ -73,8 +73,9 @@ class InputItem(_Open):
 
 
 class ToolDef(_Open):
-    """A function tool (``{"type": "function", "name", "parameters", ...}``); other tool types
-    (hosted tools) are refused by the adapter."""
+    """A function tool (``{"type": "function", "name", "parameters", ...}``), a ``namespace`` of
+    function tools (its ``tools`` an extra field) or a hosted tool; the adapter flattens namespaces
+    and leaves hosted tools out (``responses_tools``)."""
 
     type: str
     name: Annotated[str, Field(min_length=1, max_length=64)] | None = None

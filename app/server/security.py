@@ -12,7 +12,7 @@ Every HTTP request passes these checks in order, before any route runs or any bo
    the server's own origin (the same host and port as the request's ``Host``) and loopback origins
    on the server's port. Anything else, ``null`` included, is a 403. CORS headers go only to
    ``--allowed-origins``: CORS stays closed by default.
-3. **API key**, when one or more are set: every path but ``/health`` needs ``Authorization: Bearer
+3. **API key**, when one or more are set: every path but ``/health`` and ``/`` needs ``Authorization: Bearer
    KEY`` (or ``x-api-key: KEY``, as Anthropic's clients send it) with one of them (a constant-time comparison against each); 401 otherwise. CORS preflights
    from an allowed origin pass (browsers never send credentials on a preflight). The key that
    authenticated a request is recorded in the ASGI scope as ``scope["state"]["duet_key_id"]``, a
@@ -50,7 +50,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health"})  # answer without the API key
+OPEN_PATHS = frozenset({"/health", "/"})  # answer without the API key
 DEFAULT_BODY_TIMEOUT_S = 60.0
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}

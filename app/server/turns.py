@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from mlx_engine.request import RequestError, Usage
 
 from .chat import ChatCall
-from .common import ChoiceState, ServerState, failure, wait_disconnect
+from .common import ChoiceState, ServerState, failure, fewest, wait_disconnect
 from .errors import _loc, _validation_message, bad_request
 from .generation import Generation
 from .protocol import ChatCompletionRequest
@@ -80,7 +80,7 @@ async def prepare(
                 "messages",
                 "context_length_exceeded",
             )
-        call.max_tokens = min(max_tokens, room)
+        call.max_tokens = fewest(max_tokens, room, call.max_tokens)
     return call
 
 

@@ -22,6 +22,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_engine.errors import TemplateError
+from mlx_engine.tokenization import system_turns
 
 # Used when a model ships no chat template: ChatML, what most small instruct models speak.
 DEFAULT_CHAT_TEMPLATE = (
@@ -210,18 +211,29 @@ class Tokenizer:
                     p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
                 )
             norm.append({**m, "content": content if content is not None else ""})
+        norm = system_turns.place(norm, self.system_turns_in_place)
         try:
-            return self._template.render(
-                messages=norm,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            return self._render(norm, add_generation_prompt, tools)
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from e
+
+    @cached_property
+    def system_turns_in_place(self) -> bool:
+        """Whether the chat template renders a system message sent mid-conversation where it was
+        sent; if not, such messages are merged into the system prompt (``system_turns``)."""
+
+        return system_turns.takes_system_turns(lambda messages: self._render(messages, True, None))
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
     def encode_chat(
         self,
