@@ -34,7 +34,8 @@ serve: $(STAMP) kernels
 test: $(STAMP) kernels
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy  # mlx_engine/ and app/, as [tool.mypy] in pyproject.toml selects
+	$(VENV)/bin/mypy  # mlx_engine/, peer/ and app/, as [tool.mypy] in pyproject.toml selects
+	$(VENV)/bin/lint-imports  # kernels <- mlx_engine <- peer <- app ([tool.importlinter])
 	$(TEST_ENV) $(VPY) -m pytest -q -ra
 
 test-fast: $(STAMP) kernels
@@ -43,6 +44,7 @@ test-fast: $(STAMP) kernels
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP) kernels
 	$(BLAS_ENV) $(VPY) bench/generate.py

@@ -14,9 +14,9 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from app.peer_options import add_peer_args, check_peer_args, peer_spec
 from mlx_engine import __version__, defaults
 from mlx_engine.errors import ConfigError, ContextLengthError, DuetError, RequestError
-from peer.cli import add_peer_args, add_peer_parser, attach_peers, check_peer_args, peer_usage
 
 if TYPE_CHECKING:
     from mlx_engine.config import EngineConfig
@@ -203,8 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 
+    from app.commands.pairing import add_peers_parser
+    from app.commands.peer import add_peer_parser
+
     add_peer_parser(sub, _add_model_args)
-    from peer.commands import add_peers_parser
 
     add_peers_parser(sub)
 
@@ -253,9 +255,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
-_engine_config = engine_config  # the name app/server/main.py imports
-
-
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """Checked sampling options (``ConfigError`` naming the flag) and ``--max-tokens``."""
     from mlx_engine.request import SamplingParams
@@ -282,7 +281,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
-def _check_model(args: argparse.Namespace) -> None:
+def check_model_args(args: argparse.Namespace) -> None:
     from mlx_engine.loading.preflight import check_model
 
     check_model(args.model)
@@ -290,7 +289,7 @@ def _check_model(args: argparse.Namespace) -> None:
         check_model(args.draft_model)
 
 
-def _use_fast_blas() -> None:
+def use_fast_blas() -> None:
     """Re-execute once with OpenBLAS preloaded where that helps (returns if not needed); after the
     checks, so a bad argument fails at once."""
     from mlx_engine.blas import reexec_with_openblas
@@ -298,12 +297,14 @@ def _use_fast_blas() -> None:
     reexec_with_openblas()
 
 
-def _load_engine(args: argparse.Namespace, config: EngineConfig):
+def load_engine(args: argparse.Namespace, config: EngineConfig):
     from mlx_engine.engine import Engine
 
     engine = Engine.load(args.model, config=config)
     try:
-        attach_peers(engine, args)  # --peers: connected before the first request
+        from peer.attach import attach_peers
+
+        attach_peers(engine, peer_spec(args))  # --peers: connected before the first request
     except BaseException:
         engine.shutdown()
         raise
@@ -321,12 +322,13 @@ def _describe(engine) -> str:
 # --- commands -------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
     from mlx_engine.request import GenerationRequest
+    from peer.attach import peer_usage
 
     sampling = sampling_params(args)
     config = engine_config(args)
-    _check_model(args)
-    _use_fast_blas()
-    with _load_engine(args, config) as engine:
+    check_model_args(args)
+    use_fast_blas()
+    with load_engine(args, config) as engine:
         if not args.json:
             print(_describe(engine), file=sys.stderr)
         chat = not args.raw and engine.tokenizer.chat_template is not None
@@ -414,8 +416,8 @@ def cmd_chat(args) -> int:
         )
     config = engine_config(args)
     if not args.server:
-        _check_model(args)
-    _use_fast_blas()
+        check_model_args(args)
+    use_fast_blas()
     if sys.stdin.isatty() and sys.stdout.isatty():
         try:
             from app.tui.main import run_chat
@@ -441,7 +443,7 @@ def line_chat(args, config: EngineConfig, *, interactive: bool) -> int:
             raise ConfigError(str(e), "server") from None
         backend, banner = remote, f"server {remote.url} | model {remote.name}"
     else:
-        engine = _load_engine(args, config)
+        engine = load_engine(args, config)
         backend, banner = LocalBackend(engine), _describe(engine)
     sampling = Sampling()
     history: list[dict] = []
@@ -501,8 +503,8 @@ def cmd_serve(args) -> int:
 
     engine_config(args)
     check_serve_args(args)
-    _check_model(args)
-    _use_fast_blas()
+    check_model_args(args)
+    use_fast_blas()
     from app.server.main import serve
 
     return serve(args)

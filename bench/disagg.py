@@ -137,14 +137,14 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
 # --- the peer -------------------------------------------------------------------------------------
 def role_peer(args: argparse.Namespace) -> int:
     from peer.identity import local_hello
-    from peer.server import EngineBackend, PeerServer, _listen
+    from peer.server import EngineBackend, PeerServer, listen
 
     engine = _engine(args)
     hello = engine.run_on_worker(lambda: local_hello(engine), 300)
     backend = EngineBackend(engine)
     servers = [
         PeerServer(
-            backend, hello, args.host, sock=_listen(args.host, PORT + i), send_after_prefill=bool(i)
+            backend, hello, args.host, sock=listen(args.host, PORT + i), send_after_prefill=bool(i)
         ).start()
         for i in (0, 1)
     ]

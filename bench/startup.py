@@ -104,11 +104,11 @@ def child(model: str | None) -> None:
     config = cli.engine_config(args)
     stamps["argument checks"] = time.monotonic() - t
     t = time.monotonic()
-    cli._check_model(args)
-    cli._use_fast_blas()
+    cli.check_model_args(args)
+    cli.use_fast_blas()
     stamps["model check + BLAS"] = time.monotonic() - t
     t = time.monotonic()
-    engine = cli._load_engine(args, config)
+    engine = cli.load_engine(args, config)
     stamps["Engine.load"] = time.monotonic() - t
     from mlx_engine.request import GenerationRequest
 

@@ -184,7 +184,7 @@ class RemotePrefillSource:
         self.backoff = backoff or Backoff()
         self.buffer_cap = buffer_cap_bytes
         self.clock = clock
-        self.tls = tls  # mutual TLS 1.3 with a paired peer (peer/tls.py), before the HELLO
+        self.tls = tls  # mutual TLS 1.3 with a paired peer (peer/trust/tls.py), before the HELLO
         self.local: Hello | None = None
         self.remote: Hello | None = None
         self.fmt: KVFormat | None = None

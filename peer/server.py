@@ -10,7 +10,8 @@ engine pauses that export alone; the sender wakes the backend when it has room a
 Conversation per connection (docs/peer-protocol.md): the decoder's HELLO, this side's HELLO
 (refusals go out as an ERROR with a typed code, before any compute), then PREFILL -> ACCEPT(h, eta)
 or BUSY -> LAYER_KV ... -> DONE. CANCEL, or the connection closing, cancels the export and frees
-its blocks. Until pairing and TLS exist, the server listens on loopback only.
+its blocks. On loopback it serves this machine over plain TCP; on a network address, paired
+decoders only, over mutual TLS (``peer/trust/tls.py``).
 """
 
 from __future__ import annotations
@@ -537,7 +538,7 @@ class PeerServer:
         # whole prefill is done, then send them (exo's released design), instead of each layer as
         # soon as it is computed
         self.send_after_prefill = send_after_prefill
-        self.tls = tls  # every connection mutual TLS 1.3 with a paired decoder (peer/tls.py)
+        self.tls = tls  # every connection mutual TLS 1.3 with a paired decoder (peer/trust/tls.py)
         self.limits = limits or ServerLimits()
         self.connection_class = connection_class
         self.host, self.port = host, port
@@ -558,7 +559,7 @@ class PeerServer:
         if self._listener is None and self.tls is None:
             check_loopback(self.host)
         if self._listener is None:
-            self._listener = _listen(self.host, self.port)
+            self._listener = listen(self.host, self.port)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name="duet-peer-accept", daemon=True)
         self._thread.start()
@@ -696,7 +697,7 @@ class PeerServer:
         return (queued + tokens) / rate
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be between 0 and 65535, got {port}", "port")
     bare = host.strip("[]")

@@ -133,7 +133,7 @@ def nothing_loads(monkeypatch):
     monkeypatch.setattr(mlx_engine.engine.Engine, "load", loaded)
     monkeypatch.setattr(app.tui.main, "run_chat", loaded)
     monkeypatch.setattr(app.server.main, "serve", loaded)
-    monkeypatch.setattr(cli, "_use_fast_blas", lambda: None)  # never re-execute pytest
+    monkeypatch.setattr(cli, "use_fast_blas", lambda: None)  # never re-execute pytest
 
 
 @pytest.fixture(scope="module")

@@ -215,7 +215,7 @@ def test_duet_generate_answers_a_plain_request_through_the_chat_template(bundled
     from app import cli
 
     monkeypatch.setattr(mlx_engine.engine, "load_model", lambda *a, **kw: bundled)  # loaded once
-    monkeypatch.setattr(cli, "_use_fast_blas", lambda: None)
+    monkeypatch.setattr(cli, "use_fast_blas", lambda: None)
     prompt = "Write a short story about a robot who learns to paint."
     argv = ["generate", "--prompt", prompt, "--temperature", "0", "--max-tokens", "24", "--json"]
     assert cli.main(argv) == 0

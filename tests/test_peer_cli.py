@@ -86,7 +86,7 @@ def no_loading(monkeypatch):
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(Engine, "load", refuse)
-    monkeypatch.setattr(cli, "_check_model", lambda args: None)
+    monkeypatch.setattr(cli, "check_model_args", lambda args: None)
 
 
 @pytest.mark.parametrize(
@@ -184,7 +184,7 @@ def test_chat_connects_its_engine_to_the_peers(tiny_dirs, monkeypatch):
     import socket
 
     import app.tui.main
-    from peer.cli import sources_of
+    from peer.attach import sources_of
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

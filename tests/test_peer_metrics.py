@@ -25,13 +25,10 @@ def scrape(engine) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_count_remote_prefills_fallbacks_by_reason_and_bytes(tiny_dirs):
-    from peer.cli import _sources
-
     models = two_models(tiny_dirs("llama"))
     # frames of a load past the 3rd are corrupted: a 40-token prompt (2 frames) goes through
     pair = Pair(*models, tiny_cfg(), connection_class=fault_connection("corrupt", 3))
     try:
-        _sources[pair.dec] = [pair.src]  # what attach_peers registers for the server
         short, long = prompts(models[0].tokenizer.vocab_size, [40, 300], seed=3)
         _, ok = run(pair.dec, short)
         assert ok.usage.prefill_location == f"remote:{pair.peer_name}"
@@ -49,5 +46,4 @@ def test_metrics_count_remote_prefills_fallbacks_by_reason_and_bytes(tiny_dirs):
         assert m[("duet_peer_healthy", peer)] == 0  # backing off after the failure
         pair.assert_no_leaks()
     finally:
-        _sources.pop(pair.dec, None)
         pair.close()

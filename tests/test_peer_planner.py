@@ -169,11 +169,10 @@ def llama2(tiny_dirs):
 
 def test_auto_offloads_a_long_prompt_to_a_fast_peer_and_keeps_a_short_one_local(llama2):
     from app.server.metrics import Metrics
-    from peer.cli import _sources, peer_usage
+    from peer.attach import peer_usage
 
     short, long = prompts(llama2[0].tokenizer.vocab_size, [12, 300], seed=21)
     pair = Pair(*llama2, tiny_cfg(), policy="auto")
-    _sources[pair.dec] = [pair.src]
     planner = pair.src.planner
 
     def fast_peer() -> None:  # a peer 1000x faster than this machine, 50 ms away
@@ -207,7 +206,6 @@ def test_auto_offloads_a_long_prompt_to_a_fast_peer_and_keeps_a_short_one_local(
         assert f'duet_planner_decisions_total{{path="local",peer="{peer}"}} 1.0' in text
         pair.assert_no_leaks()
     finally:
-        _sources.pop(pair.dec, None)
         pair.close()
 
 

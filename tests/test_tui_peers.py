@@ -77,10 +77,12 @@ def said(notes, text: str, severity: str | None = None) -> bool:
 
 
 def peer_app(model, peers: list[str], mode: str | None, directory: PeerDirectory | None = None) -> ChatApp:
-    args = argparse.Namespace(peers=peers, remote_prefill=mode, interface=[])
+    from app.peer_options import peer_spec
+
+    spec = peer_spec(argparse.Namespace(peers=peers, remote_prefill=mode, interface=[]))
     return ChatApp(
         str(model),
-        load_backend=partial(LocalBackend.load, config=EngineConfig(cache_gb=0.02), peers=args),
+        load_backend=partial(LocalBackend.load, config=EngineConfig(cache_gb=0.02), peers=spec),
         peers=directory,
     )
 
@@ -301,7 +303,7 @@ def test_duet_chat_passes_its_peer_options_to_the_chat(tiny_dirs, tmp_path, pref
     that policy; `--peers auto --interface IP` makes the panel browse mDNS on that interface only."""
     from app import cli
     from app.tui.main import build_app
-    from peer.cli import sources_of
+    from peer.attach import sources_of
 
     model = str(tiny_dirs("llama"))
     parse = cli.build_parser().parse_args

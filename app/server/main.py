@@ -177,12 +177,12 @@ class _Server(uvicorn.Server):
 
 
 def _load(args) -> Engine:
-    from app.cli import _engine_config, _load_engine
+    from app.cli import engine_config, load_engine
 
-    config = _engine_config(args)
+    config = engine_config(args)
     if getattr(args, "max_running", None):
         config = dataclasses.replace(config, max_running=args.max_running)
-    return _load_engine(args, config)  # with its --peers connected
+    return load_engine(args, config)  # with its --peers connected
 
 
 def _load_embedder(spec: str | None):

@@ -57,7 +57,7 @@ class _EngineCollector:
 def _peer_metrics(engine: Engine, s: EngineStats):
     """Remote prefill (docs/peer-protocol.md): requests prefilled by a peer, loads that fell back to
     local prefill by peer and reason, KV bytes received, and whether each peer is usable now."""
-    from peer.cli import sources_of
+    from peer.attach import sources_of
 
     yield CounterMetricFamily(
         "duet_remote_prefills", "requests whose prompt KV came from a prefill peer", value=s.remote_prefills

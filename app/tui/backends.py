@@ -22,6 +22,7 @@ from .settings import Sampling
 
 if TYPE_CHECKING:
     from mlx_engine.engine import Engine, EngineConfig
+    from peer.attach import PeerSpec
 
 
 class BackendError(RuntimeError):
@@ -48,16 +49,23 @@ class LocalBackend:
         self._live: set[str] = set()  # request ids of the replies streaming now
 
     @classmethod
-    def load(cls, spec: str | None, config: EngineConfig | None = None, peers=None) -> LocalBackend:
-        """``peers``: the command's arguments, whose --peers become the engine's prefill peers."""
+    def load(
+        cls, spec: str | None, config: EngineConfig | None = None, peers: PeerSpec | None = None
+    ) -> LocalBackend:
+        """``peers``: the engine's prefill peers (``--peers``), attached before the first request;
+        if attaching them fails, the engine is shut down again."""
         from mlx_engine.engine import Engine
-        from peer.cli import attach_peers
+        from peer.attach import attach_peers
 
         try:
-            backend = cls(Engine.load(spec, config=config))
-            if peers is not None:
-                attach_peers(backend.engine, peers)
-            return backend
+            engine = Engine.load(spec, config=config)
+            try:
+                if peers is not None:
+                    attach_peers(engine, peers)
+            except BaseException:
+                engine.shutdown()
+                raise
+            return cls(engine)
         except (DuetError, OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
             # ModelNotFoundError, ModelLoadError, GGUF errors, bad configs, out of memory
             raise BackendError(f"could not load model {spec or 'bundled'!r}: {e}") from e
@@ -89,7 +97,7 @@ class LocalBackend:
 
     def peer_sources(self) -> list[Any]:
         """The engine's prefill peers (``--peers``): ``RemotePrefillSource`` objects."""
-        from peer.cli import sources_of
+        from peer.attach import sources_of
 
         return sources_of(self.engine)
 
@@ -99,7 +107,7 @@ class LocalBackend:
         the fallback reason, the offload planner's prediction when it made one); empty without peers."""
         if not self.peer_sources():
             return {}
-        from peer.cli import peer_usage
+        from peer.attach import peer_usage
 
         return peer_usage(usage, self.engine, request_id)
 

@@ -13,14 +13,14 @@ def build_app(args) -> ChatApp:
     if getattr(args, "server", None):
         return ChatApp(args.model, load_backend=partial(RemoteBackend.connect, args.server), remote=True)
     from app.cli import engine_config  # the one builder: every engine option, checked
-    from peer.cli import peers_auto
+    from app.peer_options import peer_spec, peers_auto
 
     config = engine_config(args)
     # --peers auto: the panel also lists the peers advertised on --interface (every interface without)
     browse = list(getattr(args, "interface", None) or ()) if peers_auto(args) else None
     return ChatApp(
         args.model,
-        load_backend=partial(LocalBackend.load, config=config, peers=args),
+        load_backend=partial(LocalBackend.load, config=config, peers=peer_spec(args)),
         peers=PeerDirectory(browse),
     )
 

@@ -125,7 +125,7 @@ class PeerDirectory:
     def pair(self, code: str, target: str) -> PairedPeer:
         """``/peers pair CODE HOST[:PORT]``: blocking (the exchange takes a round trip or a few);
         raises ``DuetError`` (``PairingError``, ``ConfigError``) with a one-line message."""
-        from peer.commands import pair_with_code
+        from peer.trust.pairing import pair_with_code
 
         peer, _ = pair_with_code(code, target)
         self._paired = None

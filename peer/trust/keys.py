@@ -8,7 +8,7 @@ messages).
 
 Paired peers live in ``peers.json`` (0600): ``{name: {"fingerprint": hex, "certificate": PEM}}``.
 The certificate is kept next to its fingerprint so TLS can load it as the only trust anchor for that
-peer (``peer/tls.py``); on load every certificate must hash to its recorded fingerprint.
+peer (``peer/trust/tls.py``); on load every certificate must hash to its recorded fingerprint.
 """
 
 from __future__ import annotations

@@ -322,3 +322,40 @@ def join_pairing(sock: socket.socket, code: str, identity: Identity, peers: Pair
     except OSError as e:
         raise PairingError("disconnected", f"pairing connection failed: {e}") from None
     return peers.add(shower["name"], shower["cert"])
+
+
+PAIR_PORT = 7612  # where `duet peer pair` waits for the machine typing the code
+
+
+def parse_target(text: str | None) -> tuple[str, int]:
+    """``HOST[:PORT]`` of the machine showing a code (default port ``PAIR_PORT``); ConfigError else."""
+    from mlx_engine.errors import ConfigError
+
+    if not text:
+        raise ConfigError(
+            "--code needs the other machine: duet peer pair --code NNNN-NNNN HOST[:PORT]", "code"
+        )
+    host, sep, port = text.rpartition(":")
+    if not sep or "]" in port or (host.count(":") and not host.startswith("[")):
+        host, port = text, str(PAIR_PORT)
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{text!r} is not HOST[:PORT]", "target")
+    return host, int(port)
+
+
+def pair_with_code(code: str, target: str | None, name: str | None = None) -> tuple[PairedPeer, Identity]:
+    """The side that types the code (``duet peer pair --code``, the chat's ``/peers pair``): pair with
+    the machine at ``target`` (HOST[:PORT]) showing ``code``. Returns (the PairedPeer stored, this
+    machine's Identity); raises ``PairingError`` or ``ConfigError`` with a one-line message."""
+    from peer.trust.keys import load_identity
+
+    canonical = parse_code(code)
+    host, port = parse_target(target)
+    identity = load_identity(name=name)
+    try:
+        sock = socket.create_connection((host, port), timeout=IO_TIMEOUT_S)
+    except OSError as e:
+        raise PairingError("disconnected", f"cannot reach {host}:{port} to pair: {e}") from None
+    with sock:
+        return join_pairing(sock, canonical, identity, PairedPeers()), identity

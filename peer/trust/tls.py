@@ -1,6 +1,6 @@
 """Mutual TLS 1.3 between paired peers, with the standard ``ssl`` module and pinned certificates.
 
-Both sides present their self-signed certificate (``peer/keys.py``) and require the other's. The
+Both sides present their self-signed certificate (``peer/trust/keys.py``) and require the other's. The
 trust anchors of a context are exactly the certificates of the paired peers (``cadata``, kept
 next to their fingerprints in ``peers.json`` since pairing), with ``CERT_REQUIRED``: OpenSSL then
 refuses any other certificate inside the handshake, and in TLS 1.3 a certificate is only accepted

@@ -81,7 +81,7 @@ class FrameMAC:
         """The next tag sent, over ``buffers`` in order."""
         return self._tag(buffers)
 
-    def verify(self, buffers: Any, tag: bytes | memoryview) -> None:
+    def verify(self, buffers: Any, tag: bytes | bytearray | memoryview) -> None:
         """Check the next tag received; ``ProtocolError(MAC)`` when ``buffers`` are not what the other
         side sent there (corrupted, replayed, reordered, injected)."""
         import hmac

@@ -1,11 +1,6 @@
-"""The peer commands and options: ``duet peer serve``, and ``--peers`` / ``--remote-prefill`` for
-``duet generate``, ``duet serve`` and ``duet chat``.
-
-``app/cli.py`` calls ``add_peer_parser`` (the ``peer`` command), ``add_peer_args`` (the options of
-the other commands), ``check_peer_args`` (before anything loads) and ``attach_peers`` (once the
-engine is up: one ``RemotePrefillSource`` per peer, connected before the first request, so the
-HELLO exchange is not part of a request's time to first token).
-"""
+"""``duet peer``: ``serve`` (answer decoders' PREFILL requests with this machine's KV, layer by
+layer), ``plan`` (the offload planner's arithmetic on given profiles), and the pairing commands
+(``app/commands/pairing.py``). The work is in ``peer/`` (server, planner, discovery, trust)."""
 
 from __future__ import annotations
 
@@ -14,231 +9,11 @@ import logging
 import signal
 import sys
 import threading
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from app.peer_options import DEFAULT_PORT, LINKS
 from mlx_engine.errors import ConfigError
-
-if TYPE_CHECKING:  # the client imports MLX: only once peers are attached
-    from peer.client import RemotePrefillSource
-
-MODES = ("auto", "always", "never")
-LINKS = ("tls", "trusted")  # peer.trust.tls.LINKS (not imported here: argparse only)
-DEFAULT_PORT = 7611
-AUTO_BROWSE_S = 5.0  # --peers auto: the longest wait for a paired machine's mDNS answer
-
-_sources: weakref.WeakKeyDictionary[Any, list[RemotePrefillSource]] = weakref.WeakKeyDictionary()
-
-
-# --- options of generate / serve / chat --------------------------------------------------------
-def add_peer_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--peers",
-        action="append",
-        default=[],
-        metavar="auto|off|HOST:PORT[,HOST:PORT...]",
-        help="prefill peers (`duet peer serve`) to compute prompts on, then stream their KV here: "
-        "auto finds paired machines over mDNS; a network address needs pairing (mutual TLS); "
-        "repeatable",
-    )
-    p.add_argument(
-        "--interface",
-        action="append",
-        default=[],
-        metavar="IP",
-        help="with --peers auto: look for peers on this interface address only (repeatable; "
-        "default: every interface)",
-    )
-    p.add_argument(
-        "--peer-link",
-        choices=LINKS,
-        default="tls",
-        help="link to network peers: tls (the default) encrypts everything; trusted (the peer must "
-        "serve --link trusted too) authenticates every frame but does not encrypt, for a trusted link",
-    )
-    p.add_argument(
-        "--remote-prefill",
-        choices=MODES,
-        default=None,
-        help="auto (the default with --peers): offload a prompt when the rates measured so far say "
-        "the peer finishes first; always: whenever a peer is connected and healthy; never: prefill here",
-    )
-
-
-def parse_peers(values: list[str] | None) -> list[tuple[str, int]]:
-    """``--peers`` values -> (host, port) pairs; ConfigError (one line) for a bad one."""
-    out = []
-    for value in values or ():
-        for item in (x.strip() for x in value.split(",")):
-            if not item or item in ("auto", "off"):
-                continue
-            host, sep, port = item.rpartition(":")
-            host = host.strip("[]")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(
-                    f"--peers {item!r} is not HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT})", "peers"
-                )
-            out.append((host, int(port)))
-    return out
-
-
-def peers_auto(args: argparse.Namespace) -> bool:
-    """Whether ``--peers auto`` asks for the paired machines advertised on the network."""
-    return any(x.strip() == "auto" for v in getattr(args, "peers", None) or () for x in v.split(","))
-
-
-def remote_prefill_mode(args: argparse.Namespace) -> str:
-    mode = getattr(args, "remote_prefill", None)
-    peers = parse_peers(getattr(args, "peers", None)) or peers_auto(args)
-    if mode is None:
-        return "auto" if peers else "never"
-    if mode != "never" and not peers:
-        raise ConfigError(f"--remote-prefill {mode} needs --peers HOST:PORT", "remote_prefill")
-    return mode
-
-
-def check_peer_args(args: argparse.Namespace) -> None:
-    """The peer options, checked before anything loads."""
-    if remote_prefill_mode(args) != "never":
-        from peer.trust.tls import tls_for_address
-
-        link = getattr(args, "peer_link", "tls")
-        network = [h for h, _ in parse_peers(getattr(args, "peers", None)) if tls_for_address(h, "--peers")]
-        if link == "trusted" and not network and not peers_auto(args):
-            raise ConfigError(
-                "--peer-link trusted applies to peers on a network address (a loopback peer is plain TCP)",
-                "peer_link",
-            )
-        if peers_auto(args):
-            from peer.discovery import local_ip_for
-            from peer.trust.keys import PairedPeers
-
-            for ip in getattr(args, "interface", None) or ():
-                local_ip_for(ip)
-            if not PairedPeers().load():
-                raise ConfigError(
-                    "--peers auto uses paired machines only, and none is paired yet "
-                    "(duet peer pair --code NNNN-NNNN HOST)",
-                    "peers",
-                )
-
-
-def attach_peers(
-    engine: Any, args: argparse.Namespace, *, wait_s: float | None = None
-) -> list[RemotePrefillSource]:
-    """Connect ``engine`` to its ``--peers`` as KV sources; waits for each HELLO exchange (up to the
-    connect and HELLO deadlines). A peer that cannot be used logs one line (the reason); requests
-    prefill locally meanwhile and it is retried in the background after a backoff."""
-    mode = remote_prefill_mode(args)
-    if mode == "never":
-        return []
-    from peer.client import PeerTimeouts, RemotePrefillSource
-    from peer.identity import model_fingerprint
-    from peer.trust.tls import tls_for_address
-
-    model_fingerprint(engine.loaded.path)  # hashed here, not on the worker (attach finds it memoised)
-    timeouts = PeerTimeouts()
-    sources = []
-    targets: list[tuple[str, int, str | None]] = [(h, p, None) for h, p in parse_peers(args.peers)]
-    if peers_auto(args):
-        targets += _discovered(args)
-    for host, port, name in targets:
-        # a peer on a network: mutual TLS, paired only (then a trusted link if asked for)
-        tls = tls_for_address(host, "--peers", link=getattr(args, "peer_link", "tls"))
-        src = RemotePrefillSource(host, port, policy=mode, timeouts=timeouts, tls=tls, name=name)
-        sources.append(src)
-        engine.add_kv_source(src)  # the worker attaches it: HELLO from the pool, connecting
-    _sources[engine] = sources
-    engine.run_on_worker(lambda: None, 300)  # every source is attached
-    wait = timeouts.connect_s + timeouts.hello_s if wait_s is None else wait_s
-    for src in sources:
-        src.connect(wait_s=wait)
-    return sources
-
-
-def _discovered(
-    args: argparse.Namespace, timeout: float = AUTO_BROWSE_S
-) -> list[tuple[str, int, str | None]]:
-    """``--peers auto``: paired machines advertised on ``--interface`` (every interface without)."""
-    from peer.discovery import discover_paired
-    from peer.trust.keys import PairedPeers
-
-    paired = {p.short_id: p.name for p in PairedPeers().load().values()}
-    found = discover_paired(list(getattr(args, "interface", None) or ()) or None, set(paired), timeout)
-    if not found:
-        logging.getLogger("duet.peer").warning(
-            "peer: --peers auto found no paired machine advertising within %g s; prefilling here", timeout
-        )
-    from peer.interfaces import list_nics
-
-    nics = list_nics()  # with several interfaces, a peer's address through the fastest one first
-    return [(addr, p.port, paired[p.short_id]) for p in found if (addr := p.best_address(nics))]
-
-
-def sources_of(engine: Any) -> list[RemotePrefillSource]:
-    """The peer sources ``attach_peers`` gave ``engine`` (for /metrics and --json)."""
-    try:
-        return list(_sources.get(engine, ()))
-    except TypeError:  # an object that cannot be weakly referenced never got peers
-        return []
-
-
-def peer_usage(usage: Any, engine: Any, request_id: str) -> dict[str, Any]:
-    """The remote-prefill part of ``duet generate --json``'s usage."""
-    out: dict[str, Any] = {
-        "prefill_location": usage.prefill_location,
-        "prompt_tokens_computed": usage.prompt_tokens_computed,
-        "remote_tokens": usage.remote_tokens,
-        "remote_bytes": usage.remote_bytes,
-        "remote_wait_s": round(usage.remote_wait_s, 4),
-        "remote_compute_s": round(usage.remote_compute_s, 4),
-        "fallback_reason": usage.fallback_reason,
-    }
-    sources = sources_of(engine)
-    loads = [info for src in sources for info in src.loads_of(request_id)]
-    if loads:
-        out["remote_loads"] = [
-            {
-                k: (round(v, 4) if isinstance(v, float) else v)
-                for k, v in info.items()
-                if k
-                in (
-                    "peer",
-                    "start",
-                    "end",
-                    "hit",
-                    "frames",
-                    "bytes",
-                    "tokens_computed",
-                    "compute_s",
-                    "wait_s",
-                    "transfer_s",
-                    "total_s",
-                    "accept_s",
-                    "link_s",
-                    "predicted_s",
-                    "outcome",
-                    "exact",
-                )
-            }
-            for info in loads
-        ]
-    plans = [d.as_dict() for src in sources if (d := src.planner.decision(request_id)) is not None]
-    if plans:  # the offload planner's decision(s): offloaded or not, predicted and measured TTFT
-        out["plan"] = plans[0] if len(plans) == 1 else plans
-    if usage.prefill_location.startswith("remote:"):
-        used = [s for s in sources if s.name in usage.prefill_location]
-        exact = getattr(usage, "prefill_exact", None)
-        out["exact"] = all(s.exact for s in used) if exact is None else exact
-        inexact = [r for s in used for r in s.inexact]
-        if inexact:
-            out["inexact_reasons"] = inexact
-    elif sources and usage.fallback_reason is None:
-        down = [f"{s.name}: {s.last_error[0]}" for s in sources if not s.healthy and s.last_error is not None]
-        if down:  # never offered: the peer was unavailable
-            out["fallback_reason"] = "; ".join(down)
-    return out
 
 
 # --- duet peer serve ----------------------------------------------------------------------------
@@ -297,7 +72,7 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
     )
     s.set_defaults(func=cmd_peer_serve)
 
-    from peer.commands import add_pairing_parsers
+    from app.commands.pairing import add_pairing_parsers
 
     add_pairing_parsers(psub)
     add_plan_parser(psub)
@@ -379,10 +154,10 @@ def cmd_peer_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_peer_serve(args: argparse.Namespace) -> int:
-    from app.cli import _check_model, _use_fast_blas, engine_config
+    from app.cli import check_model_args, engine_config, use_fast_blas
     from mlx_engine.engine import Engine
     from peer.identity import local_hello
-    from peer.server import EngineBackend, PeerServer, ServerLimits, _listen
+    from peer.server import EngineBackend, PeerServer, ServerLimits, listen
     from peer.trust.tls import tls_for_address
     from peer.wire.handshake import check_supported
     from peer.wire.protocol import ProtocolError
@@ -406,9 +181,9 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--max-exports must be at least 1, got {args.max_exports}", "max_exports")
         limits.max_exports = args.max_exports
     config = engine_config(args)
-    _check_model(args)
-    _use_fast_blas()
-    sock = _listen(args.host, args.port)  # a taken port fails before the model loads
+    check_model_args(args)
+    use_fast_blas()
+    sock = listen(args.host, args.port)  # a taken port fails before the model loads
     try:
         engine = Engine.load(args.model, config=config)
     except BaseException:

@@ -1,6 +1,6 @@
 """The pairing and discovery commands: ``duet peer pair``, ``duet peer unpair NAME`` and
-``duet peers``. ``peer/cli.py`` and ``app/cli.py`` add their parsers; the work is in
-``peer/pairing.py``, ``peer/keys.py`` and ``peer/discovery.py``."""
+``duet peers``. ``app/commands/peer.py`` and ``app/cli.py`` add their parsers; the work is in
+``peer/trust/pairing.py``, ``peer/trust/keys.py`` and ``peer/discovery.py``."""
 
 from __future__ import annotations
 
@@ -8,14 +8,10 @@ import argparse
 import json
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlx_engine.errors import ConfigError
-
-if TYPE_CHECKING:
-    from peer.trust.keys import Identity, PairedPeer
-
-PAIR_PORT = 7612
+from peer.trust.pairing import PAIR_PORT
 
 
 def add_pairing_parsers(psub: Any) -> None:
@@ -63,41 +59,9 @@ def add_peers_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_peers)
 
 
-def _target(text: str | None) -> tuple[str, int]:
-    if not text:
-        raise ConfigError(
-            "--code needs the other machine: duet peer pair --code NNNN-NNNN HOST[:PORT]", "code"
-        )
-    host, sep, port = text.rpartition(":")
-    if not sep or "]" in port or (host.count(":") and not host.startswith("[")):
-        host, port = text, str(PAIR_PORT)
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{text!r} is not HOST[:PORT]", "target")
-    return host, int(port)
-
-
-def pair_with_code(code: str, target: str | None, name: str | None = None) -> tuple[PairedPeer, Identity]:
-    """The side that types the code (``duet peer pair --code``, the chat's ``/peers pair``): pair with
-    the machine at ``target`` (HOST[:PORT]) showing ``code``. Returns (the PairedPeer stored, this
-    machine's Identity); raises ``PairingError`` or ``ConfigError`` with a one-line message."""
-    from peer.trust.keys import PairedPeers, load_identity
-    from peer.trust.pairing import IO_TIMEOUT_S, PairingError, join_pairing, parse_code
-
-    canonical = parse_code(code)
-    host, port = _target(target)
-    identity = load_identity(name=name)
-    try:
-        sock = socket.create_connection((host, port), timeout=IO_TIMEOUT_S)
-    except OSError as e:
-        raise PairingError("disconnected", f"cannot reach {host}:{port} to pair: {e}") from None
-    with sock:
-        return join_pairing(sock, canonical, identity, PairedPeers()), identity
-
-
 def cmd_pair(args: argparse.Namespace) -> int:
     from peer.trust.keys import PairedPeers, load_identity
-    from peer.trust.pairing import PairingCode, PairingError, serve_pairing
+    from peer.trust.pairing import PairingCode, PairingError, pair_with_code, serve_pairing
 
     if args.code is not None:
         peer, identity = pair_with_code(args.code, args.target, args.name)
