@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from app.peer_options import add_peer_args, check_peer_args, peer_spec
 from mlx_engine import __version__, defaults
+from mlx_engine.config import KV_BITS, KV_DTYPES, SPECULATIVE_MODES, WEIGHT_FORMATS
 from mlx_engine.errors import ConfigError, ContextLengthError, DuetError, RequestError
 
 if TYPE_CHECKING:
@@ -51,13 +52,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-bits",
         type=int,
-        choices=(4, 8),
+        choices=KV_BITS,
         default=None,
         help="quantize the KV cache to 8 or 4 bits: more tokens in the same memory (default: off)",
     )
     p.add_argument(
         "--kv-dtype",
-        choices=("auto", "float16", "bfloat16", "float32"),
+        choices=KV_DTYPES,
         default="auto",
         help="what an unquantized KV cache stores (default auto: float16 on the CPU, as llama.cpp, "
         "the model's dtype on a GPU; float32 keeps a float32 model's KV exact)",
@@ -78,13 +79,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--weights",
-        choices=("auto", "dense", "quantized"),
+        choices=WEIGHT_FORMATS,
         default="auto",
         help="weight format (default auto: quantized, or dense float32 on a CPU without the built CPU kernels)",
     )
     p.add_argument(
         "--speculative",
-        choices=("ngram", "draft", "off"),
+        choices=SPECULATIVE_MODES,
         default=None,
         help="speculative decoding: ngram proposes tokens found earlier in the prompt or reply, draft "
         "the --draft-model's greedy guesses; they are verified in one pass, only when the measured "

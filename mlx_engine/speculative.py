@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MODES = ("off", "ngram", "draft")  # draft: draft_model.DraftModelProposer
-
 
 class NgramProposer:
     """Prompt lookup: find the most recent earlier occurrence of the context's last ``n`` tokens

@@ -119,3 +119,34 @@ async def test_root_answers_the_probes_clients_send(engine):
             assert r.status_code == 200, (method, r.text)
         assert (await c.get("/")).text == "Duet is running\n"  # no model name without the key
         assert (await c.get("/v1/models")).status_code == 401
+
+
+async def test_an_engine_error_anywhere_below_a_route_is_mapped_once_per_api(engine, monkeypatch):
+    """Every API answers the engine's errors (``DuetError``) in its own shape, from one mapping."""
+    from mlx_engine.errors import ContextLengthError, QueueFullError
+
+    def refuse(req):
+        raise ContextLengthError("the prompt has 999 tokens but the model's context is 96 tokens", "messages")
+
+    monkeypatch.setattr(engine, "prepare_prompt", refuse)
+    async with client(engine) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": SAY})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert r.json()["error"]["param"] == "messages"
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        r = await c.post("/v1/messages", json={"model": MODEL, "messages": SAY, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert (
+            r.json()["error"]["type"] == "invalid_request_error" and "context" in r.json()["error"]["message"]
+        )
+
+    def full(req):
+        raise QueueFullError("the queue is full (8 waiting)")
+
+    monkeypatch.setattr(engine, "prepare_prompt", full)
+    async with client(engine) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": SAY})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        r = await c.post("/v1/messages", json={"model": MODEL, "messages": SAY, "max_tokens": 4})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text

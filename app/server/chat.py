@@ -447,10 +447,7 @@ class ChatCall:
 
 async def chat_completions(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
     salt = effective_cache_salt(request.scope, body.cache_salt)
-    try:
-        call = await asyncio.to_thread(ChatCall, state, body, salt)  # template + tokenizer: off the loop
-    except RequestError as e:
-        raise bad_request(str(e), e.param) from None
+    call = await asyncio.to_thread(ChatCall, state, body, salt)  # template + tokenizer: off the loop
     if call.stream:
         return await call.stream_response(request)
     return await call.respond(request)

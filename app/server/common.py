@@ -107,10 +107,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
-    try:
-        p.validate(vocab_size)
-    except RequestError as e:
-        raise bad_request(str(e), e.param) from None
+    p.validate(vocab_size)  # a RequestError is the route's 400 (errors.from_duet_error)
     return p
 
 
@@ -288,9 +285,9 @@ class ChoiceState:
 def failure(choices: list[ChoiceState], err: BaseException | None) -> APIError | None:
     """The error to report when a choice failed (engine shut down or a failed step)."""
     if err is not None:
-        from .generation import to_api_error
+        from .errors import from_duet_error
 
-        return to_api_error(err)
+        return from_duet_error(err)
     for c in choices:
         if c.finish_reason == "error":
             if c.error_type is not None and issubclass(c.error_type, EngineShutDownError):

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlx_engine.embeddings import EmbeddingModel
 from mlx_engine.engine import Engine
-from mlx_engine.errors import EngineShutDownError, RequestError
+from mlx_engine.errors import EngineShutDownError
 
 from .common import ServerState
 from .errors import bad_request, shutting_down
@@ -136,10 +136,7 @@ def _token_lists(model: EmbeddingModel, body: EmbeddingRequest) -> list[list[int
     else:
         lists = [list(x) for x in raw]  # type: ignore[arg-type]
     for i, ids in enumerate(lists):
-        try:
-            model.check(ids, "input" if len(lists) == 1 else f"input[{i}]")
-        except RequestError as e:
-            raise bad_request(str(e), e.param) from None
+        model.check(ids, "input" if len(lists) == 1 else f"input[{i}]")  # RequestError: a 400
     return lists
 
 

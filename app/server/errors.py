@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlx_engine.errors import ContextLengthError, DuetError, EngineShutDownError, QueueFullError, RequestError
+
 log = logging.getLogger("duet.server")
 
 
@@ -54,6 +56,20 @@ def internal_error() -> APIError:
 
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", type="server_error", code="service_unavailable")
+
+
+def from_duet_error(e: BaseException) -> APIError:
+    """The one mapping of the engine's errors onto HTTP: a bad request 400 (a prompt past the context
+    ``context_length_exceeded``), a full queue 429, shutting down 503, anything else 500 (logged)."""
+    if isinstance(e, RequestError):
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+        return bad_request(str(e), e.param, code)
+    if isinstance(e, QueueFullError):
+        return queue_full(str(e))
+    if isinstance(e, EngineShutDownError):
+        return shutting_down()
+    log.error("a request failed", exc_info=e)
+    return internal_error()
 
 
 def _loc(loc: tuple) -> str | None:
@@ -106,6 +122,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(DuetError)  # raised anywhere below a route: one mapping, no re-raising by hand
+    async def _duet_error(request: Request, exc: DuetError):
+        return from_duet_error(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -13,24 +13,11 @@ import logging
 from collections.abc import AsyncIterator
 
 from mlx_engine.engine import Engine
-from mlx_engine.errors import ContextLengthError, EngineShutDownError, QueueFullError, RequestError
 from mlx_engine.request import GenerationEvent, GenerationRequest
 
-from .errors import APIError, bad_request, internal_error, queue_full, shutting_down
+from .errors import bad_request, from_duet_error
 
 log = logging.getLogger("duet.server")
-
-
-def to_api_error(e: BaseException) -> APIError:
-    if isinstance(e, RequestError):
-        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
-        return bad_request(str(e), e.param, code)
-    if isinstance(e, QueueFullError):
-        return queue_full(str(e))
-    if isinstance(e, EngineShutDownError):
-        return shutting_down()
-    log.error("a generation failed", exc_info=e)
-    return internal_error()
 
 
 def max_fanout(engine: Engine) -> int:
@@ -76,7 +63,7 @@ class Generation:
         # One loop turn runs generate() up to its first wait: validation and the queue check.
         await asyncio.sleep(0)
         if i in self._refused:
-            raise to_api_error(self._refused[i])
+            raise from_duet_error(self._refused[i])
 
     async def start(self, n: int = 1) -> None:
         """Submit every request; raises APIError (and cancels the rest) if any is refused.

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from mlx_engine.request import RequestError, Usage
+from mlx_engine.request import Usage
 
 from .chat import ChatCall
 from .common import ChoiceState, ServerState, failure, fewest, wait_disconnect
@@ -67,10 +67,7 @@ async def prepare(
     whichever comes first (clients such as Claude Code send caps far above a local model's context)."""
     body = chat_body(fields)
     salt = effective_cache_salt(request.scope, None)
-    try:
-        call = await asyncio.to_thread(ChatCall, state, body, salt, endpoint)
-    except RequestError as e:
-        raise bad_request(str(e), e.param) from None
+    call = await asyncio.to_thread(ChatCall, state, body, salt, endpoint)  # RequestError: a 400
     if max_tokens is not None:
         room = state.engine.context_length - len(call.prompt)
         if room <= 0:
