@@ -299,17 +299,10 @@ def use_fast_blas() -> None:
 
 
 def load_engine(args: argparse.Namespace, config: EngineConfig):
-    from mlx_engine.engine import Engine
+    """The engine the options name, with its --peers connected (``app.launch.build_engine``)."""
+    from app.launch import build_engine
 
-    engine = Engine.load(args.model, config=config)
-    try:
-        from peer.attach import attach_peers
-
-        attach_peers(engine, peer_spec(args))  # --peers: connected before the first request
-    except BaseException:
-        engine.shutdown()
-        raise
-    return engine
+    return build_engine(args.model, config, peer_spec(args))
 
 
 def _describe(engine) -> str:

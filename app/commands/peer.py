@@ -155,7 +155,7 @@ def cmd_peer_plan(args: argparse.Namespace) -> int:
 
 def cmd_peer_serve(args: argparse.Namespace) -> int:
     from app.cli import check_model_args, engine_config, use_fast_blas
-    from mlx_engine.engine import Engine
+    from app.launch import build_engine
     from peer.identity import local_hello
     from peer.server import EngineBackend, PeerServer, ServerLimits, listen
     from peer.trust.tls import tls_for_address
@@ -185,7 +185,7 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
     use_fast_blas()
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
     try:
-        engine = Engine.load(args.model, config=config)
+        engine = build_engine(args.model, config)
     except BaseException:
         sock.close()
         raise

@@ -54,18 +54,11 @@ class LocalBackend:
     ) -> LocalBackend:
         """``peers``: the engine's prefill peers (``--peers``), attached before the first request;
         if attaching them fails, the engine is shut down again."""
-        from mlx_engine.engine import Engine
-        from peer.attach import attach_peers
+        from app.launch import build_engine
+        from mlx_engine.config import EngineConfig
 
         try:
-            engine = Engine.load(spec, config=config)
-            try:
-                if peers is not None:
-                    attach_peers(engine, peers)
-            except BaseException:
-                engine.shutdown()
-                raise
-            return cls(engine)
+            return cls(build_engine(spec, config or EngineConfig(), peers))
         except (DuetError, OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
             # ModelNotFoundError, ModelLoadError, GGUF errors, bad configs, out of memory
             raise BackendError(f"could not load model {spec or 'bundled'!r}: {e}") from e
