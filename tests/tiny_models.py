@@ -92,11 +92,16 @@ def make_tiny_model_dir(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tj = tokenizer[0] if tokenizer else tokenizer_json()
-    added = json.loads(tj).get("added_tokens") or []
-    vocab = max([*json.loads(tj)["model"]["vocab"].values(), *(t["id"] for t in added)]) + 1
-    if tokenizer is None:
+    if tokenizer is None:  # the tiny BPE: its vocabulary and SPECIAL (the rows its tests were made with)
+        tj = tokenizer_json()
         vocab = len(json.loads(tj)["model"]["vocab"]) + len(SPECIAL)
+    else:  # every id the tokenizer can produce, added tokens included
+        tj = tokenizer[0]
+        parsed = json.loads(tj)
+        vocab = (
+            max([*parsed["model"]["vocab"].values(), *(t["id"] for t in parsed.get("added_tokens") or [])])
+            + 1
+        )
     config = _config(arch, vocab)
     if context is not None:
         config["max_position_embeddings"] = context

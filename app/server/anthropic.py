@@ -43,7 +43,7 @@ from mlx_engine.request import Usage
 from .anthropic_errors import error_body
 from .anthropic_protocol import ContentBlock, CountTokensRequest, MessagesRequest
 from .chat import ChatCall
-from .common import SSE_HEADERS, ServerState, fewest
+from .common import SSE_HEADERS, ServerState, fewest, warn_once
 from .errors import APIError, bad_request
 from .turns import TurnEnd, collect, prepare, start, turn_items
 
@@ -149,7 +149,9 @@ def _tool_fields(body: CountTokensRequest) -> dict[str, Any]:
             # a server tool (web_search_..., code_execution_...) or an Anthropic-defined one (bash_...,
             # text_editor_..., computer_...): nothing here runs it and its schema is not sent, so the
             # model is not offered it (as a client's default configuration sends them, never a 400)
-            _warn_once("tool", t.type, f"tools: {t.type} tools are not offered to the local model")
+            warn_once(
+                f"messages-tool:{t.type}", f"messages: {t.type} tools are not offered to the local model"
+            )
             continue
         fn: dict[str, Any] = {
             "name": t.name,
@@ -176,16 +178,6 @@ def _tool_fields(body: CountTokensRequest) -> dict[str, Any]:
     if choice.disable_parallel_tool_use is not None and tools:
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     return {k: v for k, v in fields.items() if v is not None}
-
-
-_warned: set[tuple[str, str]] = set()
-
-
-def _warn_once(kind: str, what: str, message: str) -> None:
-    """A warning the first time, a debug line after (a client sends the same tools every request)."""
-    key = (kind, what)
-    log.log(logging.DEBUG if key in _warned else logging.WARNING, "messages: %s", message)
-    _warned.add(key)
 
 
 def _log_ignored(body: CountTokensRequest, request: Request) -> None:

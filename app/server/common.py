@@ -119,26 +119,26 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def max_new_tokens(
-    requested: int | None,
-    prompt_len: int,
-    context: int,
-    prompt_param: str = "messages",
-    server_cap: int | None = None,
+    requested: int | None, prompt_len: int, context: int, server_cap: int | None = None
 ) -> int | None:
     """``requested`` as a cap: at most what the context leaves after the prompt, as llama.cpp's
     server and Ollama do (agents send ``max_tokens`` far above a local model's context; a reply
-    that reaches the cap ends with ``finish_reason: "length"``). A prompt that leaves no room is a
-    400. None stays None: until EOS, a stop, or the context (or the KV cache) is full, which the
-    engine enforces. ``server_cap`` (`duet serve --max-tokens`) caps every reply, asked or not."""
-    if prompt_len >= context:
-        raise bad_request(
-            f"This model's maximum context length is {context} tokens. However, the prompt has "
-            f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the prompt.",
-            prompt_param,
-            "context_length_exceeded",
-        )
+    that reaches the cap ends with ``finish_reason: "length"``). The prompt fits already
+    (``prompt_ids``: a prompt that fills the context is a 400 there). None stays None: until EOS, a
+    stop, or the context (or the KV cache) is full, which the engine enforces. ``server_cap``
+    (`duet serve --max-tokens`) caps every reply, asked or not."""
     limit = fewest(requested, server_cap)
     return None if limit is None else min(limit, context - prompt_len)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """``message`` as a warning the first time ``key`` is seen, at debug level after (clients send
+    the same request shape, unsupported tools included, every time)."""
+    log.log(logging.DEBUG if key in _warned else logging.WARNING, "%s", message)
+    _warned.add(key)
 
 
 def fewest(*limits: int | None) -> int | None:

@@ -102,7 +102,7 @@ class CompletionCall:
             ids = prompt_ids(engine, GenerationRequest(prompt=p, max_tokens=1), "prompt")
             self.prompts.append(ids)
             self.max_tokens.append(
-                max_new_tokens(requested, len(ids), engine.context_length, "prompt", state.max_tokens)
+                max_new_tokens(requested, len(ids), engine.context_length, state.max_tokens)
             )
         self.echo = [engine.tokenizer.decode(ids) if body.echo else "" for ids in self.prompts]
         vocab = engine.tokenizer.vocab_size

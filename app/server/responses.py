@@ -149,7 +149,7 @@ def input_items(body: ResponsesRequest) -> list[InputItem]:
     return body.input
 
 
-def to_messages(items: list[InputItem], tools: ResponseTools | None = None) -> list[dict[str, Any]]:
+def to_messages(items: list[InputItem], tools: ResponseTools) -> list[dict[str, Any]]:
     """Chat messages for input items; consecutive function calls join the assistant message
     before them, as one turn's calls. A call to a function in a ``namespace`` takes the name the
     model sees for it (``tools``)."""
@@ -167,7 +167,7 @@ def to_messages(items: list[InputItem], tools: ResponseTools | None = None) -> l
             namespace = (item.model_extra or {}).get("namespace")
             name = item.name
             if isinstance(namespace, str) and namespace:
-                name = (tools or ResponseTools()).flat_name(item.name, namespace)
+                name = tools.flat_name(item.name, namespace)
             call = {
                 "id": item.call_id,
                 "type": "function",
@@ -208,9 +208,8 @@ def _item_record(item: InputItem) -> dict[str, Any]:
 
 
 def chat_fields(
-    body: ResponsesRequest, earlier: list[dict[str, Any]], tools: ResponseTools | None = None
+    body: ResponsesRequest, earlier: list[dict[str, Any]], tools: ResponseTools
 ) -> dict[str, Any]:
-    tools = tools if tools is not None else ResponseTools.of(body.tools)
     messages = [*earlier, *to_messages(input_items(body), tools)]
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})

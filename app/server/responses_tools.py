@@ -16,23 +16,19 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .common import warn_once
 from .errors import bad_request
 from .responses_protocol import ToolDef
 
-log = logging.getLogger("duet.server")
-_warned: set[str] = set()
 
-
-def _warn_once(kind: str) -> None:
-    level = logging.DEBUG if kind in _warned else logging.WARNING
-    log.log(
-        level, "responses: %s tools are hosted tools this server cannot run: not offered to the model", kind
+def _hosted(kind: str) -> None:
+    warn_once(
+        f"responses-tool:{kind}",
+        f"responses: {kind} tools are hosted tools this server cannot run: not offered to the model",
     )
-    _warned.add(kind)
 
 
 def _function(name: str, t: ToolDef | dict[str, Any], where: str, lead: str = "") -> dict[str, Any]:
@@ -78,7 +74,7 @@ class ResponseTools:
             elif t.type == "namespace":
                 out._add_namespace(t, where, top, seen)
             else:
-                _warn_once(t.type)
+                _hosted(t.type)
         return out
 
     def _add(self, flat: str, namespace: str | None, name: str, tool: dict[str, Any]) -> None:
@@ -97,7 +93,7 @@ class ResponseTools:
             if not isinstance(inner, dict) or not isinstance(inner.get("name"), str) or not inner["name"]:
                 raise bad_request("each tool in a namespace needs a name", at)
             if inner.get("type", "function") != "function":
-                _warn_once(str(inner.get("type")))
+                _hosted(str(inner.get("type")))
                 continue
             name = inner["name"]
             clash = name in top or seen.get(name, 0) > 1
