@@ -39,9 +39,9 @@ PARTS = [
     ("  tokenizer from GGUF", "mlx_engine.tokenization.gguf_tokenizer", "tokenizer_from_gguf"),
     ("  mlx-lm model module", "mlx_engine.loading.mlx_lm_lazy", "import_module"),
     ("  weight re-layout (CPU)", "mlx_engine.loading.loader", "_input_major_weights"),
-    ("engine build", "mlx_engine.engine", "Engine._build"),
+    ("engine build", "mlx_engine.engine.core", "EngineCore.__init__"),
     ("  KV pool allocation", "mlx_engine.kv_cache.kv_pool", "KVPool.__init__"),
-    ("prompt template + tokenize", "mlx_engine.engine", "Engine.prepare_prompt"),
+    ("prompt template + tokenize", "mlx_engine.engine.inputs", "InputProcessor.prompt_ids"),
 ]
 
 
@@ -88,7 +88,7 @@ def child(model: str | None) -> None:
     import asyncio
 
     import app.cli as cli
-    import mlx_engine.engine  # noqa: F401  (what Engine.load imports first, timed with the imports)
+    import mlx_engine.engine.api  # noqa: F401  (what Engine.load imports first, timed with the imports)
     import mlx_engine.loading.gguf_loader  # noqa: F401
     import mlx_engine.loading.preflight  # noqa: F401
 

@@ -143,6 +143,12 @@ class EngineConfig:
             if d <= 0:
                 raise fail("disk_cache_gb", f"{spell('disk_cache_gb')} must be above 0 GiB, not {d:g}")
 
+    @property
+    def prefill_grid(self) -> int:
+        """The prefill chunk in effect: ``prefill_chunk``, at most the step's ``max_batch_tokens``
+        (the grid every prompt's chunks lie on, and what a peer must prefill on to be bit-exact)."""
+        return min(self.prefill_chunk, self.max_batch_tokens)
+
     def kv_first_blocks(self) -> int:
         """Blocks the KV pool allocates at start (the null block included); it grows from there."""
         return -(-KV_FIRST_CHUNK_TOKENS // self.block_size) + 1

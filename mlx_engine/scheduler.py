@@ -43,17 +43,32 @@ prefix, to compute the rest itself. Loads may hold at most ``max_load_share`` of
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from mlx_engine.config import EngineConfig
 from mlx_engine.errors import QueueFullError
 from mlx_engine.kv_cache.block_allocator import BlockAllocator
 from mlx_engine.kv_cache.kv_source import KVLoad, KVSource, LandedKV
 
-WAITING, RUNNING, LOADING, FINISHED = "waiting", "running", "loading", "finished"
+
+class SeqStatus(enum.StrEnum):
+    WAITING = "waiting"  # queued (new, or preempted: to be recomputed)
+    RUNNING = "running"  # holds blocks and a running slot; scheduled each step
+    LOADING = "loading"  # its KV is arriving from KV sources; holds blocks and a slot, takes no budget
+    FINISHED = "finished"  # released
+
+
+WAITING, RUNNING, LOADING, FINISHED = (
+    SeqStatus.WAITING,
+    SeqStatus.RUNNING,
+    SeqStatus.LOADING,
+    SeqStatus.FINISHED,
+)
 
 
 @dataclass(eq=False)
@@ -67,7 +82,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # prompt tokens served by the prefix cache (memory or disk) at first admission
     num_registered: int = 0  # full blocks already offered to the prefix index
-    status: str = WAITING
+    status: SeqStatus = WAITING
     preemptions: int = 0
     admitted_once: bool = False
     leader: Sequence | None = None  # shares this running sequence's prompt blocks (n > 1)
@@ -84,7 +99,7 @@ class Sequence:
     landed: LandedKV | None = None  # per-layer landed ranges while LOADING
     starved: bool = False  # an exact_grid piece did not fit the last step's budget
     paused: bool = False  # not scheduled for now (a peer export whose send queue is full)
-    num_draft: int = 0  # proposed tokens at the end of ``tokens``, not verified yet (speculative.py)
+    num_unverified: int = 0  # proposed tokens at the end of ``tokens``, not verified yet (speculative/)
     spec_proposed: int = 0  # proposed tokens verified so far
     spec_accepted: int = 0  # of which kept
 
@@ -103,19 +118,31 @@ class Sequence:
     @property
     def num_verified(self) -> int:
         """Tokens that are the sequence's own (proposed ones excluded)."""
-        return len(self.tokens) - self.num_draft
+        return len(self.tokens) - self.num_unverified
+
+
+_ENGINE_DEFAULTS = EngineConfig()  # each default is written once, in EngineConfig
 
 
 @dataclass
 class SchedulerConfig:
-    max_batch_tokens: int = 512  # token budget per step (decodes + prefill chunks)
-    prefill_chunk: int = 256  # largest prefill piece of one sequence in a step (the grid)
-    max_running: int = 64  # running + loading sequences
-    max_queue: int = 256
+    max_batch_tokens: int = (
+        _ENGINE_DEFAULTS.max_batch_tokens
+    )  # token budget per step (decodes + prefill chunks)
+    prefill_chunk: int = (
+        _ENGINE_DEFAULTS.prefill_grid
+    )  # largest prefill piece of one sequence in a step (the grid)
+    max_running: int = _ENGINE_DEFAULTS.max_running  # running + loading sequences
+    max_queue: int = _ENGINE_DEFAULTS.max_queue
     max_load_share: float = 0.5  # of the pool's blocks that LOADING sequences may hold
     # compute a prompt's last token as a piece of its own, as after a remote prefill: the first
     # token's logits are then bit-identical whether the prompt's KV came from a peer or not
     last_token_alone: bool = False
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> SchedulerConfig:
+        """The scheduler's part of an engine's options."""
+        return cls(config.max_batch_tokens, config.prefill_grid, config.max_running, config.max_queue)
 
 
 @dataclass
@@ -126,9 +153,11 @@ class StartLoad:
     load: KVLoad
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
-    """One scheduler step: what the engine runs before calling ``advance(step)``."""
+    """One scheduler step: what the engine runs before calling ``advance(step, computed)``. Made
+    by ``schedule()`` and never changed after: what the engine learns while running it (a row
+    that computed fewer tokens, proposals kept) goes back to the scheduler as data."""
 
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens to compute
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), first
@@ -176,9 +205,6 @@ class Scheduler:
         self.loads_failed = 0
         self._loads: dict[int, _Load] = {}
         self._load_ids = itertools.count(1)
-        # speculative decoding: ``drafter(seq, max_k, decoding_rows)`` proposes up to ``max_k``
-        # tokens to verify after a decoding sequence's last one (None: plain decoding)
-        self.drafter: Callable[[Sequence, int, int], list[int]] | None = None
 
     # --- queue ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -209,7 +235,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         # full blocks, and the part-full last one, become matchable by later requests, then every
         # block loses this reference
-        self._drop_draft(seq)
+        self._drop_proposals(seq)
         full, tail = divmod(seq.num_computed, self.bs)  # no proposals left: all computed are kept
         self.alloc.register(seq.tokens, seq.blocks, full, seq.cache_salt, tail)
         self.alloc.free(seq.blocks)
@@ -274,45 +300,45 @@ class Scheduler:
             self.prefix_query_tokens += seq.num_prompt
             self.prefix_hit_tokens += seq.num_computed
 
-    def _drop_draft(self, seq: Sequence) -> None:
-        if seq.num_draft:
+    def _drop_proposals(self, seq: Sequence) -> None:
+        if seq.num_unverified:
             del seq.tokens[seq.num_verified :]
             seq.num_computed = min(seq.num_computed, len(seq.tokens))
-            seq.num_draft = 0
+            seq.num_unverified = 0
 
-    def _draft(self, seq: Sequence, budget: int, decoding_rows: int) -> int:
-        """Propose tokens after a decoding sequence's last one; returns the row's token count."""
+    def _propose(self, seq: Sequence, budget: int, proposals: Mapping[str, list[int]]) -> int:
+        """Put a decoding sequence's proposed tokens (as many as fit) after its last one; returns
+        the row's token count."""
         k = min(budget - 1, seq.max_total - len(seq.tokens) - 1)
-        if self.drafter is None or seq.num_pending != 1 or seq.num_generated < 1 or k < 1:
+        if seq.num_pending != 1 or seq.num_generated < 1 or k < 1:
             return 1
-        drafts = self.drafter(seq, k, decoding_rows)[:k]
-        seq.tokens += drafts
-        seq.num_draft = len(drafts)
-        return 1 + len(drafts)
+        tokens = list(proposals.get(seq.request_id, ()))[:k]
+        seq.tokens += tokens
+        seq.num_unverified = len(tokens)
+        return 1 + len(tokens)
 
-    def end_draft(self, seq: Sequence, kept: int) -> list[int]:
+    def end_proposals(self, seq: Sequence, kept: int) -> list[int]:
         """After the forward pass of a row with proposed tokens: takes them off the sequence
         (returned) and keeps the blocks its next ``kept + 1`` tokens need; the engine then appends
-        the kept ones again with ``draft_kept`` after each (their KV is in the pool already)."""
-        drafts = seq.tokens[seq.num_verified :]
+        the kept ones again with ``proposal_kept`` after each (their KV is in the pool already)."""
+        proposed = seq.tokens[seq.num_verified :]
         del seq.tokens[seq.num_verified :]
-        seq.num_draft = 0
+        seq.num_unverified = 0
         seq.num_computed = min(seq.num_computed, len(seq.tokens))
         need = -(-(len(seq.tokens) + kept + 1) // self.bs)
         if len(seq.blocks) > need:  # blocks that only rejected proposals used: fresh, unshared
             self.alloc.free(seq.blocks[need:])
             del seq.blocks[need:]
-        seq.spec_proposed += len(drafts)
+        seq.spec_proposed += len(proposed)
         seq.spec_accepted += kept
-        return drafts
+        return proposed
 
-    def withdraw_draft(self, seq: Sequence, step: Step) -> None:
+    def withdraw_proposals(self, seq: Sequence) -> None:
         """Before the forward pass: the proposer had nothing for the tokens ``seq`` reserved (a
-        draft model still catching up): the row decodes its one token."""
-        self._drop_draft(seq)
-        step.tokens[seq.request_id] = 1
+        draft model still catching up): the row decodes its one token (``advance`` is told so)."""
+        self._drop_proposals(seq)
 
-    def draft_kept(self, seq: Sequence) -> None:
+    def proposal_kept(self, seq: Sequence) -> None:
         """The token just appended was a kept proposal: its KV is computed."""
         seq.num_computed += 1
         self._register_full(seq)
@@ -373,7 +399,9 @@ class Scheduler:
         decodes = sum(s.num_pending == 1 for s in self.running)
         return max(min(seq.num_pending, self.cfg.prefill_chunk, self.cfg.max_batch_tokens - decodes), 0)
 
-    def schedule(self) -> Step:
+    def schedule(self, proposals: Mapping[str, list[int]] | None = None) -> Step:
+        """The next step. ``proposals``: tokens to verify after decoding sequences' last ones
+        (speculative decoding; by request id), as many as the budget and blocks allow."""
         step = Step()
         budget = self.cfg.max_batch_tokens
         reserve = self._make_room()  # kept from the running sequences for a waiting group
@@ -384,15 +412,14 @@ class Scheduler:
         place = {seq: i for i, seq in enumerate(order)}
         order.sort(key=lambda s: not s.starved)
         bumped: set[Sequence] = set()  # preempted for blocks now: not re-admitted in this step
-        decoding = sum(s.num_pending == 1 and not s.paused for s in order)
         for seq in order:
             if seq.status != RUNNING or seq.paused:
                 continue
             n = self._piece(seq)
-            if n == 1 and budget > 1 and self.drafter is not None:
-                n = self._draft(seq, budget, decoding)
+            if n == 1 and budget > 1 and proposals:
+                n = self._propose(seq, budget, proposals)
                 if n > 1 and not self._grow(seq, n, step.copies):
-                    self._drop_draft(seq)  # no blocks for proposals: plain decoding
+                    self._drop_proposals(seq)  # no blocks for proposals: plain decoding
                     n = 1
             if seq.exact_grid:
                 if n > budget and step.tokens:  # a whole grid piece or nothing (alone it may exceed)
@@ -472,11 +499,13 @@ class Scheduler:
         step.seqs[seq.request_id] = seq
         seq.starved = False
 
-    def advance(self, step: Step) -> list[str]:
-        """After the step's forward pass: its tokens are computed. Registers the blocks that
-        filled up; returns the request ids whose tokens are now all computed (to sample)."""
+    def advance(self, step: Step, computed: Mapping[str, int] | None = None) -> list[str]:
+        """After the step's forward pass: its tokens are computed (``computed``: the tokens each
+        row did compute, when not what the step asked, e.g. withdrawn proposals or a row left out).
+        Registers the blocks that filled up; returns the request ids whose tokens are now all
+        computed (to sample)."""
         out = []
-        for rid, n in step.tokens.items():
+        for rid, n in (step.tokens if computed is None else computed).items():
             seq = step.seqs[rid]
             if seq.status != RUNNING:
                 continue
@@ -531,7 +560,7 @@ class Scheduler:
             load = KVLoad(next(self._load_ids), seq.request_id, seq.tokens[: b + 1], a, b, self.bs)
             self._loads[load.load_id] = _Load(load, src, seq)
             seq.loads.add(load.load_id)
-            seq.load_ranges.append((src.name, bool(getattr(src, "is_cache", False)), a, b))
+            seq.load_ranges.append((src.name, bool(src.is_cache), a, b))
             step.loads.append(StartLoad(src, load))
             self.loads_started += 1
         return True

@@ -18,7 +18,6 @@ backoff, logs one line and counts the reason.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 import queue
@@ -31,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mlx_engine.kv_cache.kv_source import LandedKV
+from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource, LandedKV
 from peer.planner import Decision, Planner, PromptMemory
 from peer.wire.frame_mac import MacSocket
 from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, encode_prefill, send_frame
@@ -51,6 +50,7 @@ from peer.wire.protocol import (
 )
 
 if TYPE_CHECKING:
+    from mlx_engine.engine import Engine
     from peer.trust.tls import PeerTLS
 
 log = logging.getLogger("duet.peer.client")
@@ -106,8 +106,8 @@ class LoadInfo:
 
 @dataclass(eq=False)
 class _Load:
-    load: Any  # mlx_engine.kv_cache.kv_source.KVLoad
-    sink: Any
+    load: KVLoad
+    sink: KVSink
     info: LoadInfo
     conn: _Conn
     deadline: float
@@ -151,7 +151,7 @@ class _Conn:
         self.reader.buffers.close()
 
 
-class RemotePrefillSource:
+class RemotePrefillSource(KVSource):
     """A ``KVSource`` (mlx_engine.kv_cache.kv_source) that prefills on a peer (``duet peer serve``).
 
     ``policy`` "always" offers every prompt's uncached part to a healthy peer; "auto" offers it when
@@ -214,17 +214,15 @@ class RemotePrefillSource:
         self._closed = False
 
     # --- set-up ------------------------------------------------------------------------------
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: Engine) -> None:
         """This side's HELLO and chunk grid from an engine, then connect (in the background). The
         engine calls it on its worker when the source is added; it does not block there."""
         from peer.identity import local_hello
 
         c = engine.config
         hello = engine.run_on_worker(lambda: local_hello(engine), 120)  # the pool is the worker's
-        self.configure(hello, min(c.prefill_chunk, c.max_batch_tokens))
-        rate = getattr(engine, "local_prefill_rate", None)
-        if callable(rate):
-            self._local_rate_fn = rate
+        self.configure(hello, c.prefill_grid)
+        self._local_rate_fn = engine.local_prefill_rate
         self.connect(wait_s=None)
 
     def configure(self, hello: Hello, chunk_size: int) -> None:
@@ -428,7 +426,7 @@ class RemotePrefillSource:
             return 0
         return n
 
-    def start_load(self, load: Any, sink: Any) -> None:
+    def start_load(self, load: KVLoad, sink: KVSink) -> None:
         """Send the PREFILL (on the sender thread) and return; the layers arrive on the sink."""
         assert self.local is not None
         with self._lock:
@@ -691,12 +689,7 @@ class RemotePrefillSource:
         s.info.link_s += read_s
         self.bytes_received += frame.payload.nbytes
         parts = decode_layer(frame, self.fmt)
-        if _takes_release(s.sink):
-            s.sink.layer(msg.load_id, msg.layer, msg.t0, msg.t1, parts, release=frame.release)
-        else:  # a sink without release: hand over copies and free the buffer now
-            parts = [p.copy() for p in parts]
-            frame.release()
-            s.sink.layer(msg.load_id, msg.layer, msg.t0, msg.t1, parts)
+        s.sink.layer(msg.load_id, msg.layer, msg.t0, msg.t1, parts, release=frame.release)
 
     def _done(self, s: _Load, msg: Done, now: float) -> None:
         landed = s.landed.complete_from(s.load.start)
@@ -733,16 +726,3 @@ def _ewma(old: float | None, new: float, weight: float = 0.3) -> float:
     if old is None or not math.isfinite(old):
         return new
     return (1 - weight) * old + weight * new
-
-
-_RELEASE: dict[type, bool] = {}
-
-
-def _takes_release(sink: Any) -> bool:
-    kind = type(sink)
-    if kind not in _RELEASE:
-        try:
-            _RELEASE[kind] = "release" in inspect.signature(sink.layer).parameters
-        except (TypeError, ValueError):
-            _RELEASE[kind] = False
-    return _RELEASE[kind]

@@ -124,13 +124,13 @@ def nothing_loads(monkeypatch):
     """Fail the test if a command gets as far as loading a model, opening the chat or serving."""
     import app.server.main
     import app.tui.main
-    import mlx_engine.engine
+    import mlx_engine.engine.api
 
     def loaded(*args, **kwargs):
         raise AssertionError("the model loader ran before the arguments were checked")
 
-    monkeypatch.setattr(mlx_engine.engine, "load_model", loaded)
-    monkeypatch.setattr(mlx_engine.engine.Engine, "load", loaded)
+    monkeypatch.setattr(mlx_engine.engine.api, "load_model", loaded)
+    monkeypatch.setattr(mlx_engine.engine.api.Engine, "load", loaded)
     monkeypatch.setattr(app.tui.main, "run_chat", loaded)
     monkeypatch.setattr(app.server.main, "serve", loaded)
     monkeypatch.setattr(cli, "use_fast_blas", lambda: None)  # never re-execute pytest

@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-import mlx_engine.engine
+import mlx_engine.engine.api
+import mlx_engine.engine.build
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.errors import ConfigError, ContextLengthError, EngineShutDownError, RequestError
 from mlx_engine.loading.loader import load_model
@@ -44,7 +45,7 @@ def test_bad_options_fail_before_the_model_loads(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(mlx_engine.engine, "load_model", load)
+    monkeypatch.setattr(mlx_engine.engine.api, "load_model", load)
     for config in (EngineConfig(cache_gb=0), EngineConfig(cache_gb=10**6), EngineConfig(kv_bits=2)):
         with pytest.raises(ConfigError):
             Engine.load(None, config=config)
@@ -54,7 +55,7 @@ def test_kv_cache_and_weights_beyond_memory_is_a_config_error(loaded, monkeypatc
     """Checked after the weights are in (their size is known then) but before the KV pool is
     allocated; the engine's thread does not outlive the failed start."""
     memory = loaded.weight_bytes + 1  # no room for even the smallest KV pool (two blocks)
-    monkeypatch.setattr(mlx_engine.engine, "total_memory_bytes", lambda: memory)
+    monkeypatch.setattr(mlx_engine.engine.build, "total_memory_bytes", lambda: memory)
     before = engine_threads()
     with pytest.raises(ConfigError, match=r"the KV cache \(.* GiB\) and the model's weights"):
         Engine(loaded, EngineConfig(max_running=64))
@@ -166,7 +167,7 @@ def test_with_block_shuts_the_engine_down(loaded):
     with Engine(loaded, EngineConfig(cache_gb=0.01)) as engine:
         assert engine._thread.is_alive()
     assert not engine._thread.is_alive()
-    assert engine not in mlx_engine.engine._live_engines
+    assert engine not in mlx_engine.engine.api._live_engines
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.kv_cache.kv_pool import KVPool
 from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, RequestError, SamplingParams
-from tests.tiny_models import ARCHS
+from tests.tiny_models import ARCHS, TINY_TOKENS
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -36,13 +36,14 @@ def kv_token_bytes(loaded, dtype: mx.Dtype | None = None) -> int:
     return loaded.num_layers * per_layer
 
 
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """mlx-lm's generate_step with its own KV cache: the independent reference."""
+def reference_greedy(model, prompt: list[int], n: int, vocab: int = TINY_TOKENS) -> list[int]:
+    """mlx-lm's generate_step with its own KV cache: the independent reference, choosing among the
+    tokenizer's ``vocab`` ids (the tiny models' output layers have a few rows past it)."""
     from mlx_lm.generate import generate_step
 
     out = []
     for tok, _ in generate_step(
-        mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+        mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x[..., :vocab], axis=-1)
     ):
         out.append(int(tok))
     return out

@@ -195,12 +195,12 @@ def test_engine_serves_a_small_request_within_a_few_steps_of_a_fan_out(engine):
     schedule = engine.scheduler.schedule
     sched = engine.scheduler
 
-    def logged_schedule():
+    def logged_schedule(proposals=None):
         if not resume.is_set() and len(sched.running) == 8 and sched.waiting:
             paused.set()  # the fan-out holds every slot and more of it waits: submit now
             resume.wait(60)
         waiting = {s.request_id for s in sched.waiting}
-        step = schedule()
+        step = schedule(proposals)
         log.append((waiting, dict(step.tokens)))
         return step
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlx_engine.kv_cache.block_allocator import BlockAllocator
-from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, LandedKV, RangeSet
+from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource, LandedKV, RangeSet
 from mlx_engine.kv_cache.prefix_index import prefix_hash
 from mlx_engine.scheduler import FINISHED, LOADING, RUNNING, WAITING, Scheduler, SchedulerConfig, Sequence
 
@@ -59,7 +59,7 @@ def test_landed_kv_is_complete_only_where_every_layer_landed():
 # --- a fake source and the engine's part ---------------------------------------------------------
 
 
-class FakeSource:
+class FakeSource(KVSource):
     """Offers prompts of at least ``min_tokens`` tokens everything (or ``offer`` tokens)."""
 
     def __init__(

@@ -71,4 +71,4 @@ def test_import_is_light_and_the_engine_loads_on_first_use():
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
     )
-    assert r.stdout.split() == ["False", "True", "mlx_engine.engine"]
+    assert r.stdout.split() == ["False", "True", "mlx_engine.engine.api"]

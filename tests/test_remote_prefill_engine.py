@@ -34,7 +34,7 @@ import pytest
 
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.kv_cache.kv_pool import KVPool
-from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, RangeSet
+from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource, RangeSet
 from mlx_engine.loading.loader import LoadedModel, load_model
 from mlx_engine.request import GenerationEvent, GenerationRequest, SamplingParams
 from peer.wire.kv_wire import to_wire
@@ -47,7 +47,7 @@ GREEDY = SamplingParams(temperature=0.0)
 # --- the in-process peer ---------------------------------------------------------------------
 
 
-class RelaySource:
+class RelaySource(KVSource):
     """A KVSource backed by another engine's ``prefill_for_peer``, through a relay thread.
 
     ``fail_after``: after that many relayed layer frames of a load, report it failed (and cancel
@@ -254,7 +254,7 @@ def _row_bytes(a: mx.array) -> int:
     return int(np.prod(a.shape[1:])) * a.dtype.size
 
 
-class NoPeer:
+class NoPeer(KVSource):
     """A remote source that never offers anything: a decoder with a peer that prefills locally."""
 
     name = "nobody"

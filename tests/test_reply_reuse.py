@@ -111,6 +111,20 @@ def test_memory_is_per_cache_salt_and_bounded(tok):
     assert memory.recall("five six") is None
 
 
+def unmerged_pieces(tok: Tokenizer) -> dict[int, float]:
+    """A logit bias that lets the model write only the two characters of a two-letter token, each
+    as a token of its own: its reply then holds them side by side ("h", "e"), which the tokenizer
+    reads back as the one token ("he"), so the reply's text does not re-tokenize to its ids."""
+    pieces = {tok.piece(i): i for i in range(tok.vocab_size)}
+    pair = next(
+        p
+        for p in pieces
+        if len(p) == 2 and p.isascii() and p.isalpha() and p[0] != p[1] and {*p} <= {*pieces}
+    )
+    keep = {pieces[pair[0]], pieces[pair[1]]}
+    return {i: -100.0 for i in range(tok.vocab_size) if i not in keep}
+
+
 def printable_only(tok: Tokenizer) -> dict[int, float]:
     """A logit bias that keeps a random model to whole printable ASCII pieces (no broken characters)
     and never ends a reply early (no end of sequence: a reply is as long as asked)."""
@@ -121,7 +135,7 @@ def printable_only(tok: Tokenizer) -> dict[int, float]:
 
 def ask(engine: Engine, messages: list[dict], n: int) -> tuple[str, list[int], object]:
     async def go():
-        bias = printable_only(engine.tokenizer)
+        bias = unmerged_pieces(engine.tokenizer)
         req = GenerationRequest(
             messages=messages, max_tokens=n, sampling=SamplingParams(temperature=0.0, logit_bias=bias)
         )
@@ -137,7 +151,6 @@ def ask(engine: Engine, messages: list[dict], n: int) -> tuple[str, list[int], o
 
 def second_turn_hit(loaded, remember: bool) -> tuple[int, int, int]:
     """(turn 1 prompt + reply tokens, turn 2 cached tokens, turn 2 prompt tokens)."""
-    # float32 KV: the reply this model gives with it does not re-tokenize to its own ids
     engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=BS, kv_dtype="float32"))
     try:
         if not remember:
@@ -162,3 +175,47 @@ def test_the_second_turn_hits_the_cache_through_the_whole_first_reply(loaded, to
     # without the memory this reply does not round-trip, so the hit stops inside it
     total_plain, cached_plain, _ = second_turn_hit(loaded, remember=False)
     assert total_plain == total and cached_plain < cached
+
+
+def test_a_chat_through_the_server_hits_the_cache_through_the_first_reply(loaded, tok):
+    """The server tokenizes a chat once and hands the ids to the engine with the messages: the
+    reply is remembered as for a chat sent to the engine directly, so the client's next turn (the
+    reply sent back as text) hits the cache as far as ``second_turn_hit`` does."""
+    import httpx
+
+    from app.server.app import create_app
+
+    total, cached, _ = second_turn_hit(loaded, remember=True)
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=BS, kv_dtype="float32"))
+    bias = {str(i): v for i, v in unmerged_pieces(tok).items()}
+
+    async def go() -> tuple[int, int]:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+
+            async def turn(messages: list[dict], n: int) -> dict:
+                body = {
+                    "model": engine.model_name,
+                    "messages": messages,
+                    "max_tokens": n,
+                    "temperature": 0,
+                    "logit_bias": bias,
+                }
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            history = [{"role": "user", "content": "Tell me about the quick brown fox and the lazy dog."}]
+            first = await turn(history, 40)
+            reply, u1 = first["choices"][0]["message"]["content"], first["usage"]
+            history += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "Bonjour à tous."},
+            ]
+            u2 = (await turn(history, 4))["usage"]
+            return u1["prompt_tokens"] + u1["completion_tokens"], u2["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        assert asyncio.run(go()) == (total, cached)
+    finally:
+        engine.shutdown()

@@ -108,14 +108,13 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
     def __init__(self):
         super().__init__()
         self.rng = random.Random(0)
-        self.sched.drafter = self.draft
 
     @staticmethod
     def truth(seq: Sequence, t: int) -> int:
         """What 'sampling' gives at position t: unique to the request and the position."""
         return 100_000 * int(seq.request_id[1:]) + t
 
-    def draft(self, seq: Sequence, max_k: int, decoding_rows: int) -> list[int]:
+    def propose(self, seq: Sequence, max_k: int) -> list[int]:
         k = self.rng.randint(0, max_k)
         right = self.rng.randint(0, k)
         base = len(seq.tokens)
@@ -124,7 +123,9 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
     @rule(seed=st.integers(0, 2**16))
     def step(self, seed):
         self.rng.seed(seed)
-        step = self.sched.schedule()
+        # proposals for every decoding sequence, more than fit: the scheduler takes what the budget allows
+        proposals = {rid: self.propose(seq, 8) for rid, seq in self.seqs.items() if seq.num_pending == 1}
+        step = self.sched.schedule(proposals)
         assert sum(step.tokens.values()) <= self.sched.cfg.max_batch_tokens
         for src, dst in step.copies:
             self.kv[dst] = list(self.kv[src])
@@ -140,8 +141,8 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
             base = seq.num_verified
             drafts = seq.tokens[base:]
             kept = next((i for i, d in enumerate(drafts) if d != self.truth(seq, base + i)), len(drafts))
-            if drafts or seq.num_draft:
-                assert self.sched.end_draft(seq, kept) == drafts
+            if drafts or seq.num_unverified:
+                assert self.sched.end_proposals(seq, kept) == drafts
             for i in range(kept + 1):
                 seq.tokens.append(self.truth(seq, len(seq.tokens)))
                 if len(seq.tokens) >= seq.max_total:
@@ -149,7 +150,7 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
                     del self.seqs[rid]
                     break
                 if i < kept:
-                    self.sched.draft_kept(seq)
+                    self.sched.proposal_kept(seq)
 
 
 TestSpeculativeScheduler = SpeculativeSchedulerMachine.TestCase

@@ -16,11 +16,11 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from mlx_engine.draft_model import DraftModelProposer, output_rows
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.errors import ConfigError
 from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, SamplingParams
+from mlx_engine.speculative.draft_model import DraftModelProposer, output_rows
 from tests.test_engine_tiny import assert_no_leaks
 from tests.test_speculative import N, generate, greedy_reqs, repetitive_prompts, run_all
 from tests.tiny_models import make_tiny_model_dir
@@ -133,7 +133,7 @@ def test_the_draft_runs_batched_across_sequences(pair):
     engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
     try:
         outs = asyncio.run(run_all(engine, greedy_reqs(ps)()))
-        proposer = engine._proposer
+        proposer = engine.core.proposer
         assert isinstance(proposer, DraftModelProposer)
         proposed = sum(last.usage.speculative["proposed"] for _, last in outs)
         max_k = engine.speculation.max_k
@@ -194,7 +194,7 @@ def test_a_later_turn_reuses_the_drafts_kv_of_its_history(pair):
     engine.speculation.measure, engine.speculation.cost_ratio = False, 0.0
     try:
         ((first, _),) = asyncio.run(run_all(engine, greedy_reqs([p])()))
-        proposer = engine._proposer
+        proposer = engine.core.proposer
         assert isinstance(proposer, DraftModelProposer)
         done = proposer.tokens_computed
         second = p + first + [5, 6, 7]
@@ -250,15 +250,15 @@ def test_proposals_are_the_drafts_greedy_continuation_after_any_rollback(pair):
         seq.blocks = [free.pop(0) for _ in range(12)]
     for round_ in range(12):
         for seq in seqs:
-            seq.num_draft = rng.randrange(1, 6)
-            seq.tokens += [0] * seq.num_draft
+            seq.num_unverified = rng.randrange(1, 6)
+            seq.tokens += [0] * seq.num_unverified
         behind = proposer.fill(seqs)
         for seq in seqs:
             st = proposer.states[seq.request_id]
             if seq in behind:  # more than a piece behind: caught up by one, no proposals
                 assert st.valid <= seq.num_verified - 1 and not st.proposed
                 seq.tokens[seq.num_verified :] = [rng.randrange(3, vocab)]  # decoded plainly
-                seq.num_draft = 0
+                seq.num_unverified = 0
             else:
                 real, drafts = seq.tokens[: seq.num_verified], seq.tokens[seq.num_verified :]
                 assert drafts == reference_greedy(draft.model, real, len(drafts)), (round_, seq.request_id)
@@ -278,7 +278,7 @@ def test_proposals_are_the_drafts_greedy_continuation_after_any_rollback(pair):
             nxt = drafts[kept] if kept < len(drafts) else -1
             other = rng.choice([t for t in range(3, vocab) if t != nxt])
             seq.tokens[seq.num_verified :] = drafts[:kept] + [other]
-            seq.num_draft = 0
+            seq.num_unverified = 0
         if round_ == 4:  # preempted and re-admitted: other blocks, the draft's KV is not there
             seqs[0].preemptions += 1
             seqs[0].blocks = [free.pop(0) for _ in range(12)]
@@ -299,7 +299,7 @@ def test_proposals_are_the_drafts_greedy_continuation_after_any_rollback(pair):
             assert n >= 2 * bs
             hit = Sequence("hit", seqs[0].tokens[:n] + [5, 6, 7], n + 3, 10_000)
             hit.blocks = seqs[0].blocks[: n // bs] + [free.pop(0) for _ in range(4)]
-            hit.num_draft = 1
+            hit.num_unverified = 1
             hit.tokens.append(0)
             assert proposer.fill([hit]) == []
             assert proposer.tokens_computed - done == 3  # its own tokens only
@@ -309,7 +309,7 @@ def test_proposals_are_the_drafts_greedy_continuation_after_any_rollback(pair):
             # sequence overwrote: recomputed
             proposer.forget(seqs.pop(1).request_id)
             stale = Sequence("stale", old.tokens[: old.num_verified], old.num_verified, 10_000)
-            stale.blocks, stale.num_draft = old.blocks, 2
+            stale.blocks, stale.num_unverified = old.blocks, 2
             stale.tokens += [0, 0]
             proposer.fill([stale])
             ctx = stale.tokens[: proposer.states["stale"].valid]

@@ -31,6 +31,9 @@ CORPUS = [
 ] * 20
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ids the tiny BPE has (its specials included); its models score a few rows more (an output layer
+# padded past the vocabulary, as many real models' are)
+TINY_TOKENS = 400
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

@@ -258,8 +258,9 @@ class ChatCall:
                 raise bad_request(str(e), "response_format.json_schema.schema") from None
             self.grammar = ("response_format.json_schema.schema", grammar)
 
-        probe = GenerationRequest(messages=messages, tools=self.tools if knows_tools else None, max_tokens=1)
-        self.prompt = prompt_ids(engine, probe, "messages")
+        self.messages, self.template_tools = messages, self.tools if knows_tools else None
+        probe = GenerationRequest(messages=messages, tools=self.template_tools, max_tokens=1)
+        self.prompt = prompt_ids(engine, probe, "messages")  # once: the requests carry these ids
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if requested is None:
             requested = defaults.MAX_TOKENS  # None: until EOS, a stop, or the context is full
@@ -286,7 +287,8 @@ class ChatCall:
             constraints = [first] + [first.copy() for _ in range(self.n - 1)]
         return [
             GenerationRequest(
-                prompt=list(self.prompt),
+                messages=self.messages,  # a chat: the reply is remembered for the next turn's prefix hit
+                tools=self.template_tools,
                 max_tokens=self.max_tokens,
                 sampling=self.samplings[i],
                 stop=self.stop,
@@ -297,6 +299,10 @@ class ChatCall:
             )
             for i in range(self.n)
         ]
+
+    def prompt_ids(self) -> list[list[int]]:
+        """Each request's prompt ids, made once in ``__init__``."""
+        return [self.prompt] * self.n
 
     def _cancelled(self, n: int) -> None:
         self.state.metrics.requests.labels(self.endpoint, "cancelled").inc(n)
@@ -337,7 +343,7 @@ class ChatCall:
 
     # --- non-streamed ---------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
-        gen = Generation(self.state.engine, await self.requests(), self._cancelled)
+        gen = Generation(self.state.engine, await self.requests(), self._cancelled, self.prompt_ids())
         await gen.start(self.n)
         choices = await collect_choices(gen, request, self.state.metrics, self.n)
         if choices is None:
@@ -368,7 +374,7 @@ class ChatCall:
 
     # --- streamed -------------------------------------------------------------------
     async def stream_response(self, request: Request) -> Response:
-        gen = Generation(self.state.engine, await self.requests(), self._cancelled)
+        gen = Generation(self.state.engine, await self.requests(), self._cancelled, self.prompt_ids())
         await gen.start(self.n)
         return StreamingResponse(self._sse(gen, request), media_type="text/event-stream", headers=SSE_HEADERS)
 

@@ -127,6 +127,10 @@ class CompletionCall:
             for j in range(self.n)
         ]
 
+    def prompt_ids(self) -> list[list[int]]:
+        """Each request's prompt ids (the prompts, tokenized once in ``__init__``)."""
+        return [ids for ids in self.prompts for _ in range(self.n)]
+
     def _cancelled(self, n: int) -> None:
         self.state.metrics.requests.labels("completions", "cancelled").inc(n)
 
@@ -140,7 +144,7 @@ class CompletionCall:
         }
 
     async def respond(self, request: Request) -> Response:
-        gen = Generation(self.state.engine, self.requests(), self._cancelled)
+        gen = Generation(self.state.engine, self.requests(), self._cancelled, self.prompt_ids())
         await gen.start(self.n)
         choices = await collect_choices(gen, request, self.state.metrics, len(gen.requests))
         if choices is None:
@@ -165,7 +169,7 @@ class CompletionCall:
         return JSONResponse({**self._envelope(), "choices": out, "usage": total_usage(choices, self.n)})
 
     async def stream_response(self, request: Request) -> Response:
-        gen = Generation(self.state.engine, self.requests(), self._cancelled)
+        gen = Generation(self.state.engine, self.requests(), self._cancelled, self.prompt_ids())
         await gen.start(self.n)
         return StreamingResponse(self._sse(gen, request), media_type="text/event-stream", headers=SSE_HEADERS)
 

@@ -1,7 +1,8 @@
 """Run the ``n`` engine requests of one API call and merge their events into one stream.
 
 Submission is separated from waiting so that refusals (bad request, full queue, engine shut
-down) become HTTP errors before any response header is sent. With ``n > 1`` the other choices
+down) become HTTP errors before any response header is sent. Every request's events arrive in one
+``asyncio.Queue``, put there by the engine's worker (``Engine.submit``). With ``n > 1`` the other choices
 of a prompt name its first choice in ``fork_of``: the engine computes the prompt once and the
 choices share its KV blocks copy-on-write.
 """
@@ -9,15 +10,12 @@ choices share its KV blocks copy-on-write.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 from mlx_engine.engine import Engine
 from mlx_engine.request import GenerationEvent, GenerationRequest
 
 from .errors import bad_request, from_duet_error
-
-log = logging.getLogger("duet.server")
 
 
 def max_fanout(engine: Engine) -> int:
@@ -39,34 +37,29 @@ def check_fanout(engine: Engine, count: int, n: int) -> None:
 
 
 class Generation:
-    def __init__(self, engine: Engine, requests: list[GenerationRequest], on_cancel=None):
-        """``on_cancel(n)`` is told how many requests were cancelled before they finished."""
+    def __init__(
+        self,
+        engine: Engine,
+        requests: list[GenerationRequest],
+        on_cancel=None,
+        prompt_ids: list[list[int]] | None = None,
+    ):
+        """``on_cancel(n)`` is told how many requests were cancelled before they finished;
+        ``prompt_ids``: each request's prompt, tokenized already (the engine does not render
+        its template again)."""
         self.engine = engine
         self.requests = requests
+        self.prompt_ids = prompt_ids
         self.on_cancel = on_cancel
         self.finished: set[int] = set()
         self.cancelled = False
-        self._queue: asyncio.Queue[tuple[int, GenerationEvent | None, BaseException | None]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-        self._refused: dict[int, BaseException] = {}
-
-    async def _pump(self, i: int) -> None:
-        try:
-            async for ev in self.engine.generate(self.requests[i]):
-                self._queue.put_nowait((i, ev, None))
-        except Exception as e:  # refusals and engine failures; CancelledError passes through
-            self._refused[i] = e
-            self._queue.put_nowait((i, None, e))
-
-    async def _submit(self, i: int) -> None:
-        self._tasks.append(asyncio.create_task(self._pump(i)))
-        # One loop turn runs generate() up to its first wait: validation and the queue check.
-        await asyncio.sleep(0)
-        if i in self._refused:
-            raise from_duet_error(self._refused[i])
+        # the one queue between the engine's worker and this event loop: (choice index, event)
+        self._queue: asyncio.Queue[tuple[int, GenerationEvent | None]] = asyncio.Queue()
+        self._submitted: list[str] = []
 
     async def start(self, n: int = 1) -> None:
-        """Submit every request; raises APIError (and cancels the rest) if any is refused.
+        """Submit every request; raises APIError (and cancels the rest) if any is refused
+        (bad request, full queue, engine shut down), before any response header is sent.
 
         ``requests`` come in groups of ``n`` choices sharing one prompt; the other choices of a
         group fork the first one's prompt KV in the engine (copy-on-write) instead of computing
@@ -78,37 +71,37 @@ class Generation:
                 req.group = self.requests[0].request_id  # the engine serves calls round-robin
                 if i % n:
                     req.fork_of = self.requests[i - i % n].request_id
-                await self._submit(i)
-        except BaseException:
+                ids = self.prompt_ids[i] if self.prompt_ids is not None else None
+                self.engine.submit(req, self._queue, i, prompt_ids=ids)
+                self._submitted.append(req.request_id)
+        except Exception as e:
             self.on_cancel = None  # refused, not cancelled
-            await self.aclose()
-            raise
+            self.cancel()
+            raise from_duet_error(e) from None
 
     async def events(self) -> AsyncIterator[tuple[int, GenerationEvent | None, BaseException | None]]:
-        """(choice index, event, error) until every request has finished or failed."""
-        open_ = set(range(len(self.requests)))
+        """(choice index, event, None) until every request has finished."""
+        open_ = set(range(len(self._submitted)))
         while open_:
-            item = await self._queue.get()
-            i, ev, err = item
+            i, ev = await self._queue.get()
             if i < 0:  # cancelled
                 return
-            if err is not None or (ev is not None and ev.finished):
+            if ev is not None and ev.finished:
                 open_.discard(i)
                 self.finished.add(i)
-            yield item
+            yield i, ev, None
 
     def cancel(self) -> None:
         """Cancel every request (the engine frees their KV blocks); ``events()`` then ends."""
         if self.cancelled:
             return
         self.cancelled = True
-        for t in self._tasks:
-            t.cancel()
-        self._queue.put_nowait((-1, None, None))
-        unfinished = len(set(range(len(self._tasks))) - self.finished)
+        unfinished = [i for i in range(len(self._submitted)) if i not in self.finished]
+        for i in unfinished:
+            self.engine.cancel(self._submitted[i])
+        self._queue.put_nowait((-1, None))
         if unfinished and self.on_cancel is not None:
-            self.on_cancel(unfinished)
+            self.on_cancel(len(unfinished))
 
     async def aclose(self) -> None:
         self.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -84,7 +84,7 @@ async def prepare(
 async def start(call: ChatCall) -> Generation:
     """Submit the call's engine request; refusals (full queue, shutdown) raise APIError here,
     before any response header is sent."""
-    gen = Generation(call.state.engine, await call.requests(), call._cancelled)
+    gen = Generation(call.state.engine, await call.requests(), call._cancelled, call.prompt_ids())
     await gen.start(1)
     return gen
 

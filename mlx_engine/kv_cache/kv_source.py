@@ -76,32 +76,59 @@ class KVSink(Protocol):
         ...
 
 
-class KVSource(Protocol):
-    """Something that can fill a sequence's KV for a token range.
+class KVSource:
+    """Something that can fill a sequence's KV for a token range: subclass it.
 
-    Optional attribute ``is_cache`` (default False): tokens it delivers count as prefix-cache hits
-    (``usage.cached_tokens``); otherwise they are remote prefill (``usage.prefill_location``).
-    Optional method ``request_finished(request_id, tokens, usage)``: called on the worker when a
-    request ends, before its last event (``tokens``: the sequence's token list, the object ``match``
-    was given), e.g. for a planner to compare its prediction with the measured TTFT."""
+    ``match``, ``start_load`` and ``cancel`` are what every source implements. The rest are
+    optional hooks, declared here with no-op defaults (as vLLM's ``KVConnectorBase_V1`` declares
+    its optional methods), so the engine calls them without probing:
 
-    name: str
+    - ``is_cache`` (False): tokens it delivers count as prefix-cache hits (``usage.cached_tokens``);
+      otherwise they are remote prefill (``usage.prefill_location``).
+    - ``logs_failures`` (False): the source logs its own failed loads, so the engine logs them at
+      debug level only (each failure is logged once).
+    - ``attach(engine)``: called on the engine's worker when the source is added (a peer client
+      builds its HELLO from the engine's pool and starts connecting).
+    - ``request_finished(request_id, tokens, usage)``: called on the worker when a request ends,
+      before its last event (``tokens``: the sequence's token list, the object ``match`` was
+      given), e.g. for a planner to compare its prediction with the measured TTFT.
+    - ``load_info(load_id)``: what the source knows about one of its loads (``{"exact": bool}``:
+      whether its KV is bit-identical to local prefill), or None.
+    - ``close()``: called once when the engine shuts down (connections, threads).
+    """
+
+    name: str = "kv-source"
+    is_cache: bool = False
+    logs_failures: bool = False
 
     def match(self, tokens: list[int], start: int, end: int) -> int:
         """How many tokens beyond ``start`` (up to ``end``) this source offers to load (0: none).
         Called on the engine's worker while scheduling: it must not block."""
-        ...
+        raise NotImplementedError
 
     def start_load(self, load: KVLoad, sink: KVSink) -> None:
         """Begin loading; must not block the worker (a source that has the data at hand may
         deliver everything before returning). Deliver with ``sink.layer`` / ``sink.done`` /
         ``sink.failed``."""
-        ...
+        raise NotImplementedError
 
     def cancel(self, load_id: int) -> None:
         """The engine no longer wants this load (its request was cancelled or finished). Frames
         that still arrive are dropped; a ``done``/``failed`` after it is ignored."""
-        ...
+        raise NotImplementedError
+
+    def attach(self, engine: Any) -> None:  # noqa: B027 (an optional hook: a no-op by default)
+        """The source was added to ``engine`` (its worker thread is calling)."""
+
+    def request_finished(self, request_id: str, tokens: list[int], usage: Any) -> None:  # noqa: B027
+        """A request ended (on the worker, before its last event)."""
+
+    def load_info(self, load_id: int) -> dict[str, Any] | None:
+        """What the source knows about load ``load_id`` (``{"exact": bool}``), or None."""
+        return None
+
+    def close(self) -> None:  # noqa: B027
+        """The engine shut down."""
 
 
 class RangeSet:

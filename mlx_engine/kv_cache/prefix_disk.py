@@ -22,11 +22,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_engine.kv_cache.kv_source import KVLoad, KVSink
+from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource
 from mlx_engine.kv_cache.prefix_index import prefix_hash
 
 
-class PrefixDiskTier:
+class PrefixDiskTier(KVSource):
     name = "disk"
     is_cache = True
 

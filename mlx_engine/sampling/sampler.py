@@ -86,13 +86,13 @@ class SampleResult:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _is_plain_greedy(row: SamplerRow) -> bool:
     p = row.params
-    return p.greedy and not p.logprobs and not p.logit_bias and not _has_penalty(p) and row.allowed is None
+    return p.greedy and not p.logprobs and not p.logit_bias and not has_penalty(p) and row.allowed is None
 
 
 def sample(logits: mx.array, rows: list[SamplerRow]) -> list[SampleResult]:
@@ -149,7 +149,7 @@ def _apply_penalties(xp: Any, x: Array, rows: list[SamplerRow]) -> Array:
     r_parts, t_parts, rep_parts, sub_parts = [], [], [], []
     for i, row in enumerate(rows):
         p = row.params
-        if not _has_penalty(p):
+        if not has_penalty(p):
             continue
         out = np.asarray(row.output_ids, dtype=np.int64)
         out_toks, counts = np.unique(out, return_counts=True)

@@ -1,56 +1,10 @@
-"""Speculative decoding: who proposes tokens, and how many to propose.
-
-A decoding sequence may carry ``1 + k`` tokens in a scheduler step: its last sampled token and
-``k`` proposed ones. The model runner computes logits at every position of that row; the engine
-samples each position in turn, exactly as plain decoding would (same sampler, same per-request
-random stream, one draw per emitted token), and keeps proposed tokens while they equal what was
-sampled. The first position that differs emits the sampled token instead and the rest are rolled
-back (``Scheduler.end_draft``). For a proposer whose proposal is a fixed token (n-gram lookup, a
-greedy draft model) this *is* exact rejection sampling: a proposal ``d`` is kept with probability
-``p(d)``, and on rejection the emitted token is distributed as ``p`` without ``d``, renormalised.
-So greedy output is token-identical to plain decoding and sampled output has the target's
-distribution (and, for a seed, the same tokens).
-
-Proposers implement ``propose(tokens, k) -> list[int]``. ``NgramProposer`` is prompt lookup:
-the last few tokens are looked up in the earlier context (prompt and output) and what followed
-them there is proposed. Another proposer (a draft model, EAGLE-style heads, MTP layers) plugs in
-behind the same call.
-
-``SpeculationPolicy`` chooses ``k`` per sequence and step from the sequence's measured
-acceptance rate and the batch: with ``a`` the chance a proposal is kept, ``k`` proposals give
-``(1 - a^(k+1)) / (1 - a)`` tokens per step, and the step's cost grows with the tokens it holds
-at a rate the engine measures on its own forward passes. A busy batch (or a machine where a
-pass's cost is mostly its tokens) makes extra positions expensive, so speculation turns itself
-off there.
-"""
+"""How many tokens to propose for one sequence in one step, from its measured acceptance rate and
+the cost of a step's tokens as the engine measures them (docs/architecture.md, "Speculative
+decoding")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
-
-
-class NgramProposer:
-    """Prompt lookup: find the most recent earlier occurrence of the context's last ``n`` tokens
-    (longest ``n`` first) and propose the tokens that followed it."""
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        if k <= 0 or len(tokens) < self.min_ngram + 1:
-            return []
-        arr = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_ngram, len(arr) - 1), self.min_ngram - 1, -1):
-            tail = arr[-n:]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # excludes the tail itself
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # what followed the most recent occurrence
-                return [int(t) for t in arr[start : start + k]]
-        return []
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A second, smaller model that shares the target's tokenizer proposes ``k`` tokens greedily after a
 decoding sequence's last one; the engine verifies them in the target's batched step exactly as it
-verifies prompt-lookup proposals (speculative.py): a greedy proposal is a fixed token, so the
+verifies prompt-lookup proposals (speculative/verify.py): a greedy proposal is a fixed token, so the
 output is token-identical to plain decoding for greedy requests and has the target's distribution
 (and, for a seed, the same tokens) when sampling. The draft only changes how many proposals are
 kept, never what is emitted.
@@ -11,7 +11,7 @@ kept, never what is emitted.
 indexed by the *same block ids* as the target's pool: token ``t`` of a sequence has its draft KV
 at ``table[t // block_size]`` of the draft pool, in the sequence's own block table. So the draft
 allocates nothing: admission, preemption, copy-on-write (the engine copies a block in both pools)
-and the memory budget (each block pays for both, ``Engine._build``) stay the scheduler's, and
+and the memory budget (each block pays for both, ``build.py``) stay the scheduler's, and
 a sequence's draft KV is freed with its blocks. (Separate blocks per draft sequence were the
 alternative: every id has storage in both pools, so an id held for the draft alone would leave its
 target storage unused, and the draft's memory would cost as much per token as the target's.)
@@ -144,11 +144,11 @@ class DraftModelProposer:
         return min(n, seq.num_verified - 1)  # the last real token is never in the draft yet
 
     def fill(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Write the proposals of sequences whose ``num_draft`` placeholders ``propose`` reserved.
+        """Write the proposals of sequences whose ``num_unverified`` placeholders ``propose`` reserved.
         A sequence whose draft is more than ``chunk`` tokens behind (a new or re-admitted one)
         catches up by one ``chunk`` in this step and gets no proposals: it is returned, for the
         caller to withdraw its placeholders (so no step waits for a whole draft prefill)."""
-        seqs = [s for s in seqs if s.num_draft]
+        seqs = [s for s in seqs if s.num_unverified]
         if not seqs:
             return []
         starts = [self._valid(s) for s in seqs]
@@ -167,14 +167,14 @@ class DraftModelProposer:
         nxt = self._greedy(logits[len(behind) :])
         proposals: dict[int, list[int]] = {i: [t] for i, t in zip(ready, nxt, strict=True)}
         live = ready
-        for j in range(1, max(seqs[i].num_draft for i in ready)):
-            live = [i for i in live if seqs[i].num_draft > j]
+        for j in range(1, max(seqs[i].num_unverified for i in ready)):
+            live = [i for i in live if seqs[i].num_unverified > j]
             rows = [Row([proposals[i][-1]], ends[i] - 1 + j, seqs[i].blocks) for i in live]
             for i, t in zip(live, self._greedy(self._forward(rows)), strict=True):
                 proposals[i].append(t)
         for i in ready:
             s = seqs[i]
-            drafts = proposals[i][: s.num_draft]
+            drafts = proposals[i][: s.num_unverified]
             s.tokens[s.num_verified :] = drafts
             # KV written: the sequence's tokens, and every proposal but the last
             self._written(s, ends[i], drafts[:-1])
