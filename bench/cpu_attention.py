@@ -68,9 +68,15 @@ def main() -> None:
         for dt in (mx.float32, mx.float16)
     }
     runner, pool = runners[mx.float32], runners[mx.float32].pool
-    kernel = paged_attention.attention_kernel
-    if kernel is None:
+    kernel = runner.attention
+    if kernel.kernel is None:
         sys.exit("the CPU kernels are not built (make setup)")
+    reference = paged_attention.AttentionRoute.reference()
+
+    def route(use_kernel: bool) -> None:
+        for r in runners.values():
+            r.attention = kernel if use_kernel else reference
+
     rng = random.Random(0)
     history = [rng.randrange(1000, 30000) for _ in range(longest)]
     for r in runners.values():
@@ -78,13 +84,13 @@ def main() -> None:
             r.forward([Row(history[s : s + 256], s, blocks)])
 
     def once(n: int, cached: int, use_kernel: bool, dtype: mx.Dtype = mx.float32) -> float:
-        paged_attention.attention_kernel = kernel if use_kernel else None
+        route(use_kernel)
         t0 = time.perf_counter()
         runners[dtype].forward([Row(history[cached : cached + n], cached, blocks)])
         return time.perf_counter() - t0
 
     def build_and_eval(cached: int) -> tuple[float, float]:
-        paged_attention.attention_kernel = kernel
+        route(True)
         t0 = time.perf_counter()
         logits = runner.lazy_logits([Row(history[cached : cached + 1], cached, blocks)])
         t1 = time.perf_counter()
@@ -112,7 +118,7 @@ def main() -> None:
         if n == 1:
             parts = [build_and_eval(cached) for _ in range(args.runs)]
             splits.append((cached, *(statistics.median(p) * 1e3 for p in zip(*parts, strict=True))))
-    paged_attention.attention_kernel = kernel
+    route(True)
     for cached, build, ev in splits:
         print(f"\ndecode at ctx {cached}: building the graph {build:.1f} ms, evaluating it {ev:.1f} ms")
 

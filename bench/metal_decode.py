@@ -7,7 +7,7 @@ For each context length and batch size, ``batch`` greedy requests (EOS ignored) 
 random prompts of ``context`` tokens each generate ``--tokens`` tokens. Decode tok/s = tokens
 generated after each request's first one / time from the batch's first token to its last, so
 prefill is excluded. Duet runs twice on the same engine object: with the Metal decode kernel
-(``use_metal_kernels(True)``, the engine's default on a Mac) and with the reference path (gather +
+(``AttentionRoute.metal_kernels()``, the engine's default on a Mac) and with the reference path (gather +
 MLX SDPA). mlx-lm runs its own ``generate_step`` (batch 1 only; its own contiguous KV cache) on the
 same loaded model. Medians over ``--runs``, in alternating order. Without Metal both Duet columns
 run the reference path (the script says so); the numbers then say nothing about the kernel.
@@ -111,7 +111,10 @@ def main() -> None:
                 for run in range(args.runs):
                     order = ["kernel", "reference"] if run % 2 == 0 else ["reference", "kernel"]
                     for name in order:
-                        paged_attention.use_metal_kernels(name == "kernel" and metal)
+                        route = paged_attention.AttentionRoute
+                        engine.runner.attention = (
+                            route.metal_kernels() if name == "kernel" and metal else route.reference()
+                        )
                         samples[name].append(duet_decode(engine, prompts, args.tokens))
                     if b == 1:
                         samples["mlx_lm"].append(mlx_lm_decode(loaded.model, prompts[0], args.tokens))
@@ -123,7 +126,6 @@ def main() -> None:
                 vs_ml = f"{ml:.1f} | {kern / ml:.2f}" if ml else "- | -"
                 print(f"| {ctx} | {b} | {kern:.1f} | {ref:.1f} | {kern / ref:.2f} | {vs_ml} |", flush=True)
     finally:
-        paged_attention.use_metal_kernels(metal)
         engine.shutdown()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

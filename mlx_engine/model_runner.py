@@ -18,7 +18,7 @@ from cpu_kernels.spec import available as cpu_kernels_available
 from mlx_engine.backend import backend_name
 from mlx_engine.kv_cache import paged_attention
 from mlx_engine.kv_cache.kv_pool import KVPool
-from mlx_engine.kv_cache.paged_attention import BatchLayout, LayerExport, PagedLayerCache
+from mlx_engine.kv_cache.paged_attention import AttentionRoute, BatchLayout, LayerExport, PagedLayerCache
 
 
 @dataclass
@@ -42,9 +42,9 @@ def lm_head(model: nn.Module, h: mx.array) -> mx.array:
 class ModelRunner:
     def __init__(self, model: nn.Module, pool: KVPool):
         paged_attention.install()
-        paged_attention.use_metal_kernels(backend_name() == "metal")
-        if backend_name() == "cpu":
-            paged_attention.use_cpu_kernel(cpu_kernels_available())
+        # how attention runs over the pool (a kernel for this backend, else the reference path);
+        # set another route between steps to compare paths (tests, bench/metal_decode.py)
+        self.attention = AttentionRoute.for_backend(backend_name(), cpu_kernels_available())
         self.model = model
         self.pool = pool
         self.position_logits: dict[int, mx.array] = {}  # row index -> (tokens, vocab), last forward
@@ -58,6 +58,7 @@ class ModelRunner:
             block_tables=[r.blocks for r in rows],
             block_size=self.pool.block_size,
             exports=[r.export for r in rows if r.export is not None],
+            route=self.attention,
         )
         caches = [PagedLayerCache(self.pool, i, layout) for i in range(self.pool.num_layers)]
         h = self.model.model(mx.array([r.tokens for r in rows], dtype=mx.int32), caches)

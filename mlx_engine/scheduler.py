@@ -1,125 +1,37 @@
-"""Continuous batching with chunked prefill, preemption by recompute, and KV loads.
+"""The scheduler: each ``schedule()`` says, per sequence, how many tokens the step processes
+(continuous batching, chunked prefill on a grid anchored at token 0, preemption by recompute,
+round-robin fairness across requests, ``n > 1`` choices sharing a prompt, KV loads from sources).
+How and why: docs/architecture.md ("Scheduler step", "Copy-on-write", "KV sources").
 
-Each ``schedule()`` returns one ``Step``: ``tokens`` (``{request_id: tokens_to_process}``) under a
-token budget, the copy-on-write block copies to make first, and the KV loads to start. Running
-sequences go first (decodes take one token, unfinished prefills a chunk), then waiting sequences
-are admitted, so a long prompt stalls the running streams for at most one chunk. After the forward
-pass, ``advance(step)`` marks the step's tokens computed, registers the blocks that filled up in
-the prefix index, and returns the sequences whose tokens are all computed (to sample). When KV
-blocks run out, the last running sequence in fair order (below) is preempted: its blocks are
-released (full ones stay in the prefix cache) and it is re-queued at the front, to be recomputed
-later (vLLM's recompute policy).
-
-Prefill chunks lie on a grid anchored at token 0 (``[k * chunk, (k + 1) * chunk)``), whatever a
-sequence's prefix hit: a prompt's KV then does not depend on where its computation started, which
-is what makes a remote prefill (computed on a peer with the decoder's chunk size) bit-exact.
-A sequence with ``exact_grid`` (a peer's export) never has a piece split by the budget. With
-``last_token_alone`` (set on an engine that has a remote KV source) the prompt's last token is a
-piece of its own, as it is after a remote prefill, so local and remote first-token logits agree
-bit for bit too.
-
-Fairness between client requests: the sequences of one request (its prompts x ``n`` choices)
-share a ``group``. Running and waiting sequences are served round-robin across groups (every
-group's first sequence, then every group's second, ...), a waiting group counting the sequences
-it already runs, so the group that runs fewest is admitted first. When the running slots or the
-KV blocks are all taken, the first waiting sequence of a group takes the place of the newest
-sequence of a group that runs at least two more (preempted). One client's 256 sequences thus
-delay another client's one by a step, not until they finish.
-
-A sequence with a ``leader`` (another choice of the same prompt) waits until the leader has
-computed the prompt, then shares all of the leader's prompt blocks, the partly filled last one
-included, and computes only the prompt's last token itself. Before any step writes into a
-block that another sequence also holds, the writer gets its own copy: the step's
-``(source, destination)`` block copies are in ``Step.copies`` for the engine to make first.
-
-KV sources (``kv_source.KVSource``: the disk tier, a remote prefill peer) are asked at admission,
-in order, for the tokens after the prefix hit; a sequence they offer tokens to reserves the
-blocks and becomes LOADING: it holds its blocks, counts toward ``max_running``, is never
-preempted and takes no step budget. ``kv_target``/``kv_landed`` place and record each arriving
-layer range; ``num_computed`` advances (and full blocks are registered) only over tokens that
-landed in every layer, and ``load_finished`` returns the sequence to RUNNING with the landed
-prefix, to compute the rest itself. Loads may hold at most ``max_load_share`` of the pool.
+Invariants: a step's tokens stay within ``max_batch_tokens`` (a lone exact-grid piece aside); a
+sequence never writes into a block another holds or the prefix index lists (``Step.copies`` first);
+a block is registered in the prefix index only once every token of it is computed, in every
+layer, and verified; the ``Step`` is never changed after ``schedule()`` returns it, and the
+scheduler never calls the engine (proposals come in, what was computed comes back, as data).
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
-import time
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mlx_engine.config import EngineConfig
 from mlx_engine.errors import QueueFullError
 from mlx_engine.kv_cache.block_allocator import BlockAllocator
 from mlx_engine.kv_cache.kv_source import KVLoad, KVSource, LandedKV
-
-
-class SeqStatus(enum.StrEnum):
-    WAITING = "waiting"  # queued (new, or preempted: to be recomputed)
-    RUNNING = "running"  # holds blocks and a running slot; scheduled each step
-    LOADING = "loading"  # its KV is arriving from KV sources; holds blocks and a slot, takes no budget
-    FINISHED = "finished"  # released
-
-
-WAITING, RUNNING, LOADING, FINISHED = (
-    SeqStatus.WAITING,
-    SeqStatus.RUNNING,
-    SeqStatus.LOADING,
-    SeqStatus.FINISHED,
+from mlx_engine.sequence import (
+    FINISHED,
+    LOADING,
+    RUNNING,
+    WAITING,
+    KVTarget,
+    SeqStatus,
+    Sequence,
+    StartLoad,
+    Step,
 )
-
-
-@dataclass(eq=False)
-class Sequence:
-    request_id: str
-    tokens: list[int]  # prompt + generated so far
-    num_prompt: int
-    max_total: int  # stop once len(tokens) reaches this
-    arrival: float = field(default_factory=time.monotonic)
-    num_computed: int = 0  # tokens whose KV is in the pool
-    blocks: list[int] = field(default_factory=list)
-    num_cached: int = 0  # prompt tokens served by the prefix cache (memory or disk) at first admission
-    num_registered: int = 0  # full blocks already offered to the prefix index
-    status: SeqStatus = WAITING
-    preemptions: int = 0
-    admitted_once: bool = False
-    leader: Sequence | None = None  # shares this running sequence's prompt blocks (n > 1)
-    group: str | None = None  # the client request it belongs to (None: a group of its own)
-    cache_salt: str | None = None  # shares prefix-cache blocks only with sequences of this salt
-    chunk: int | None = None  # prefill grid of this sequence (None: the scheduler's prefill_chunk)
-    exact_grid: bool = False  # never split a grid piece to fit the budget (a peer's export)
-    may_load: bool = True  # KV sources may be asked for its tokens
-    prompt_computed: int = 0  # prompt tokens this engine computed itself (recomputes included)
-    loaded: dict[str, int] = field(default_factory=dict)  # source name -> tokens it landed
-    load_failures: list[str] = field(default_factory=list)  # why loads ended early
-    loads: set[int] = field(default_factory=set)  # live load ids (LOADING)
-    load_ranges: list[tuple[str, bool, int, int]] = field(default_factory=list)  # (source, is_cache, [a, b))
-    landed: LandedKV | None = None  # per-layer landed ranges while LOADING
-    starved: bool = False  # an exact_grid piece did not fit the last step's budget
-    paused: bool = False  # not scheduled for now (a peer export whose send queue is full)
-    num_unverified: int = 0  # proposed tokens at the end of ``tokens``, not verified yet (speculative/)
-    spec_proposed: int = 0  # proposed tokens verified so far
-    spec_accepted: int = 0  # of which kept
-
-    @property
-    def group_key(self) -> str:
-        return self.request_id if self.group is None else self.group
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.tokens) - self.num_computed
-
-    @property
-    def num_verified(self) -> int:
-        """Tokens that are the sequence's own (proposed ones excluded)."""
-        return len(self.tokens) - self.num_unverified
-
 
 _ENGINE_DEFAULTS = EngineConfig()  # each default is written once, in EngineConfig
 
@@ -145,47 +57,87 @@ class SchedulerConfig:
         return cls(config.max_batch_tokens, config.prefill_grid, config.max_running, config.max_queue)
 
 
-@dataclass
-class StartLoad:
-    """A load the engine starts after ``schedule()``: ``source.start_load(load, sink)``."""
-
-    source: KVSource
-    load: KVLoad
-
-
-@dataclass(frozen=True)
-class Step:
-    """One scheduler step: what the engine runs before calling ``advance(step, computed)``. Made
-    by ``schedule()`` and never changed after: what the engine learns while running it (a row
-    that computed fewer tokens, proposals kept) goes back to the scheduler as data."""
-
-    tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens to compute
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), first
-    loads: list[StartLoad] = field(default_factory=list)  # KV loads to start
-    admitted: list[str] = field(default_factory=list)  # request ids admitted (or re-admitted)
-    seqs: dict[str, Sequence] = field(default_factory=dict)  # the sequences in ``tokens``
-
-    def __bool__(self) -> bool:
-        return bool(self.tokens or self.loads)
-
-
-@dataclass
-class KVTarget:
-    """Where an arriving layer range goes: tokens ``[t0, t1)`` of the frame (already clipped to
-    what is not yet complete) into the sequence with block table ``blocks``."""
-
-    seq: Sequence
-    blocks: list[int]
-    t0: int
-    t1: int
-
-
 @dataclass(eq=False)
 class _Load:
     load: KVLoad
     source: KVSource
     seq: Sequence
     done: bool = False
+
+
+def fair_order(seqs: Iterable[Sequence], running: Counter | None = None) -> list[tuple[int, Sequence]]:
+    """``(rank, seq)`` in round-robin order across groups: a sequence's rank is the number of
+    sequences of its group before it, plus those the group already runs (``running``); equal
+    ranks keep the order given."""
+    seen = Counter(running)
+    ranked = []
+    for i, seq in enumerate(seqs):
+        ranked.append((seen[seq.group_key], i, seq))
+        seen[seq.group_key] += 1
+    return [(rank, seq) for rank, _, seq in sorted(ranked, key=lambda r: r[:2])]
+
+
+def ask_sources(
+    sources: list[KVSource], tokens: list[int], start: int, end: int
+) -> list[tuple[KVSource, int, int]]:
+    """What the sources offer of tokens ``[start, end)``, asked in order, each one continuing
+    where the one before stopped: ``(source, a, b)`` per offer."""
+    pos, offers = start, []
+    for src in sources:
+        if pos >= end:
+            break
+        n = max(min(int(src.match(tokens, pos, end)), end - pos), 0)
+        if n:
+            offers.append((src, pos, pos + n))
+            pos += n
+    return offers
+
+
+class LiveLoads:
+    """The scheduler's record of KV loads in flight, by load id (unique per engine)."""
+
+    def __init__(self) -> None:
+        self._loads: dict[int, _Load] = {}
+        self._ids = itertools.count(1)
+        self.started = 0
+        self.failed = 0  # ended early (their landed prefix was kept)
+
+    def start(
+        self, seq: Sequence, offers: list[tuple[KVSource, int, int]], block_size: int
+    ) -> list[StartLoad]:
+        """One load per offer ``(source, a, b)`` of tokens ``[a, b)`` of ``seq``."""
+        out = []
+        for src, a, b in offers:
+            load = KVLoad(next(self._ids), seq.request_id, seq.tokens[: b + 1], a, b, block_size)
+            self._loads[load.load_id] = _Load(load, src, seq)
+            seq.loads.add(load.load_id)
+            seq.load_ranges.append((src.name, bool(src.is_cache), a, b))
+            out.append(StartLoad(src, load))
+            self.started += 1
+        return out
+
+    def get(self, load_id: int) -> _Load | None:
+        return self._loads.get(load_id)
+
+    def pop(self, load_id: int) -> _Load | None:
+        return self._loads.pop(load_id, None)
+
+    def target(self, load_id: int, layer: int, t0: int, t1: int, num_layers: int) -> KVTarget | None:
+        st = self._loads.get(load_id)
+        if st is None:
+            return None
+        load, seq = st.load, st.seq
+        if not (0 <= layer < num_layers and load.start <= t0 < t1 <= load.end):
+            raise ValueError(
+                f"KV frame for layer {layer}, tokens [{t0}, {t1}) is outside load {load_id}'s "
+                f"{num_layers} layers and tokens [{load.start}, {load.end})"
+            )
+        # tokens below num_computed have landed in every layer already (and may be registered,
+        # shared blocks): never written again
+        lo = max(t0, seq.num_computed)
+        if lo >= t1:
+            return None
+        return KVTarget(seq, seq.blocks, lo, t1)
 
 
 class Scheduler:
@@ -201,10 +153,7 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.preemptions = 0
-        self.loads_started = 0
-        self.loads_failed = 0
-        self._loads: dict[int, _Load] = {}
-        self._load_ids = itertools.count(1)
+        self.live_loads = LiveLoads()
 
     # --- queue ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -222,7 +171,8 @@ class Scheduler:
         elif seq.status == LOADING:
             self.loading.remove(seq)
             for load_id in sorted(seq.loads):
-                st = self._loads.pop(load_id)
+                st = self.live_loads.pop(load_id)
+                assert st is not None  # a LOADING sequence's loads are live
                 cancelled.append((st.source, load_id))
             seq.loads.clear()
             seq.landed = None
@@ -353,18 +303,6 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    @staticmethod
-    def _fair(seqs: Iterable[Sequence], running: Counter | None = None) -> list[tuple[int, Sequence]]:
-        """``(rank, seq)`` in round-robin order across groups: a sequence's rank is the number of
-        sequences of its group before it, plus those the group already runs (``running``); equal
-        ranks keep the order given."""
-        seen = Counter(running)
-        ranked = []
-        for i, seq in enumerate(seqs):
-            ranked.append((seen[seq.group_key], i, seq))
-            seen[seq.group_key] += 1
-        return [(rank, seq) for rank, _, seq in sorted(ranked, key=lambda r: r[:2])]
-
     def _groups(self) -> Counter:
         """Running slots per group (loading sequences hold one too)."""
         return Counter(s.group_key for s in (*self.running, *self.loading))
@@ -377,10 +315,10 @@ class Scheduler:
         running prefills of the other group cannot take them all."""
         ready = [
             (rank, seq)
-            for rank, seq in self._fair(self.waiting, self._groups())
+            for rank, seq in fair_order(self.waiting, self._groups())
             if seq.leader is None or seq.leader.status == FINISHED
         ]
-        order = self._fair(sorted(self.running, key=lambda s: s.arrival))
+        order = fair_order(sorted(self.running, key=lambda s: s.arrival))
         if not ready or not order or order[-1][0] <= ready[0][0]:
             return 0
         rank, seq = ready[0]
@@ -408,7 +346,7 @@ class Scheduler:
         budget -= reserve
         # 1. running sequences, round-robin across groups, oldest first within a group: decodes
         # (1 token) and unfinished prefills; an export whose grid piece did not fit last time first
-        order = [seq for _, seq in self._fair(sorted(self.running, key=lambda s: s.arrival))]
+        order = [seq for _, seq in fair_order(sorted(self.running, key=lambda s: s.arrival))]
         place = {seq: i for i, seq in enumerate(order)}
         order.sort(key=lambda s: not s.starved)
         bumped: set[Sequence] = set()  # preempted for blocks now: not re-admitted in this step
@@ -444,7 +382,7 @@ class Scheduler:
         # in arrival order within a group, while budget and blocks last; a choice whose leader is
         # still computing the shared prompt lets the ones behind it go first
         budget += reserve
-        self.waiting = deque(seq for _, seq in self._fair(self.waiting, self._groups()))
+        self.waiting = deque(seq for _, seq in fair_order(self.waiting, self._groups()))
         held: list[Sequence] = []
         while self.waiting and budget > 0 and self.num_active < self.cfg.max_running:
             seq = self.waiting[0]
@@ -533,15 +471,8 @@ class Scheduler:
         Salted sequences never load: a source keys its KV by tokens alone."""
         if not self.sources or seq.cache_salt is not None or not seq.may_load:
             return False
-        end = len(seq.tokens) - 1
-        pos, offers = seq.num_computed, []
-        for src in self.sources:
-            if pos >= end:
-                break
-            n = max(min(int(src.match(seq.tokens, pos, end)), end - pos), 0)
-            if n:
-                offers.append((src, pos, pos + n))
-                pos += n
+        offers = ask_sources(self.sources, seq.tokens, seq.num_computed, len(seq.tokens) - 1)
+        pos = offers[-1][2] if offers else 0
         if not offers or not self._grow(seq, 0, step.copies):  # own a part-full hit before loads write
             return False
         # blocks: what is free, and the share of the pool loads may hold
@@ -556,48 +487,32 @@ class Scheduler:
         seq.status = LOADING
         seq.landed = LandedKV(self.num_layers)
         self.loading.append(seq)
-        for src, a, b in offers:
-            load = KVLoad(next(self._load_ids), seq.request_id, seq.tokens[: b + 1], a, b, self.bs)
-            self._loads[load.load_id] = _Load(load, src, seq)
-            seq.loads.add(load.load_id)
-            seq.load_ranges.append((src.name, bool(src.is_cache), a, b))
-            step.loads.append(StartLoad(src, load))
-            self.loads_started += 1
+        step.loads.extend(self.live_loads.start(seq, offers, self.bs))
         return True
 
-    def load_of(self, load_id: int) -> KVLoad | None:
-        """The live load with this id (None: cancelled, finished or unknown)."""
-        st = self._loads.get(load_id)
-        return st.load if st is not None else None
+    @property
+    def loads_started(self) -> int:
+        return self.live_loads.started
+
+    @property
+    def loads_failed(self) -> int:
+        return self.live_loads.failed
 
     def source_of(self, load_id: int) -> KVSource | None:
-        st = self._loads.get(load_id)
+        """The source of the live load with this id (None: cancelled, finished or unknown)."""
+        st = self.live_loads.get(load_id)
         return st.source if st is not None else None
 
     def kv_target(self, load_id: int, layer: int, t0: int, t1: int) -> KVTarget | None:
         """Where tokens ``[t0, t1)`` of layer ``layer`` of load ``load_id`` go, or None to drop
         the frame: the load is no longer live, or every token of it is complete already. Raises
         ValueError for a frame outside its load's range (the load must then fail)."""
-        st = self._loads.get(load_id)
-        if st is None:
-            return None
-        load, seq = st.load, st.seq
-        if not (0 <= layer < self.num_layers and load.start <= t0 < t1 <= load.end):
-            raise ValueError(
-                f"KV frame for layer {layer}, tokens [{t0}, {t1}) is outside load {load_id}'s "
-                f"{self.num_layers} layers and tokens [{load.start}, {load.end})"
-            )
-        # tokens below num_computed have landed in every layer already (and may be registered,
-        # shared blocks): never written again
-        lo = max(t0, seq.num_computed)
-        if lo >= t1:
-            return None
-        return KVTarget(seq, seq.blocks, lo, t1)
+        return self.live_loads.target(load_id, layer, t0, t1, self.num_layers)
 
     def kv_landed(self, load_id: int, layer: int, t0: int, t1: int) -> None:
         """Layer ``layer`` of tokens ``[t0, t1)`` is in the pool: advance ``num_computed`` over
         what every layer holds now and register the blocks that completed."""
-        st = self._loads.get(load_id)
+        st = self.live_loads.get(load_id)
         if st is None:
             return
         seq = st.seq
@@ -605,25 +520,18 @@ class Scheduler:
         seq.landed.add(layer, t0, t1)
         a, b = seq.num_computed, seq.landed.complete_from(seq.num_computed)
         if b > a:
-            for name, cache, lo, hi in seq.load_ranges:  # credit each source with its own tokens
-                n = max(min(b, hi) - max(a, lo), 0)
-                if n:
-                    seq.loaded[name] = seq.loaded.get(name, 0) + n
-                    if cache:
-                        self._count_cached(seq, n)
+            cached = seq.credit_sources(a, b)
+            if cached and seq.preemptions == 0:  # first admission: hits count once per request
+                seq.num_cached += cached
+                self.prefix_hit_tokens += cached
             seq.num_computed = b
             self._register_full(seq)
-
-    def _count_cached(self, seq: Sequence, n: int) -> None:
-        if seq.preemptions == 0:  # first admission: hits count once per request, as memory hits
-            seq.num_cached += n
-            self.prefix_hit_tokens += n
 
     def load_finished(self, load_id: int, reason: str | None = None) -> Sequence | None:
         """Load ``load_id`` ended: ``reason`` None for done, else why it failed. Its sequence
         keeps what landed; when none of its loads is left it goes back to RUNNING to compute the
         rest. Returns the sequence, or None for a load that was no longer live."""
-        st = self._loads.pop(load_id, None)
+        st = self.live_loads.pop(load_id)
         if st is None:
             return None
         seq, load = st.seq, st.load
@@ -633,7 +541,7 @@ class Scheduler:
             got = seq.landed.complete_from(load.start)
             reason = f"done with tokens [{load.start}, {got}) of [{load.start}, {load.end}) in every layer"
         if reason is not None:
-            self.loads_failed += 1
+            self.live_loads.failed += 1
             seq.load_failures.append(f"{st.source.name}: {reason}")
         if not seq.loads:
             self.loading.remove(seq)
@@ -641,3 +549,19 @@ class Scheduler:
             seq.status = RUNNING
             self.running.append(seq)
         return seq
+
+
+__all__ = [
+    "FINISHED",
+    "LOADING",
+    "RUNNING",
+    "WAITING",
+    "KVTarget",
+    "Scheduler",
+    "SchedulerConfig",
+    "SeqStatus",
+    "Sequence",
+    "StartLoad",
+    "Step",
+    "fair_order",
+]

@@ -166,8 +166,8 @@ MUTANTS = [
     Mutant(
         "cancelled-load-stays-live",
         "mlx_engine/scheduler.py",
-        "st = self._loads.pop(load_id)\n",
-        "st = self._loads[load_id]\n",
+        "st = self.live_loads.pop(load_id)\n",
+        "st = self.live_loads.get(load_id)\n",
         KV_SOURCES,
         "late frames of a cancelled load are still written, into blocks that were freed and reused",
     ),

@@ -234,15 +234,15 @@ def test_engine_runs_through_the_kernel_with_the_reference_paths_tokens(arch, ti
         calls = []
         engine = Engine(loaded, EngineConfig(cache_gb=0.01, prefill_chunk=16, max_batch_tokens=64))
         try:
-            assert paged_attention.attention_kernel is paged_attention._cpu_attention  # the CPU default
+            assert engine.runner.attention.kernel is paged_attention.cpu_attention  # the CPU default
 
             def counting(queries, cache, scale, sinks, window):
-                out = paged_attention._cpu_attention(queries, cache, scale, sinks, window)
+                out = paged_attention.cpu_attention(queries, cache, scale, sinks, window)
                 assert out is not None
                 calls.append((cache.layer, queries.shape[2], min(cache.layout.starts)))
                 return out
 
-            monkeypatch.setattr(paged_attention, "attention_kernel", counting if kernel else None)
+            engine.runner.attention = paged_attention.AttentionRoute(kernel=counting if kernel else None)
             return asyncio.run(run_all(engine, [req(p, 12) for p in ps])), calls
         finally:
             engine.shutdown()

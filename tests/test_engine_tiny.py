@@ -268,11 +268,11 @@ def test_decode_through_metal_kernel_source_in_emulator(tiny_dirs, kv_bits):
 
     def run(kernel: bool):
         engine = Engine(loaded, EngineConfig(cache_gb=0.01, kv_bits=kv_bits))
-        paged_attention.use_metal_kernels(kernel, backend="emulator")
+        route = paged_attention.AttentionRoute
+        engine.runner.attention = route.metal_kernels("emulator") if kernel else route.reference()
         try:
             return asyncio.run(run_all(engine, [req(p, 5) for p in ps]))
         finally:
-            paged_attention.use_metal_kernels(False)
             engine.shutdown()
 
     assert run(True) == run(False)

@@ -99,7 +99,7 @@ def test_windowed_and_global_layers_all_use_the_kernel(windowed_model, kv_bits, 
     calls: list[tuple[int, int | None]] = []
 
     def counting(queries, cache, scale, sinks, window):
-        out = paged_attention._metal_decode(queries, cache, scale, sinks, window)
+        out = paged_attention.metal_decode(queries, cache, scale, sinks, window)
         if queries.shape[2] == 1:  # prefill passes keep the reference path on Metal
             assert out is not None
             calls.append((cache.layer, window))
@@ -111,12 +111,12 @@ def test_windowed_and_global_layers_all_use_the_kernel(windowed_model, kv_bits, 
         cache_gb=0.01, kv_bits=kv_bits, kv_dtype="auto" if kv_bits else str(loaded.dtype).split(".")[-1]
     )
     engine = Engine(loaded, cfg)
-    paged_attention.use_metal_kernels(True, backend=backend)
-    monkeypatch.setattr(paged_attention, "attention_kernel", counting)
+    engine.runner.attention = paged_attention.AttentionRoute(
+        kernel=counting, metal=True, metal_backend=backend
+    )
     try:
         got = asyncio.run(run_all(engine, [req(p, 6) for p in ps]))
     finally:
-        paged_attention.use_metal_kernels(False)
         engine.shutdown()
     if kv_bits is None:
         assert got == expected, arch

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 import metal_kernels.kv_quantize as kvq
-from mlx_engine.kv_cache import paged_attention
 from mlx_engine.kv_cache.kv_pool import KVPool
-from mlx_engine.kv_cache.paged_attention import BatchLayout, PagedLayerCache
+from mlx_engine.kv_cache.paged_attention import AttentionRoute, BatchLayout, PagedLayerCache
 
 
 @pytest.mark.parametrize(
@@ -38,12 +37,15 @@ def test_kernel_path_writes_and_gathers_like_the_reference(kv_bits, dtype, monke
 
     monkeypatch.setattr(kvq, "write_quantized", counting)
     expected = PagedLayerCache(pools[0], 0, layout).update_and_fetch(keys, values)
-    paged_attention.use_metal_kernels(True, backend="emulator")
-    try:
-        got = PagedLayerCache(pools[1], 0, layout).update_and_fetch(keys, values)
-        mx.eval(got, pools[1].arrays())
-    finally:
-        paged_attention.use_metal_kernels(False)
+    kernel_layout = BatchLayout(
+        starts=[0, 5],
+        num_new=20,
+        block_tables=[[1, 2], [4, 3]],
+        block_size=16,
+        route=AttentionRoute.metal_kernels("emulator"),
+    )
+    got = PagedLayerCache(pools[1], 0, kernel_layout).update_and_fetch(keys, values)
+    mx.eval(got, pools[1].arrays())
     assert calls == ([] if kv_bits is None else ["emulator", "emulator"])
     for a, b in zip(pools[0].arrays(), pools[1].arrays(), strict=True):
         assert a.dtype == b.dtype and np.array_equal(np.array(a.view(mx.uint8)), np.array(b.view(mx.uint8)))

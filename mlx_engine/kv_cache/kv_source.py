@@ -1,26 +1,13 @@
-"""KV that arrives from somewhere other than this engine's own forward pass.
+"""KV that arrives from somewhere other than this engine's own forward pass: ``KVSource`` (the
+base class of the disk tier, ``prefix_disk.PrefixDiskTier``, and of a remote prefill peer,
+``peer.client.RemotePrefillSource``; vLLM's ``KVConnectorBase_V1``), the ``KVSink`` it delivers
+through, a ``KVLoad``, and the per-layer landed-range bookkeeping (``RangeSet``, ``LandedKV``).
 
-A ``KVSource`` offers to fill a token range of a sequence's KV (vLLM's ``KVConnectorBase_V1``:
-``match`` ~ ``get_num_new_matched_tokens``, ``start_load`` ~ ``start_load_kv``; LMCache's
-layer-wise delivery): the disk tier of the prefix cache (``prefix_disk.PrefixDiskTier``) and a
-remote prefill peer (``peer.client.RemotePrefillSource``) are two of them.
-
-The scheduler asks its sources, in order, how many tokens beyond what the sequence already holds
-they offer (``match``; it must not block); a sequence with offers reserves the blocks for them
-and becomes LOADING (it holds its blocks, counts toward ``max_running``, is never preempted and
-costs no step budget), and the engine calls ``start_load`` with a ``KVLoad`` and a ``KVSink``.
-The source delivers each layer's KV for a token range through the sink, from any thread, then
-``done`` or ``failed``. The engine's worker applies the frames at the top of an iteration:
-
-- a frame whose load id is no longer live (cancelled, failed, finished) is dropped when it is
-  *applied*, not only when it is posted, so late frames of a cancelled load never touch blocks
-  that were freed and reused;
-- ``num_computed`` advances only over tokens that have landed in *every* layer, and a block is
-  registered in the prefix index only then, so no half-loaded block is ever matchable;
-- on ``failed`` (or a ``done`` that left a gap) the sequence keeps the landed prefix and computes
-  only the rest itself.
-
-``RangeSet`` and ``LandedKV`` are the per-layer landed-range bookkeeping.
+Invariants (kept by the scheduler and ``engine/kv_transfer.py``): a frame whose load id is no
+longer live is dropped when it is *applied*, so late frames never touch freed blocks;
+``num_computed`` advances only over tokens landed in *every* layer, and only then is a block
+registered in the prefix index; a failed load keeps the landed prefix and the rest is computed
+locally. How and why: docs/architecture.md ("KV sources").
 """
 
 from __future__ import annotations

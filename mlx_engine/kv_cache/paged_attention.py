@@ -10,16 +10,16 @@ function each model file imports by name. We hand every layer a ``PagedLayerCach
 - ``make_mask`` returns the (B, 1, L, S) boolean mask: causal, per-sequence length, window.
 
 mlx-lm calls ``update_and_fetch`` once per layer, in layer order, which is where a prefill peer
-exports KV as it is computed: the layout's ``exports`` name token ranges of rows; after each
-layer's pool write the layer is evaluated and those ranges are read out as arrays of their own
-(``KVPool.read_tokens``) and handed to the export's ``on_layer``, so layer 0 is on its way to
-the decoder while the next layers compute.
+exports KV as it is computed (the layout's ``exports``; docs/architecture.md, "KV sources").
 
-and replace ``scaled_dot_product_attention`` in the loaded model modules by
-``_dispatching_sdpa``, which sends paged caches to ``paged_attention``. That is the one
-place attention over paged KV happens. A kernel that reads the pool directly takes what it can, so the
-gather is never evaluated: on Metal single-token decode (``metal_kernels``), on the CPU every pass
-(``cpu_kernels``: decode, prefill chunks, verification of proposed tokens).
+The seam: ``install()`` points ``scaled_dot_product_attention`` of the loaded mlx-lm model modules
+at ``_dispatching_sdpa`` (mlx-lm's models import it by name; the one patch we make to them),
+which sends paged caches to ``paged_attention``, and leaves every other cache to mlx-lm's own.
+*Which* attention runs is not module state: it is the ``AttentionRoute`` the model runner chose
+for its backend, carried by each pass's ``BatchLayout``. A route's kernel reads the pool through
+the block table and takes what it can, so the gather is never evaluated: on Metal single-token
+decode (``metal_kernels``), on the CPU every pass (``cpu_kernels``: decode, prefill chunks,
+verification of proposed tokens); what it declines runs on the reference path (gather + SDPA).
 """
 
 from __future__ import annotations
@@ -45,15 +45,58 @@ class LayerExport:
     on_layer: Callable[[int, int, int, list[mx.array]], None]
 
 
+# A kernel over the paged pool: (queries (B, Hq, L, D), cache, scale, sinks, window) -> (B, Hq, L, D),
+# or None to decline (the reference path then runs).
+AttentionKernel = Callable[..., "mx.array | None"]
+
+
+@dataclass(frozen=True)
+class AttentionRoute:
+    """How attention over the paged pool runs, chosen once per model runner for its backend.
+
+    ``kernel`` None is the reference path (gather + ``mx.fast.scaled_dot_product_attention``).
+    ``metal`` routes the Metal kernels' way: quantized pool writes through the fused quantize
+    kernel and prefill gathers without the contiguous copy, on ``metal_backend`` (None: Metal;
+    tests pass "emulator" to run the kernels' exact MSL on the CPU)."""
+
+    kernel: AttentionKernel | None = None
+    metal: bool = False
+    metal_backend: str | None = None
+
+    @classmethod
+    def reference(cls) -> AttentionRoute:
+        return cls()
+
+    @classmethod
+    def cpu(cls) -> AttentionRoute:
+        """The CPU kernels' paged attention for every pass (``cpu_kernels/paged_attention.py``)."""
+        return cls(kernel=cpu_attention)
+
+    @classmethod
+    def metal_kernels(cls, backend: str | None = None) -> AttentionRoute:
+        """Single-token decode through the Metal paged attention kernel, fused quantized writes."""
+        return cls(kernel=metal_decode, metal=True, metal_backend=backend)
+
+    @classmethod
+    def for_backend(cls, backend: str, cpu_kernels: bool) -> AttentionRoute:
+        if backend == "metal":
+            return cls.metal_kernels()
+        if backend == "cpu" and cpu_kernels:
+            return cls.cpu()
+        return cls.reference()
+
+
 @dataclass
 class BatchLayout:
-    """Where the rows of one forward pass read and write KV. Built by the model runner."""
+    """Where the rows of one forward pass read and write KV, and how attention runs over them.
+    Built by the model runner."""
 
     starts: list[int]  # tokens already in the cache per row
     num_new: int  # tokens processed per row this pass (same for all rows of a pass)
     block_tables: list[list[int]]
     block_size: int
     exports: list[LayerExport] = field(default_factory=list)  # ranges to export per layer
+    route: AttentionRoute = field(default_factory=AttentionRoute)
 
     def __post_init__(self):
         bs, L = self.block_size, self.num_new
@@ -120,7 +163,7 @@ class PagedLayerCache:
         B, H, L, D = keys.shape
         k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
-        _write(self.pool, self.layer, self.layout.write_slots, k, v)
+        _write(self.pool, self.layer, self.layout.write_slots, k, v, self.layout.route)
         if self.layer % ASYNC_EVERY == ASYNC_EVERY - 1 and not self.layout.exports:
             mx.async_eval(self.pool.layer_arrays(self.layer))  # the layers so far, computing meanwhile
         if self.layout.exports:
@@ -129,7 +172,7 @@ class PagedLayerCache:
             mx.eval(self.pool.layer_arrays(self.layer))
             for e in self.layout.exports:
                 e.on_layer(self.layer, e.t0, e.t1, self.pool.read_tokens(self.layer, e.blocks, e.t0, e.t1))
-        return _gather(self.pool, self.layer, self.layout.read_slots)
+        return _gather(self.pool, self.layer, self.layout.read_slots, self.layout.route)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return self.layout.mask(window_size)
@@ -146,36 +189,34 @@ class PagedLayerCache:
         return 0
 
 
-def _write(pool: KVPool, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+def _write(
+    pool: KVPool, layer: int, slots: mx.array, k: mx.array, v: mx.array, route: AttentionRoute
+) -> None:
     """Store the pass's new K/V. Quantized pools on the kernel path take the fused quantize kernel
     (one launch per K and V, bit for bit ``mx.quantize`` on the CPU) instead of ``mx.quantize``."""
     gs = pool.group_size
     fused = gs in (32, 64, 128) and not k.shape[-1] % gs and not v.shape[-1] % gs
-    if _kernel_backend_active and pool.kv_bits is not None and fused:
+    if route.metal and pool.kv_bits is not None and fused:
         from metal_kernels.kv_quantize import write_quantized
 
         for pools, x in ((pool.k, k), (pool.v, v)):
-            pools[layer] = write_quantized(pools[layer], slots, x, gs, pool.kv_bits, backend=_kernel_backend)
+            pools[layer] = write_quantized(
+                pools[layer], slots, x, gs, pool.kv_bits, backend=route.metal_backend
+            )
         return
     pool.write(layer, slots, k, v)
 
 
-def _gather(pool: KVPool, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+def _gather(pool: KVPool, layer: int, slots: mx.array, route: AttentionRoute) -> tuple[mx.array, mx.array]:
     """The rows' K/V as (B, n_kv_heads, S, D). On the kernel path the transposed view is returned
     as it is: Metal's SDPA needs only a unit last stride, so the copy to contiguous is saved (the
     pool's own ``gather`` makes one for the CPU)."""
-    if not _kernel_backend_active:
+    if not route.metal:
         return pool.gather(layer, slots)
     return (
         pool._load(pool.k[layer], slots).transpose(0, 2, 1, 3),
         pool._load(pool.v[layer], slots).transpose(0, 2, 1, 3),
     )
-
-
-# Accelerated attention: set by ``use_metal_kernels`` on Metal, ``use_cpu_kernel`` on the CPU.
-# Signature: (queries (B, Hq, L, D), cache: PagedLayerCache, scale, sinks, window) -> (B, Hq, L, D),
-# or None to decline (the reference path then runs).
-attention_kernel = None
 
 
 def paged_attention(
@@ -184,8 +225,9 @@ def paged_attention(
     """Attention of ``queries`` (B, Hq, L, D) over the sequences' paged KV (already gathered
     into ``keys``/``values`` by ``update_and_fetch``; lazily, so a kernel that reads the pool
     directly makes the gather free)."""
-    if attention_kernel is not None:
-        out = _kernel_attention(attention_kernel, queries, cache, scale, mask, sinks)
+    kernel = cache.layout.route.kernel
+    if kernel is not None:
+        out = _kernel_attention(kernel, queries, cache, scale, mask, sinks)
         if out is not None:
             return out
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
@@ -199,9 +241,7 @@ def _kernel_attention(kernel, queries, cache: PagedLayerCache, scale: float, mas
     return kernel(queries, cache, scale, sinks, window)
 
 
-def _metal_decode(
-    queries, cache: PagedLayerCache, scale: float, sinks, window: int | None
-) -> mx.array | None:
+def metal_decode(queries, cache: PagedLayerCache, scale: float, sinks, window: int | None) -> mx.array | None:
     from metal_kernels.paged_attention import declines, paged_decode_attention
 
     if queries.shape[2] != 1:
@@ -227,13 +267,13 @@ def _metal_decode(
         block_size=pool.block_size,
         window=window,
         max_context=max(layout.starts) + layout.num_new,  # partitions from the rows' lengths, no sync
-        backend=_kernel_backend,
+        backend=cache.layout.route.metal_backend,
         **extra,
     )
     return out[:, :, None, :]
 
 
-def _cpu_attention(
+def cpu_attention(
     queries, cache: PagedLayerCache, scale: float, sinks, window: int | None
 ) -> mx.array | None:
     from cpu_kernels.paged_attention import fits
@@ -256,30 +296,6 @@ def _cpu_attention(
         window=window,
         sinks=sinks,
     )
-
-
-def use_cpu_kernel(enabled: bool) -> None:
-    """Route attention on MLX's CPU backend (decode, prefill chunks, verification) through the CPU
-    kernels' paged attention (``cpu_kernels/paged_attention.py``), which reads the pool through the
-    block table: the gather ``update_and_fetch`` sets up is then never evaluated. Writes are unchanged."""
-    global attention_kernel
-    attention_kernel = _cpu_attention if enabled else None
-
-
-def use_metal_kernels(enabled: bool, backend: str | None = None) -> None:
-    """Route single-token decode attention through the custom paged attention kernel, quantized
-    pool writes through the fused quantize kernel, and prefill gathers without the contiguous copy.
-
-    ``backend`` None picks Metal when available; tests pass "emulator" to run the kernel's exact
-    Metal source on the CPU through the engine's real pool layout."""
-    global attention_kernel, _kernel_backend, _kernel_backend_active
-    attention_kernel = _metal_decode if enabled else None
-    _kernel_backend = backend
-    _kernel_backend_active = enabled
-
-
-_kernel_backend: str | None = None
-_kernel_backend_active = False  # the kernel path also writes quantized KV and gathers prefill K/V
 
 
 def _dispatching_sdpa(queries, keys, values, cache, scale, mask, sinks=None):

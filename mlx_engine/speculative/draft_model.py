@@ -1,40 +1,13 @@
-"""The draft-model proposer for speculative decoding (``speculative="draft"``, ``--draft-model``).
+"""The draft-model proposer (``speculative="draft"``, ``--draft-model``): a smaller model with the
+target's tokenizer proposes tokens greedily, verified like any proposal (``verify.py``), so it
+changes how many proposals are kept, never what is emitted.
 
-A second, smaller model that shares the target's tokenizer proposes ``k`` tokens greedily after a
-decoding sequence's last one; the engine verifies them in the target's batched step exactly as it
-verifies prompt-lookup proposals (speculative/verify.py): a greedy proposal is a fixed token, so the
-output is token-identical to plain decoding for greedy requests and has the target's distribution
-(and, for a seed, the same tokens) when sampling. The draft only changes how many proposals are
-kept, never what is emitted.
-
-**Its KV.** A second ``KVPool`` with the draft's geometry (its layers, heads, head size, dtype) is
-indexed by the *same block ids* as the target's pool: token ``t`` of a sequence has its draft KV
-at ``table[t // block_size]`` of the draft pool, in the sequence's own block table. So the draft
-allocates nothing: admission, preemption, copy-on-write (the engine copies a block in both pools)
-and the memory budget (each block pays for both, ``build.py``) stay the scheduler's, and
-a sequence's draft KV is freed with its blocks. (Separate blocks per draft sequence were the
-alternative: every id has storage in both pools, so an id held for the draft alone would leave its
-target storage unused, and the draft's memory would cost as much per token as the target's.)
-
-**What is valid.** Per sequence the proposer keeps how many of its tokens have draft KV (``valid``)
-and the proposals whose KV it wrote last step; after verification the kept proposals' KV stays
-valid and the rest is simply overwritten next time: no copies on rollback. A block whose draft
-KV is complete is *marked* with a hash of every token up to its end (``marks``); any draft write
-into a block clears its mark first, and copy-on-write carries it to the copy. A sequence with new
-blocks (its first proposal, or after a preemption) starts from its leading blocks whose marks
-match its own tokens (a prefix hit on blocks a sequence drafted before: a multi-turn chat's
-history) and the draft recomputes the rest: its own prefill, one ``chunk``-token piece per step
-while the sequence decodes plainly, proposing again once it is at most a piece behind (no step
-waits for a whole draft prefill). Draft writes below the target's ``num_computed`` may land in
-blocks shared with another sequence; those hold the same tokens there, so the values written are
-the same.
-
-**Batching.** ``propose`` only reserves: it returns ``k`` placeholders, so the scheduler sizes the
-step and gives the sequence blocks for all ``1 + k`` positions (copy-on-write included). Once the
-step's block copies are made, ``fill`` computes every reserved sequence's proposals together: one
-draft pass over each sequence's new tokens (rows of equal length batched), then ``k - 1``
-single-token passes over all sequences still proposing, and writes the proposals over the
-placeholders before the target's pass is built.
+Its KV lives in a second ``KVPool`` indexed by the *same block ids* as the target's (the draft
+allocates nothing; admission, preemption, copy-on-write and the budget stay the scheduler's).
+Invariants: a block is *marked* (a hash of every token up to its end) only while its draft KV is
+complete for those tokens, and any draft write into it clears the mark first; ``propose`` only
+reserves placeholders, and ``fill`` writes the real proposals before the target's pass is built.
+How and why: docs/architecture.md ("Speculative decoding", "Draft model").
 """
 
 from __future__ import annotations
