@@ -14,21 +14,29 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from app.config_flags import add_config_flags, config_values, flag
 from app.peer_options import add_peer_args, check_peer_args, peer_spec
 from mlx_engine import __version__, defaults
-from mlx_engine.config import KV_BITS, KV_DTYPES, SPECULATIVE_MODES, WEIGHT_FORMATS
+from mlx_engine.config import EngineConfig
 from mlx_engine.errors import ConfigError, ContextLengthError, DuetError, RequestError
 
 if TYPE_CHECKING:
-    from mlx_engine.config import EngineConfig
     from mlx_engine.request import SamplingParams
 
 EXIT_ERROR = 2  # a bad argument, model or request (argparse uses 2 for bad usage too)
 
 
-def flag(option: str) -> str:
-    """An option's command-line spelling: ``cache_gb`` -> ``--cache-gb``."""
-    return "--" + option.replace("_", "-")
+# the EngineConfig fields every command that loads a model takes as flags (app/config_flags.py)
+MODEL_FLAGS = (
+    "context_length",
+    "kv_bits",
+    "kv_dtype",
+    "cache_gb",
+    "cache_fraction",
+    "weights",
+    "speculative",
+    "draft_model",
+)
 
 
 # --- arguments ----------------------------------------------------------------------------
@@ -40,65 +48,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="GGUF file, HF/MLX model directory or Hugging Face repo id (default: the bundled "
         "SmolLM2-135M-Instruct)",
     )
-    p.add_argument(
-        "--context-length",
-        "-c",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the context in tokens, as llama.cpp's --ctx-size (default: the model's own; above what "
-        "the model was trained for it runs with a warning, as agents' long prompts may need)",
-    )
-    p.add_argument(
-        "--kv-bits",
-        type=int,
-        choices=KV_BITS,
-        default=None,
-        help="quantize the KV cache to 8 or 4 bits: more tokens in the same memory (default: off)",
-    )
-    p.add_argument(
-        "--kv-dtype",
-        choices=KV_DTYPES,
-        default="auto",
-        help="what an unquantized KV cache stores (default auto: float16 on the CPU, as llama.cpp, "
-        "the model's dtype on a GPU; float32 keeps a float32 model's KV exact)",
-    )
-    p.add_argument(
-        "--cache-gb",
-        type=float,
-        default=None,
-        help="KV cache budget in GiB, above 0 and at most 90%% of the machine's memory "
-        "(default: 15%% of memory, at most 4 GiB)",
-    )
-    p.add_argument(
-        "--cache-fraction",
-        type=float,
-        default=None,
-        help="KV cache budget as a fraction of the machine's memory, above 0 and at most 0.9 "
-        "(instead of --cache-gb)",
-    )
-    p.add_argument(
-        "--weights",
-        choices=WEIGHT_FORMATS,
-        default="auto",
-        help="weight format (default auto: quantized, or dense float32 on a CPU without the built CPU kernels)",
-    )
-    p.add_argument(
-        "--speculative",
-        choices=SPECULATIVE_MODES,
-        default=None,
-        help="speculative decoding: ngram proposes tokens found earlier in the prompt or reply, draft "
-        "the --draft-model's greedy guesses; they are verified in one pass, only when the measured "
-        "acceptance and batch make it pay; the output is the same (default ngram, or draft with "
-        "--draft-model)",
-    )
-    p.add_argument(
-        "--draft-model",
-        default=None,
-        metavar="M",
-        help="a small model with the same tokenizer that proposes tokens for --speculative draft "
-        "(GGUF file, model directory or Hugging Face repo id, as --model)",
-    )
+    add_config_flags(p, EngineConfig, MODEL_FLAGS)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -233,25 +183,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from app.doctor import check_mlx_install
 
     check_mlx_install()  # before anything imports MLX: a missing Linux backend is one line
-    from mlx_engine.config import EngineConfig
-
     check_peer_args(args)
-    extra = {
-        name: getattr(args, name)
-        for name in ("max_queue", "max_running", "context_length")
-        if getattr(args, name, None) is not None
-    }
-    config = EngineConfig(
-        kv_bits=args.kv_bits,
-        kv_dtype=args.kv_dtype,
-        cache_gb=args.cache_gb,
-        cache_fraction=args.cache_fraction,
-        weights=args.weights,
-        speculative=getattr(args, "speculative", None)
-        or ("draft" if getattr(args, "draft_model", None) else "ngram"),
-        draft_model=getattr(args, "draft_model", None),
-        **extra,
-    )
+    given = config_values(args, EngineConfig)
+    if given.get("draft_model") is not None:
+        given.setdefault("speculative", "draft")  # --draft-model alone: speculate with it
+    config = EngineConfig(**given)
     config.validate(spell=flag)
     return config
 

@@ -31,38 +31,106 @@ KV_GROUP_SIZES = (32, 64, 128)
 KV_FIRST_CHUNK_TOKENS = 512
 
 
+# The KV budget when none is given: this fraction of memory, at most this many GiB.
+DEFAULT_CACHE_FRACTION = 0.15
+DEFAULT_CACHE_GB_CAP = 4
+
+
 def _plain(name: str) -> str:
     return name
 
 
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple | None = None,
+    metavar: str | None = None,
+    short: str | None = None,
+) -> Any:
+    """A field that is also a command-line flag (``--name-with-dashes``): its type, default, choices
+    and help are declared once, here, and the flags are derived from them (``app/config_flags.py``).
+    ``help`` may name ``{default}``."""
+    meta = {"help": help, "choices": choices, "metavar": metavar, "short": short}
+    return field(default=default, metadata={"flag": meta})
+
+
 @dataclass
 class EngineConfig:
-    kv_bits: int | None = None  # 8 or 4 to quantize the KV cache
-    kv_dtype: str = "auto"  # an unquantized KV cache's dtype (KV_DTYPES)
+    kv_bits: int | None = option(
+        None,
+        "quantize the KV cache to 8 or 4 bits: more tokens in the same memory (default: off)",
+        choices=KV_BITS,
+    )
+    # an unquantized KV cache's dtype
+    kv_dtype: str = option(
+        "auto",
+        "what an unquantized KV cache stores (default auto: float16 on the CPU, as llama.cpp, the model's "
+        "dtype on a GPU; float32 keeps a float32 model's KV exact)",
+        choices=KV_DTYPES,
+    )
     kv_group_size: int = 32
-    cache_gb: float | None = None  # KV pool budget in GiB; default min(4 GiB, 15% of memory), taken as used
-    cache_fraction: float | None = None  # or the budget as a fraction of device memory
+    # KV pool budget in GiB (taken as used)
+    cache_gb: float | None = option(
+        None,
+        f"KV cache budget in GiB, above 0 and at most {MAX_MEMORY_FRACTION:.0%} of the machine's memory "
+        f"(default: {DEFAULT_CACHE_FRACTION:.0%} of memory, at most {DEFAULT_CACHE_GB_CAP} GiB)",
+    )
+    cache_fraction: float | None = option(
+        None,
+        f"KV cache budget as a fraction of the machine's memory, above 0 and at most {MAX_MEMORY_FRACTION} "
+        "(instead of --cache-gb)",
+    )
     # the context in tokens, as llama.cpp's --ctx-size and Ollama's num_ctx (None: the model's own, from
     # its config); above what the model was trained for it runs, with a warning, and quality may drop
-    context_length: int | None = None
+    context_length: int | None = option(
+        None,
+        "the context in tokens, as llama.cpp's --ctx-size (default: the model's own; above what the model "
+        "was trained for it runs with a warning, as agents' long prompts may need)",
+        metavar="N",
+        short="-c",
+    )
     block_size: int = 16
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
-    max_running: int = 64
-    max_queue: int = 256
+    max_running: int = option(
+        64,
+        "most sequences generated at once, the batch size (default {default}); also the most sequences "
+        "(prompts x n) one request may ask for",
+    )
+    max_queue: int = option(
+        256,
+        "most requests waiting for a slot (default {default}); more get 429, and one request with more "
+        "sequences than this gets 400",
+    )
     prefix_cache: bool = True
-    weights: str = "auto"  # "dense", "quantized" or "auto" (dense on CPU, quantized on GPU)
+    weights: str = option(
+        "auto",
+        "weight format (default auto: quantized, or dense float32 on a CPU without the built CPU kernels)",
+        choices=WEIGHT_FORMATS,
+    )
     disk_cache_dir: str | None = None  # prefix-cache disk tier (off when None)
     disk_cache_gb: float = 4.0  # size cap of the disk tier
     # KV sources asked after the disk tier (``kv_source.KVSource``, e.g. remote prefill peers); the
     # engine calls a source's ``attach(engine)`` once its pool exists and ``close()`` at shutdown
     kv_sources: list[Any] = field(default_factory=list)
     # speculative decoding: "ngram" (prompt lookup, adaptive: it proposes only when that pays), "draft"
-    # (a draft model's greedy proposals, draft_model.py) or "off"
-    speculative: str = "ngram"
+    # (a draft model's greedy proposals, speculative/draft_model.py) or "off"
+    speculative: str = option(
+        "ngram",
+        "speculative decoding: ngram proposes tokens found earlier in the prompt or reply, draft the "
+        "--draft-model's greedy guesses; they are verified in one pass, only when the measured acceptance "
+        "and batch make it pay; the output is the same (default ngram, or draft with --draft-model)",
+        choices=SPECULATIVE_MODES,
+    )
     # the draft model of speculative="draft": a model spec as --model takes, or a LoadedModel; it must
     # share the model's tokenizer
-    draft_model: Any = None
+    draft_model: Any = option(
+        None,
+        "a small model with the same tokenizer that proposes tokens for --speculative draft "
+        "(GGUF file, model directory or Hugging Face repo id, as --model)",
+        metavar="M",
+    )
 
     def validate(self, memory_bytes: int | None = None, spell: Callable[[str], str] = _plain) -> None:
         """Raise ``ConfigError`` for the first option that cannot work; allocate nothing.
@@ -159,7 +227,7 @@ class EngineConfig:
             return self.cache_gb * GiB
         if self.cache_fraction is not None:
             return self.cache_fraction * memory_bytes
-        return min(4 * GiB, 0.15 * memory_bytes)
+        return min(DEFAULT_CACHE_GB_CAP * GiB, DEFAULT_CACHE_FRACTION * memory_bytes)
 
 
 def _memory_bytes() -> int:

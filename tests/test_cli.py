@@ -439,3 +439,29 @@ def test_every_option_of_every_command_has_help():
     assert not missing, f"options without help text: {missing}"
     for name, p in commands.items():  # and every help renders (a stray % breaks argparse)
         assert "usage: duet " + name in p.format_help()
+
+
+def test_engine_flags_are_derived_from_the_config_fields():
+    """Each engine flag's type, choices and default come from its EngineConfig field (written once):
+    a command given none of them builds exactly EngineConfig's defaults, and each flag given lands
+    in its field."""
+    import dataclasses
+
+    from app.cli import MODEL_FLAGS, build_parser, engine_config
+    from mlx_engine.config import KV_DTYPES, EngineConfig
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve"])
+    assert engine_config(serve) == EngineConfig()
+    actions = {a.dest: a for a in parser._subparsers._group_actions[0].choices["serve"]._actions}
+    assert tuple(actions["kv_dtype"].choices) == KV_DTYPES
+    assert f"default {EngineConfig().max_queue}" in actions["max_queue"].help
+    given = {"context_length": "64", "kv_bits": "8", "cache_gb": "0.5", "weights": "dense", "speculative": "off"}
+    argv = ["serve", "--max-queue", "7", "--max-running", "3"]
+    for name, value in given.items():
+        argv += ["--" + name.replace("_", "-"), value]
+    config = engine_config(parser.parse_args(argv))
+    assert (config.max_queue, config.max_running, config.context_length, config.kv_bits) == (7, 3, 64, 8)
+    assert (config.cache_gb, config.weights, config.speculative) == (0.5, "dense", "off")
+    flagged = {f.name for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata}
+    assert set(MODEL_FLAGS) | {"max_queue", "max_running"} == flagged

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import errno
 import faulthandler
 import ipaddress
@@ -179,10 +178,7 @@ class _Server(uvicorn.Server):
 def _load(args) -> Engine:
     from app.cli import engine_config, load_engine
 
-    config = engine_config(args)
-    if getattr(args, "max_running", None):
-        config = dataclasses.replace(config, max_running=args.max_running)
-    return load_engine(args, config)  # with its --peers connected
+    return load_engine(args, engine_config(args))  # with its --peers connected
 
 
 def _load_embedder(spec: str | None):

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Literal
 
+from app.config_flags import add_config_flags
+from mlx_engine.config import EngineConfig
+
 API_KEY_ENV = "DUET_API_KEY"
 DEFAULT_MAX_BODY_MB = 8.0
 CacheIsolation = Literal["shared", "per-key"]
@@ -105,17 +108,4 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "llama.cpp's --n-predict (default: what the request asks, capped by the context; a model "
         "that rambles on past its answer stops here)",
     )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=None,
-        help="most requests waiting for a slot (default 256); more get 429, and one request "
-        "with more sequences than this gets 400",
-    )
-    p.add_argument(
-        "--max-running",
-        type=int,
-        default=None,
-        help="most sequences generated at once, the batch size (default 64); also the most "
-        "sequences (prompts x n) one request may ask for",
-    )
+    add_config_flags(p, EngineConfig, ("max_queue", "max_running"))
