@@ -456,7 +456,13 @@ def test_engine_flags_are_derived_from_the_config_fields():
     actions = {a.dest: a for a in parser._subparsers._group_actions[0].choices["serve"]._actions}
     assert tuple(actions["kv_dtype"].choices) == KV_DTYPES
     assert f"default {EngineConfig().max_queue}" in actions["max_queue"].help
-    given = {"context_length": "64", "kv_bits": "8", "cache_gb": "0.5", "weights": "dense", "speculative": "off"}
+    given = {
+        "context_length": "64",
+        "kv_bits": "8",
+        "cache_gb": "0.5",
+        "weights": "dense",
+        "speculative": "off",
+    }
     argv = ["serve", "--max-queue", "7", "--max-running", "3"]
     for name, value in given.items():
         argv += ["--" + name.replace("_", "-"), value]
