@@ -6,7 +6,7 @@ cache after the first, as they are for a user who runs it twice):
 * **cold**: the real ``duet generate --prompt P --max-tokens 1 --temperature 0``, from spawning
   the process to the first byte of the reply on its stdout, and the process's peak RSS;
 * **phases**: this script re-runs itself as a child that goes through ``duet generate``'s own
-  steps (``app.cli``'s functions, in its order) and times each: interpreter start, imports,
+  steps (``app.options``'s functions, in ``duet generate``'s order) and times each: interpreter start, imports,
   argument checks, the model check, the model load split into its parts (GGUF metadata, tensor
   decode, tokenizer, mlx-lm model module, weight re-layout), the engine (KV pool), the prompt
   template and the first token. A part is timed by wrapping the function everywhere it is
@@ -91,6 +91,7 @@ def child(model: str | None) -> None:
     import mlx_engine.engine.api  # noqa: F401  (what Engine.load imports first, timed with the imports)
     import mlx_engine.loading.gguf_loader  # noqa: F401
     import mlx_engine.loading.preflight  # noqa: F401
+    from app import options
 
     stamps["imports"] = time.monotonic() - t
     timings: dict[str, float] = {}
@@ -100,15 +101,15 @@ def child(model: str | None) -> None:
         argv += ["--model", model]
     t = time.monotonic()
     args = cli.build_parser().parse_args(argv)
-    sampling = cli.sampling_params(args)
-    config = cli.engine_config(args)
+    sampling = options.sampling_params(args)
+    config = options.engine_config(args)
     stamps["argument checks"] = time.monotonic() - t
     t = time.monotonic()
-    cli.check_model_args(args)
-    cli.use_fast_blas()
+    options.check_model_args(args)
+    options.use_fast_blas()
     stamps["model check + BLAS"] = time.monotonic() - t
     t = time.monotonic()
-    engine = cli.load_engine(args, config)
+    engine = options.load_engine(args, config)
     stamps["Engine.load"] = time.monotonic() - t
     from mlx_engine.request import GenerationRequest
 

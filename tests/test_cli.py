@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from app import cli
+from app import cli, options
+from app.commands import chat as chat_command
 from mlx_engine import defaults
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -114,7 +115,7 @@ def test_sampling_defaults_are_the_documented_set():
         defaults.REPETITION_PENALTY,
     )
     assert args.max_tokens is defaults.MAX_TOKENS is None  # until the model stops
-    params = cli.sampling_params(args)
+    params = options.sampling_params(args)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.8, 0.9, 40, 0.0)
 
 
@@ -124,6 +125,7 @@ def nothing_loads(monkeypatch):
     """Fail the test if a command gets as far as loading a model, opening the chat or serving."""
     import app.server.main
     import app.tui.main
+    import mlx_engine.blas
     import mlx_engine.engine.api
 
     def loaded(*args, **kwargs):
@@ -133,7 +135,7 @@ def nothing_loads(monkeypatch):
     monkeypatch.setattr(mlx_engine.engine.api.Engine, "load", loaded)
     monkeypatch.setattr(app.tui.main, "run_chat", loaded)
     monkeypatch.setattr(app.server.main, "serve", loaded)
-    monkeypatch.setattr(cli, "use_fast_blas", lambda: None)  # never re-execute pytest
+    monkeypatch.setattr(mlx_engine.blas, "reexec_with_openblas", lambda: None)  # never re-execute pytest
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +289,7 @@ def test_chat_options_reach_the_engine_config(monkeypatch):
     app.tui.main.build_app(args)
     load = built["load_backend"]
     assert load.func == LocalBackend.load
-    assert load.keywords["config"] == cli.engine_config(args)
+    assert load.keywords["config"] == options.engine_config(args)
     assert load.keywords["config"].cache_fraction == 0.2 and load.keywords["config"].kv_bits == 8
 
 
@@ -345,7 +347,7 @@ def record_line_chat(monkeypatch, capsys):
     def run(model, stdin: str):
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
         args = cli.build_parser().parse_args(["chat", "--model", str(model)])
-        code = cli.line_chat(args, cli.engine_config(args), interactive=False)
+        code = chat_command.line_chat(args, options.engine_config(args), interactive=False)
         out = capsys.readouterr()
         return code, seen, replies, out.out, out.err
 
@@ -447,7 +449,8 @@ def test_engine_flags_are_derived_from_the_config_fields():
     in its field."""
     import dataclasses
 
-    from app.cli import MODEL_FLAGS, build_parser, engine_config
+    from app.cli import build_parser
+    from app.options import MODEL_FLAGS, engine_config
     from mlx_engine.config import KV_DTYPES, EngineConfig
 
     parser = build_parser()

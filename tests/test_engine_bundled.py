@@ -211,11 +211,12 @@ def test_duet_generate_answers_a_plain_request_through_the_chat_template(bundled
     `ollama run` does: sent raw, this instruction got an empty reply (EOS at once)."""
     import json
 
+    import mlx_engine.blas
     import mlx_engine.engine.api
     from app import cli
 
     monkeypatch.setattr(mlx_engine.engine.api, "load_model", lambda *a, **kw: bundled)  # loaded once
-    monkeypatch.setattr(cli, "use_fast_blas", lambda: None)
+    monkeypatch.setattr(mlx_engine.blas, "reexec_with_openblas", lambda: None)
     prompt = "Write a short story about a robot who learns to paint."
     argv = ["generate", "--prompt", prompt, "--temperature", "0", "--max-tokens", "24", "--json"]
     assert cli.main(argv) == 0

@@ -86,7 +86,9 @@ def no_loading(monkeypatch):
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(Engine, "load", refuse)
-    monkeypatch.setattr(cli, "check_model_args", lambda args: None)
+    import app.options
+
+    monkeypatch.setattr(app.options, "check_model_args", lambda args: None)  # duet peer serve checks it
 
 
 @pytest.mark.parametrize(

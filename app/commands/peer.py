@@ -154,8 +154,8 @@ def cmd_peer_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_peer_serve(args: argparse.Namespace) -> int:
-    from app.cli import check_model_args, engine_config, use_fast_blas
     from app.launch import build_engine
+    from app.options import check_model_args, engine_config, use_fast_blas
     from peer.identity import local_hello
     from peer.server import EngineBackend, PeerServer, ServerLimits, listen
     from peer.trust.tls import tls_for_address

@@ -176,7 +176,7 @@ class _Server(uvicorn.Server):
 
 
 def _load(args) -> Engine:
-    from app.cli import engine_config, load_engine
+    from app.options import engine_config, load_engine
 
     return load_engine(args, engine_config(args))  # with its --peers connected
 

@@ -12,7 +12,7 @@ from .peers import PeerDirectory
 def build_app(args) -> ChatApp:
     if getattr(args, "server", None):
         return ChatApp(args.model, load_backend=partial(RemoteBackend.connect, args.server), remote=True)
-    from app.cli import engine_config  # the one builder: every engine option, checked
+    from app.options import engine_config  # the one builder: every engine option, checked
     from app.peer_options import peer_spec, peers_auto
 
     config = engine_config(args)
