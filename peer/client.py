@@ -20,9 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import queue
-import selectors
-import socket
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -31,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource, LandedKV
+from peer.connection import Backoff, Conn, PeerTimeouts, open_connection
 from peer.planner import Decision, Planner, PromptMemory
-from peer.wire.frame_mac import MacSocket
-from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, encode_prefill, send_frame
-from peer.wire.handshake import check_peer, inexact_reasons
+from peer.wire.framing import Frame, encode_message, encode_prefill, send_frame
+from peer.wire.handshake import inexact_reasons
 from peer.wire.kv_wire import KVFormat, decode_layer
 from peer.wire.protocol import (
     Accept,
@@ -57,23 +54,6 @@ log = logging.getLogger("duet.peer.client")
 
 MiB = 1 << 20
 POLICIES = ("auto", "always")
-
-
-@dataclass
-class PeerTimeouts:
-    connect_s: float = 5.0  # TCP connect
-    hello_s: float = 10.0  # the peer's HELLO after ours
-    first_byte_s: float = 30.0  # PREFILL sent -> ACCEPT, and ACCEPT -> first LAYER_KV (plus the peer's ETA)
-    stall_s: float = 10.0  # between two frames of one load, and inside a frame
-
-
-@dataclass
-class Backoff:
-    initial_s: float = 1.0
-    max_s: float = 60.0
-
-    def delay(self, failures: int) -> float:
-        return min(self.initial_s * 2 ** max(failures - 1, 0), self.max_s)
 
 
 @dataclass
@@ -109,46 +89,12 @@ class _Load:
     load: KVLoad
     sink: KVSink
     info: LoadInfo
-    conn: _Conn
+    conn: Conn
     deadline: float
     landed: LandedKV  # per layer: the token ranges received (a peer may re-send a range)
     t_sent: float = field(default_factory=time.monotonic)
     t_first: float | None = None
     predicted_compute_s: float = 0.0  # the planner's estimate of the peer's compute (its queue)
-
-
-class _Conn:
-    """One live connection: its socket, reader (recv_into a byte-capped pool) and sender thread."""
-
-    def __init__(self, sock: socket.socket | MacSocket, reader: FrameReader, remote: Hello):
-        self.sock, self.reader, self.remote = sock, reader, remote
-        self.out: queue.Queue[list | None] = queue.Queue()
-        self.closed = threading.Event()
-        self.wake_r, self.wake_w = socket.socketpair()
-        self.wake_r.setblocking(False)
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(sock, selectors.EVENT_READ)
-        self.selector.register(self.wake_r, selectors.EVENT_READ)
-        self.threads: list[threading.Thread] = []
-
-    def wake(self) -> None:
-        with contextlib.suppress(OSError):
-            self.wake_w.send(b"\0")
-
-    def drain_wake(self) -> None:
-        with contextlib.suppress(OSError):
-            while self.wake_r.recv(4096):
-                pass
-
-    def close(self) -> None:
-        if self.closed.is_set():
-            return
-        self.closed.set()
-        self.out.put(None)
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.wake()
-        self.reader.buffers.close()
 
 
 class RemotePrefillSource(KVSource):
@@ -191,7 +137,7 @@ class RemotePrefillSource(KVSource):
         self.chunk_size = 0
         self.inexact: list[str] = []
         self._lock = threading.RLock()
-        self._conn: _Conn | None = None
+        self._conn: Conn | None = None
         self._connecting: threading.Thread | None = None
         self._connected = threading.Condition(self._lock)
         self._loads: dict[int, _Load] = {}
@@ -256,58 +202,30 @@ class RemotePrefillSource(KVSource):
 
     def _connect(self) -> None:
         assert self.local is not None and self.fmt is not None
-        sock: socket.socket | MacSocket | None = None
         try:
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=self.timeouts.connect_s)
-            except OSError as e:
-                raise ProtocolError(ErrorCode.DISCONNECTED, f"cannot connect: {e.strerror or e}") from None
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                from peer.trust.tls import PeerAuthError
-
-                try:
-                    sock = self.tls.wrap_client(sock, who=self.name)[0]
-                except PeerAuthError as e:  # nothing of the model or prompt was sent
-                    sock = None
-                    raise ProtocolError(ErrorCode.DISCONNECTED, str(e)) from None
-            try:
-                send_frame(sock, encode_message(self.local))
-            except OSError as e:
-                raise ProtocolError(ErrorCode.DISCONNECTED, f"connection lost: {e}") from None
-            reader = FrameReader(
-                sock,
-                BufferPool(self.buffer_cap),
-                kv_format=self.fmt,
-                max_prompt_tokens=1,
-                stall_timeout=self.timeouts.stall_s,
+            conn = open_connection(
+                self.host,
+                self.port,
+                self.local,
+                self.fmt,
+                timeouts=self.timeouts,
+                buffer_cap=self.buffer_cap,
+                tls=self.tls,
+                name=self.name,
             )
-            frame = reader.read(idle_timeout=self.timeouts.hello_s)
-            if frame is None:
-                raise ProtocolError(ErrorCode.DISCONNECTED, "the peer closed the connection during HELLO")
-            frame.release()
-            remote = frame.msg
-            if isinstance(remote, Error):
-                raise ProtocolError(remote.code, f"the peer refused: {remote.message}")
-            if not isinstance(remote, Hello):
-                raise ProtocolError(ErrorCode.BAD_FRAME, f"expected HELLO, got {remote.TYPE.value}")
-            check_peer(self.local, remote)
-            conn = _Conn(sock, reader, remote)
         except ProtocolError as e:
-            if sock is not None:
-                sock.close()
             with self._lock:
                 self._connecting = None
                 self._mark_unhealthy(e.code, str(e))
                 self._connected.notify_all()
             return
+        remote = conn.remote
         inexact = inexact_reasons(self.local, remote)
         with self._lock:
             self._connecting = None
             if self._closed:
                 conn.close()
-                sock.close()
+                conn.sock.close()
                 self._connected.notify_all()
                 return
             self._conn, self.remote, self.inexact = conn, remote, inexact
@@ -543,7 +461,7 @@ class RemotePrefillSource(KVSource):
             self.last_error = (code.value, message)
         state.sink.failed(state.load.load_id, code.value)
 
-    def _drop(self, conn: _Conn, code: ErrorCode, message: str, *, unhealthy: bool = True) -> None:
+    def _drop(self, conn: Conn, code: ErrorCode, message: str, *, unhealthy: bool = True) -> None:
         """The connection is unusable: close it and fail every load on it."""
         with self._lock:
             if conn.closed.is_set() and self._conn is not conn:
@@ -557,7 +475,7 @@ class RemotePrefillSource(KVSource):
         if unhealthy:
             self._mark_unhealthy(code, message)
 
-    def _send_loop(self, conn: _Conn) -> None:
+    def _send_loop(self, conn: Conn) -> None:
         while (buffers := conn.out.get()) is not None:
             try:
                 send_frame(conn.sock, buffers)
@@ -565,7 +483,7 @@ class RemotePrefillSource(KVSource):
                 self._drop(conn, ErrorCode.DISCONNECTED, f"connection lost while sending: {e}")
                 return
 
-    def _read_loop(self, conn: _Conn) -> None:
+    def _read_loop(self, conn: Conn) -> None:
         try:
             while not conn.closed.is_set():
                 timeout = self._expire(conn)
@@ -596,7 +514,7 @@ class RemotePrefillSource(KVSource):
             with contextlib.suppress(OSError):
                 conn.sock.close()
 
-    def _expire(self, conn: _Conn) -> float | None:
+    def _expire(self, conn: Conn) -> float | None:
         """Fail the loads whose deadline passed; returns the wait until the next deadline."""
         now = self.clock()
         with self._lock:
@@ -624,7 +542,7 @@ class RemotePrefillSource(KVSource):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"load {load_id} is not request {request_id!r}")
         return s
 
-    def _handle(self, conn: _Conn, frame: Frame, read_s: float = 0.0) -> None:
+    def _handle(self, conn: Conn, frame: Frame, read_s: float = 0.0) -> None:
         """``read_s``: the time from the socket turning readable to the whole frame read (for the
         planner's link bandwidth)."""
         msg = frame.msg

@@ -102,8 +102,8 @@ MUTANTS = [
     Mutant(
         "prefix-match-whole-prompt",
         "mlx_engine/scheduler.py",
-        "hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens) - 1",
-        "hit = self.alloc.match_prefix(seq.tokens, len(seq.tokens)",
+        "hit = self.alloc.match_prefix(seq.tokens, end, seq.cache_salt)",
+        "hit = self.alloc.match_prefix(seq.tokens, end + 1, seq.cache_salt)",
         SCHEDULER,
         "a block-aligned prompt is matched in full, leaving no token to compute logits from",
     ),
@@ -134,8 +134,8 @@ MUTANTS = [
     Mutant(
         "release-registers-uncomputed",
         "mlx_engine/scheduler.py",
-        "self.alloc.register(seq.tokens, seq.blocks, seq.num_computed // self.bs",
-        "self.alloc.register(seq.tokens, seq.blocks, len(seq.tokens) // self.bs",
+        "full, tail = divmod(seq.num_computed, self.bs)",
+        "full, tail = divmod(len(seq.tokens), self.bs)",
         SCHEDULER,
         "a released sequence registers blocks whose KV was never (fully) computed",
     ),
@@ -150,8 +150,8 @@ MUTANTS = [
     Mutant(
         "register-partial-block",
         "mlx_engine/scheduler.py",
-        "full = seq.num_computed // self.bs",
-        "full = -(-seq.num_computed // self.bs)",
+        "full = min(seq.num_computed, seq.num_verified) // self.bs",
+        "full = -(-min(seq.num_computed, seq.num_verified) // self.bs)",
         SCHEDULER,
         "a block is registered in the prefix index before it is fully computed",
     ),
@@ -166,8 +166,8 @@ MUTANTS = [
     Mutant(
         "cancelled-load-stays-live",
         "mlx_engine/scheduler.py",
-        "st = self.live_loads.pop(load_id)\n",
-        "st = self.live_loads.get(load_id)\n",
+        "st = self.live_loads.pop(load_id)\n                assert st is not None",
+        "st = self.live_loads.get(load_id)\n                assert st is not None",
         KV_SOURCES,
         "late frames of a cancelled load are still written, into blocks that were freed and reused",
     ),

@@ -389,7 +389,9 @@ def test_network_peer_options_are_refused_before_anything_loads(tmp_path, monkey
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(Engine, "load", refuse)
-    monkeypatch.setattr(cli, "check_model_args", lambda args: None)
+    import app.options
+
+    monkeypatch.setattr(app.options, "check_model_args", lambda args: None)
     monkeypatch.setenv("DUET_CONFIG_DIR", str(tmp_path / "mac"))
 
     def error(*argv: str) -> str:

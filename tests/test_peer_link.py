@@ -283,7 +283,9 @@ def test_link_options_are_checked_before_anything_loads(tmp_path, monkeypatch, c
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(Engine, "load", refuse)
-    monkeypatch.setattr(cli, "check_model_args", lambda args: None)
+    import app.options
+
+    monkeypatch.setattr(app.options, "check_model_args", lambda args: None)
     monkeypatch.setenv("DUET_CONFIG_DIR", str(tmp_path / "mac"))
 
     def error(*argv: str) -> str:

@@ -1,0 +1,131 @@
+"""One connection to a prefill peer: the socket (TCP, then mutual TLS when paired), the HELLO
+exchange and its checks (``open_connection``), and the live connection's reader, sender queue
+and wake-up pipe (``Conn``). What travels over it is ``peer/client.py``'s business."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import selectors
+import socket
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from peer.wire.frame_mac import MacSocket
+from peer.wire.framing import BufferPool, FrameReader, encode_message, send_frame
+from peer.wire.handshake import check_peer
+from peer.wire.kv_wire import KVFormat
+from peer.wire.protocol import Error, ErrorCode, Hello, ProtocolError
+
+if TYPE_CHECKING:
+    from peer.trust.tls import PeerTLS
+
+
+@dataclass
+class PeerTimeouts:
+    connect_s: float = 5.0  # TCP connect
+    hello_s: float = 10.0  # the peer's HELLO after ours
+    first_byte_s: float = 30.0  # PREFILL sent -> ACCEPT, and ACCEPT -> first LAYER_KV (plus the peer's ETA)
+    stall_s: float = 10.0  # between two frames of one load, and inside a frame
+
+
+@dataclass
+class Backoff:
+    initial_s: float = 1.0
+    max_s: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        return min(self.initial_s * 2 ** max(failures - 1, 0), self.max_s)
+
+
+class Conn:
+    """One live connection: its socket, reader (recv_into a byte-capped pool) and sender thread."""
+
+    def __init__(self, sock: socket.socket | MacSocket, reader: FrameReader, remote: Hello):
+        self.sock, self.reader, self.remote = sock, reader, remote
+        self.out: queue.Queue[list | None] = queue.Queue()
+        self.closed = threading.Event()
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sock, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.threads: list[threading.Thread] = []
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self.wake_w.send(b"\0")
+
+    def drain_wake(self) -> None:
+        with contextlib.suppress(OSError):
+            while self.wake_r.recv(4096):
+                pass
+
+    def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        self.out.put(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.wake()
+        self.reader.buffers.close()
+
+
+def open_connection(
+    host: str,
+    port: int,
+    local: Hello,
+    fmt: KVFormat,
+    *,
+    timeouts: PeerTimeouts,
+    buffer_cap: int,
+    tls: PeerTLS | None,
+    name: str,
+) -> Conn:
+    """Connect to ``host:port`` (mutual TLS with ``tls``), send our HELLO, read and check the
+    peer's. Raises ``ProtocolError`` for any failure, the socket closed; nothing of the model or
+    a prompt is sent before the peer is authenticated."""
+    sock: socket.socket | MacSocket | None = None
+    try:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeouts.connect_s)
+        except OSError as e:
+            raise ProtocolError(ErrorCode.DISCONNECTED, f"cannot connect: {e.strerror or e}") from None
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            from peer.trust.tls import PeerAuthError
+
+            try:
+                sock = tls.wrap_client(sock, who=name)[0]
+            except PeerAuthError as e:  # nothing of the model or prompt was sent
+                sock = None
+                raise ProtocolError(ErrorCode.DISCONNECTED, str(e)) from None
+        try:
+            send_frame(sock, encode_message(local))
+        except OSError as e:
+            raise ProtocolError(ErrorCode.DISCONNECTED, f"connection lost: {e}") from None
+        reader = FrameReader(
+            sock,
+            BufferPool(buffer_cap),
+            kv_format=fmt,
+            max_prompt_tokens=1,
+            stall_timeout=timeouts.stall_s,
+        )
+        frame = reader.read(idle_timeout=timeouts.hello_s)
+        if frame is None:
+            raise ProtocolError(ErrorCode.DISCONNECTED, "the peer closed the connection during HELLO")
+        frame.release()
+        remote = frame.msg
+        if isinstance(remote, Error):
+            raise ProtocolError(remote.code, f"the peer refused: {remote.message}")
+        if not isinstance(remote, Hello):
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"expected HELLO, got {remote.TYPE.value}")
+        check_peer(local, remote)
+        return Conn(sock, reader, remote)
+    except ProtocolError:
+        if sock is not None:
+            sock.close()
+        raise
