@@ -103,6 +103,24 @@ def test_alone_and_batched_match_mlx_lm(arch_setup, kv_dtype):
         engine.shutdown()
 
 
+def test_the_reference_attention_path_matches_mlx_lm_on_a_sliding_window_model(tiny_dirs):
+    """The reference route (gather + masked SDPA: what runs where no kernel takes a pass, e.g.
+    quantized KV on the CPU, prefill on Metal) applies each layer's sliding window: batched rows
+    of different lengths, longer than the window, give mlx-lm's tokens."""
+    from mlx_engine.kv_cache.paged_attention import AttentionRoute
+
+    loaded = load_model(str(tiny_dirs("gemma3_text")))
+    ps = prompts(loaded.tokenizer.vocab_size, [3, 21, 37, 50], seed=9)
+    expected = [reference_greedy(loaded.model, p, 10) for p in ps]
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, kv_dtype="float32"))
+    engine.runner.attention = AttentionRoute.reference()
+    try:
+        assert asyncio.run(run_all(engine, [req(p, 10) for p in ps])) == expected
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 7, 16, 64])
 def test_chunked_prefill_any_chunk_size(tiny_dirs, chunk):
     loaded = load_model(str(tiny_dirs("llama")))
