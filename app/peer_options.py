@@ -9,13 +9,14 @@ import argparse
 from typing import TYPE_CHECKING
 
 from mlx_engine.errors import ConfigError
+from peer.ports import PREFILL_PORT
 
 if TYPE_CHECKING:
     from peer.attach import PeerSpec
 
 MODES = ("auto", "always", "never")  # peer.attach.MODES (not imported here: argparse only)
 LINKS = ("tls", "trusted")  # peer.trust.tls.LINKS
-DEFAULT_PORT = 7611
+DEFAULT_PORT = PREFILL_PORT
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from mlx_engine.errors import ConfigError
-from peer.trust.pairing import PAIR_PORT
+from peer.ports import PAIR_PORT
 
 
 def add_pairing_parsers(psub: Any) -> None:

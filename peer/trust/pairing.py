@@ -43,6 +43,7 @@ from spake2 import SPAKE2_A, SPAKE2_B
 from spake2.spake2 import SPAKEError
 
 from mlx_engine.errors import DuetError
+from peer.ports import PAIR_PORT
 from peer.trust.keys import Identity, PairedPeer, PairedPeers
 
 CODE_TTL_S = 300.0
@@ -322,9 +323,6 @@ def join_pairing(sock: socket.socket, code: str, identity: Identity, peers: Pair
     except OSError as e:
         raise PairingError("disconnected", f"pairing connection failed: {e}") from None
     return peers.add(shower["name"], shower["cert"])
-
-
-PAIR_PORT = 7612  # where `duet peer pair` waits for the machine typing the code
 
 
 def parse_target(text: str | None) -> tuple[str, int]:
