@@ -17,6 +17,7 @@ decoders only, over mutual TLS (``peer/trust/tls.py``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import logging
 import queue
@@ -64,6 +65,17 @@ class ServerLimits:
     hello_timeout_s: float = 10.0  # the decoder's HELLO must arrive within this
     stall_timeout_s: float = 30.0  # inside a frame from the decoder
     receive_cap_bytes: int = 64 * MiB  # PREFILL payloads being read
+    max_handshakes: int = 32  # TLS handshakes in progress at once (before anyone is authenticated)
+    max_handshakes_per_address: int = 4
+    handshake_deadline_s: float = 15.0  # a whole TLS handshake, not each of its reads
+
+
+# accept() errors that say "not now" (out of descriptors or memory, a connection reset while it
+# queued): the loop waits a moment and accepts again instead of ending
+TRANSIENT_ACCEPT_ERRORS = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO, errno.EINTR}
+)
+ACCEPT_RETRY_S = 0.1
 
 
 class PrefillBackend(Protocol):
@@ -550,6 +562,8 @@ class PeerServer:
         self.stats = ServerStats()
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
+        self._handshakes: dict[str, int] = {}  # address -> TLS handshakes in progress
+        self._accept_errors_logged: set[int] = set()
         self.idle = threading.Condition(
             self._lock
         )  # notified when an export or connection ends, or a count moves
@@ -589,34 +603,95 @@ class PeerServer:
         self.close()
 
     def _accept_loop(self) -> None:
+        """Accept until ``close()``: an accept error that says "not now" (EMFILE, ENFILE,
+        ECONNABORTED, ...) waits a moment and accepts again (logged once per kind), so a flood of
+        connections can slow this server down but never stop it."""
         assert self._listener is not None
         while not self._closing.is_set():
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
-                return
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:  # the handshake runs on a thread of its own, never blocking accept
-                threading.Thread(target=self._admit_tls, args=(sock, addr), daemon=True).start()
-            else:
-                self._admit(sock, addr)
+            except OSError as e:
+                if self._closing.is_set():
+                    return
+                if e.errno not in TRANSIENT_ACCEPT_ERRORS:
+                    log.error("peer: accepting connections failed, no longer serving: %s", e)
+                    return
+                self.count("accept_errors")
+                if e.errno not in self._accept_errors_logged:
+                    self._accept_errors_logged.add(e.errno)
+                    log.warning("peer: accept failed (%s); retrying", e.strerror or e)
+                self._closing.wait(ACCEPT_RETRY_S)
+                continue
+            try:
+                if sock.family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.tls is not None:  # the handshake runs on a thread of its own, never blocking accept
+                    self._start_handshake(sock, addr)
+                else:
+                    self._admit(sock, addr)
+            except Exception as e:  # one connection's trouble never ends the loop
+                log.warning("peer: dropped a connection from %s: %s", addr, e)
+                with contextlib.suppress(OSError):
+                    sock.close()
 
-    def _admit_tls(self, sock: socket.socket, addr: Any) -> None:
+    def _start_handshake(self, sock: socket.socket, addr: Any) -> None:
+        """A TLS handshake on its own thread, within the caps: ``max_handshakes`` at once over all
+        addresses, ``max_handshakes_per_address`` from one address, each ended after
+        ``handshake_deadline_s`` whatever its reads do."""
+        who = addr[0] if isinstance(addr, tuple) else str(addr)
+        lim = self.limits
+        with self._lock:
+            busy = sum(self._handshakes.values()) >= lim.max_handshakes
+            busy = busy or self._handshakes.get(who, 0) >= lim.max_handshakes_per_address
+            if not busy:
+                self._handshakes[who] = self._handshakes.get(who, 0) + 1
+        if busy:
+            sock.close()
+            self.count("handshakes_refused")
+            return
+        timer = threading.Timer(lim.handshake_deadline_s, _shut, args=(sock,))
+        timer.daemon = True
+
+        def run() -> None:
+            try:
+                self._admit_tls(sock, addr, timer)
+            except Exception as e:  # logged once, never an uncaught thread error
+                log.warning("peer: the TLS handshake with %s failed: %s", who, e)
+                with contextlib.suppress(OSError):
+                    sock.close()
+            finally:
+                timer.cancel()
+                with self._lock:
+                    left = self._handshakes.get(who, 1) - 1
+                    if left:
+                        self._handshakes[who] = left
+                    else:
+                        self._handshakes.pop(who, None)
+
+        timer.start()
+        threading.Thread(target=run, name=f"duet-peer-handshake {who}", daemon=True).start()
+
+    def _admit_tls(self, sock: socket.socket, addr: Any, deadline: threading.Timer | None = None) -> None:
         """TLS handshake and pin check before anything of the peer protocol; an unpaired decoder is
         refused (both sides say why) and never reaches ``Connection``."""
-        from peer.trust.tls import LinkMismatchError, PeerAuthError
+        from peer.trust.tls import HandshakeAbortedError, LinkMismatchError, PeerAuthError
 
         assert self.tls is not None
         who = addr[0] if isinstance(addr, tuple) else str(addr)
         try:
             tls, peer = self.tls.wrap_server(sock)
+        except HandshakeAbortedError as e:  # the deadline shut it, or the decoder went away
+            log.info("peer: %s (from %s)", e, who)
+            self.count("handshakes_failed")
+            return
         except PeerAuthError as e:
             log.warning("peer: %s (from %s)", e, who)
             self.count(
                 "connections_link_mismatch" if isinstance(e, LinkMismatchError) else "connections_unpaired"
             )
             return
+        if deadline is not None:
+            deadline.cancel()  # authenticated: the connection's own timeouts apply from here
         if self._closing.is_set():
             tls.close()
             return
@@ -695,6 +770,12 @@ class PeerServer:
         if not rate:
             return 0.0
         return (queued + tokens) / rate
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a handshake that ran past its deadline: its blocked read returns."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -183,6 +183,9 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     check_model_args(args)
     use_fast_blas()
+    from app.fd_limit import raise_fd_limit
+
+    raise_fd_limit()  # as duet serve does: many connections meet the server's caps, not EMFILE
     sock = listen(args.host, args.port)  # a taken port fails before the model loads
     try:
         engine = build_engine(args.model, config)

@@ -6,7 +6,7 @@ or a few bytes a minute, holds a file descriptor for ever, and a few thousand of
 exhaust the descriptor limit, after which every ``accept()`` failed (and asyncio logged each
 failure with a traceback). Here:
 
-- ``raise_fd_limit`` lifts the soft descriptor limit to the hard one at start;
+- ``raise_fd_limit`` (app/fd_limit.py) lifts the soft descriptor limit to the hard one at start;
 - ``protocol_class`` gives uvicorn an h11 protocol that closes a connection whose request headers
   are not complete ``header_timeout`` seconds after its first byte (or after it connected), and
   one that keeps sending a body after its response was sent (a refused body) for longer than
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import time
 
 import h11
@@ -32,20 +31,6 @@ log = logging.getLogger("duet.server.connections")
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 2048
 _FD_RESERVE = 256  # descriptors kept for the model files, the engine, logs and the listener
-
-
-def raise_fd_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit (macOS caps it lower); returns the soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    for want in (hard, 1 << 20, 10240):
-        if want == resource.RLIM_INFINITY or want <= soft or (hard != resource.RLIM_INFINITY and want > hard):
-            continue
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):
-            continue
-        return want
-    return soft
 
 
 def connection_cap(fd_limit: int, wanted: int = DEFAULT_MAX_CONNECTIONS) -> int:

@@ -198,8 +198,10 @@ def _load_embedder(spec: str | None):
 
 
 def serve(args) -> int:
+    from app.fd_limit import raise_fd_limit
+
     from .app import create_app
-    from .connections import connection_cap, protocol_class, raise_fd_limit, rate_limit_logs
+    from .connections import connection_cap, protocol_class, rate_limit_logs
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack to stderr, for a stuck server

@@ -62,6 +62,11 @@ class LinkMismatchError(PeerAuthError):
     """Both sides are paired, but one asked for a trusted link and the other for TLS."""
 
 
+class HandshakeAbortedError(PeerAuthError):
+    """The TLS handshake ended before anyone was authenticated: the other side went away, or it
+    ran past its deadline (a connection that never speaks)."""
+
+
 def _link_message(link: str, secret: bytes) -> bytes:
     return LINK_MAGIC + bytes([LINK_VERSION, LINKS.index(link)]) + secret
 
@@ -171,7 +176,7 @@ def accept_tls(
         raise _refusal(e, "a client") from None
     except OSError as e:
         sock.close()
-        raise PeerAuthError(f"TLS handshake with a client failed: {e}") from None
+        raise HandshakeAbortedError(f"TLS handshake with a client failed: {e}") from None
     name = "a client"
     try:
         peer = _pinned(tls, peers)
