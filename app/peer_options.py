@@ -94,7 +94,8 @@ def check_peer_args(args: argparse.Namespace) -> None:
         network = [h for h, _ in parse_peers(getattr(args, "peers", None)) if tls_for_address(h, "--peers")]
         if link == "trusted" and not network and not peers_auto(args):
             raise ConfigError(
-                "--peer-link trusted applies to peers on a network address (a loopback peer is plain TCP)",
+                "--peer-link trusted applies to peers on a network address (a loopback peer is authenticated "
+                "by this user's local peer secret, not TLS)",
                 "peer_link",
             )
         if peers_auto(args):

@@ -40,18 +40,23 @@ def attach_peers(engine: Any, spec: PeerSpec, *, wait_s: float | None = None) ->
         return []
     from peer.client import PeerTimeouts, RemotePrefillSource
     from peer.identity import model_fingerprint
-    from peer.trust.tls import tls_for_address
+    from peer.trust.link_security import PeerSecurity, security_for
+    from peer.trust.tls import PeerTLS
 
     model_fingerprint(engine.loaded.path)  # hashed here, not on the worker (attach finds it memoised)
     timeouts = PeerTimeouts()
     sources = []
-    targets: list[tuple[str, int, str | None]] = [(h, p, None) for h, p in spec.addresses]
+    targets: list[tuple[str, int, str | None, str | None]] = [(h, p, None, None) for h, p in spec.addresses]
     if spec.auto:
         targets += discovered(spec.interfaces)
-    for host, port, name in targets:
-        # a peer on a network: mutual TLS, paired only (then a trusted link if asked for)
-        tls = tls_for_address(host, "--peers", link=spec.link)
-        src = RemotePrefillSource(host, port, policy=spec.mode, timeouts=timeouts, tls=tls, name=name)
+    for host, port, name, pin in targets:
+        if pin is None:  # TLS with a paired machine over a network, the local secret on loopback
+            security = security_for(host, "--peers", link=spec.link)
+        else:  # found over mDNS: TLS always, with the paired machine the advert claims to be
+            security = PeerSecurity(tls=PeerTLS.load(link=spec.link), expect=pin)
+        src = RemotePrefillSource(
+            host, port, policy=spec.mode, timeouts=timeouts, security=security, name=name
+        )
         sources.append(src)
         engine.add_kv_source(src)  # the worker attaches it: HELLO from the pool, connecting
     engine.run_on_worker(lambda: None, 300)  # every source is attached
@@ -63,20 +68,26 @@ def attach_peers(engine: Any, spec: PeerSpec, *, wait_s: float | None = None) ->
 
 def discovered(
     interfaces: tuple[str, ...] = (), timeout: float = AUTO_BROWSE_S
-) -> list[tuple[str, int, str | None]]:
-    """Paired machines advertised on ``interfaces`` (every interface without): (address, port, name)."""
+) -> list[tuple[str, int, str | None, str | None]]:
+    """Paired machines advertised on ``interfaces`` (every interface without): (address, port,
+    name, fingerprint of the paired machine the advert claims to be, which TLS then requires).
+    Loopback addresses in an advert are never used (``DiscoveredPeer.best_address``)."""
     from peer.discovery import discover_paired
     from peer.interfaces import list_nics
     from peer.trust.keys import PairedPeers
 
-    paired = {p.short_id: p.name for p in PairedPeers().load().values()}
+    paired = {p.short_id: p for p in PairedPeers().load().values()}
     found = discover_paired(list(interfaces) or None, set(paired), timeout)
     if not found:
         log.warning(
             "peer: --peers auto found no paired machine advertising within %g s; prefilling here", timeout
         )
     nics = list_nics()  # with several interfaces, a peer's address through the fastest one first
-    return [(addr, p.port, paired[p.short_id]) for p in found if (addr := p.best_address(nics))]
+    return [
+        (addr, p.port, paired[p.short_id].name, paired[p.short_id].fingerprint)
+        for p in found
+        if (addr := p.best_address(nics))
+    ]
 
 
 def sources_of(engine: Any) -> list[RemotePrefillSource]:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource, LandedKV
 from peer.connection import Backoff, Conn, PeerTimeouts, open_connection
 from peer.planner import Decision, Planner, PromptMemory
+from peer.trust.link_security import PeerSecurity
 from peer.wire.framing import Frame, encode_message, encode_prefill, send_frame
 from peer.wire.handshake import inexact_reasons
 from peer.wire.kv_wire import KVFormat, decode_layer
@@ -121,6 +122,7 @@ class RemotePrefillSource(KVSource):
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         tls: PeerTLS | None = None,
+        security: PeerSecurity | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
@@ -130,7 +132,10 @@ class RemotePrefillSource(KVSource):
         self.backoff = backoff or Backoff()
         self.buffer_cap = buffer_cap_bytes
         self.clock = clock
-        self.tls = tls  # mutual TLS 1.3 with a paired peer (peer/trust/tls.py), before the HELLO
+        # per connection, from the address reached (peer/trust/link_security.py): mutual TLS 1.3 with
+        # a paired peer over a network, this user's local secret on loopback; ``tls`` alone: TLS only
+        self.security = security or PeerSecurity(tls=tls)
+        self.tls = self.security.tls
         self.local: Hello | None = None
         self.remote: Hello | None = None
         self.fmt: KVFormat | None = None
@@ -210,7 +215,7 @@ class RemotePrefillSource(KVSource):
                 self.fmt,
                 timeouts=self.timeouts,
                 buffer_cap=self.buffer_cap,
-                tls=self.tls,
+                security=self.security,
                 name=self.name,
             )
         except ProtocolError as e:
@@ -229,6 +234,8 @@ class RemotePrefillSource(KVSource):
                 self._connected.notify_all()
                 return
             self._conn, self.remote, self.inexact = conn, remote, inexact
+            if conn.peer is not None and self.security.tls is not None:
+                self.security.pin(conn.peer)  # reconnects must reach the same machine
             self._retry_at = 0.0
             for target, what in ((self._read_loop, "read"), (self._send_loop, "send")):
                 t = threading.Thread(

@@ -19,7 +19,8 @@ from peer.wire.kv_wire import KVFormat
 from peer.wire.protocol import Error, ErrorCode, Hello, ProtocolError
 
 if TYPE_CHECKING:
-    from peer.trust.tls import PeerTLS
+    from peer.trust.keys import PairedPeer
+    from peer.trust.link_security import PeerSecurity
 
 
 @dataclass
@@ -42,8 +43,15 @@ class Backoff:
 class Conn:
     """One live connection: its socket, reader (recv_into a byte-capped pool) and sender thread."""
 
-    def __init__(self, sock: socket.socket | MacSocket, reader: FrameReader, remote: Hello):
+    def __init__(
+        self,
+        sock: socket.socket | MacSocket,
+        reader: FrameReader,
+        remote: Hello,
+        peer: PairedPeer | None = None,
+    ):
         self.sock, self.reader, self.remote = sock, reader, remote
+        self.peer = peer  # who authenticated (None on a plain link)
         self.out: queue.Queue[list | None] = queue.Queue()
         self.closed = threading.Event()
         self.wake_r, self.wake_w = socket.socketpair()
@@ -81,13 +89,15 @@ def open_connection(
     *,
     timeouts: PeerTimeouts,
     buffer_cap: int,
-    tls: PeerTLS | None,
+    security: PeerSecurity | None,
     name: str,
 ) -> Conn:
-    """Connect to ``host:port`` (mutual TLS with ``tls``), send our HELLO, read and check the
-    peer's. Raises ``ProtocolError`` for any failure, the socket closed; nothing of the model or
-    a prompt is sent before the peer is authenticated."""
+    """Connect to ``host:port``, authenticate the peer as ``security`` says for the address actually
+    reached (mutual TLS, pinned, over a network; this user's local secret on loopback), send our
+    HELLO, read and check the peer's. Raises ``ProtocolError`` for any failure, the socket closed;
+    nothing of the model or a prompt is sent before the peer is authenticated."""
     sock: socket.socket | MacSocket | None = None
+    peer: PairedPeer | None = None
     try:
         try:
             sock = socket.create_connection((host, port), timeout=timeouts.connect_s)
@@ -95,12 +105,17 @@ def open_connection(
             raise ProtocolError(ErrorCode.DISCONNECTED, f"cannot connect: {e.strerror or e}") from None
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls is not None:
-            from peer.trust.tls import PeerAuthError
+        if security is not None:
+            from peer.trust.tls import PeerAuthError, PeerTLS
 
             try:
-                sock = tls.wrap_client(sock, who=name)[0]
+                guard = security.guard_for(sock.getpeername()[0] if sock.family != socket.AF_UNIX else None)
+                if guard is not None:
+                    sock, peer = guard.wrap_client(sock, who=name)
+                    if isinstance(guard, PeerTLS):
+                        security.check_pin(peer, name)
             except PeerAuthError as e:  # nothing of the model or prompt was sent
+                sock.close()
                 sock = None
                 raise ProtocolError(ErrorCode.DISCONNECTED, str(e)) from None
         try:
@@ -124,7 +139,7 @@ def open_connection(
         if not isinstance(remote, Hello):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"expected HELLO, got {remote.TYPE.value}")
         check_peer(local, remote)
-        return Conn(sock, reader, remote)
+        return Conn(sock, reader, remote, peer)
     except ProtocolError:
         if sock is not None:
             sock.close()

@@ -211,7 +211,8 @@ class DiscoveredPeer:
         return self.txt.get("id", "")
 
     def best_address(self, nics: list[Any] | None = None) -> str | None:
-        """The address to connect to: IPv4 first, then global IPv6, then IPv6 link-local with its
+        """The address to connect to (never a loopback, unspecified or multicast one: any local user
+        can advertise a copy of a peer's public record pointing at a port it listens on): IPv4 first, then global IPv6, then IPv6 link-local with its
         scope id kept (``fe80::1%eth0``: without it the address is ambiguous). With ``nics`` (this
         machine's, ``peer.interfaces.list_nics()``) an address reached through the fastest
         interface comes first (``peer.interfaces.rank_addresses``)."""
@@ -224,7 +225,7 @@ class DiscoveredPeer:
             ip = ipaddress.ip_address(a.split("%")[0])
             return "%" in a or not (ip.version == 6 and ip.is_link_local)
 
-        usable = [a for a in self.addresses if scoped_or_routable(a)]
+        usable = [a for a in self.addresses if remote_address(a) and scoped_or_routable(a)]
         if usable and nics:
             from peer.interfaces import rank_addresses
 
@@ -246,6 +247,15 @@ class DiscoveredPeer:
             "protocol": t.get("v", ""),
             "paired": paired,
         }
+
+
+def remote_address(address: str) -> bool:
+    """Whether an advertised address can be another machine's: not loopback, unspecified or multicast."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return False
+    return not (ip.is_loopback or ip.is_unspecified or ip.is_multicast)
 
 
 def _decode_txt(props: dict[bytes, bytes | None]) -> dict[str, str]:
@@ -382,12 +392,14 @@ def discover_paired(
     interfaces: list[str] | None, paired_ids: set[str], timeout: float
 ) -> list[DiscoveredPeer]:
     """The advertised peers whose short id is a paired machine's, seen on ``interfaces`` (None: every
-    interface) within ``timeout`` seconds (returns as soon as one is seen). A TXT id can be forged:
-    TLS pins the certificate when connecting, so a forger is refused there."""
+    interface) within ``timeout`` seconds (returns as soon as one is seen). A TXT id or an address
+    can be forged: the caller connects over TLS pinned to the certificate of the paired machine
+    whose id the advert claims (``peer.attach.discovered``), never to a loopback address, so a
+    forger is refused before any byte of a prompt."""
 
     def paired(peers: list[DiscoveredPeer]) -> bool:
-        return any(p.short_id in paired_ids and p.addresses for p in peers)
+        return any(p.short_id in paired_ids and p.best_address() for p in peers)
 
     with Browser(interfaces) as browser:
         seen = browser.wait_until(paired, timeout)
-    return [p for p in seen if p.short_id in paired_ids and p.addresses]
+    return [p for p in seen if p.short_id in paired_ids and p.best_address()]

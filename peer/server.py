@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from mlx_engine.errors import ConfigError, QueueFullError, RequestError
+from peer.trust.link_security import PeerSecurity
 from peer.wire.frame_mac import MacSocket
 from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, send_frame
 from peer.wire.handshake import check_peer
@@ -49,6 +50,7 @@ from peer.wire.protocol import (
 )
 
 if TYPE_CHECKING:
+    from peer.trust.keys import PairedPeer
     from peer.trust.tls import PeerTLS
 
 log = logging.getLogger("duet.peer.server")
@@ -301,6 +303,7 @@ class Connection:
         self.name = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr or "unix")
         self.jobs: dict[tuple[str, int], ExportJob] = {}
         self.remote: Hello | None = None
+        self.peer: PairedPeer | None = None  # who authenticated (None on a plain link)
         self.wire: KVFormat | None = None
         self._out: queue.Queue[_Out | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -543,6 +546,7 @@ class PeerServer:
         connection_class: type[Connection] = Connection,
         sock: socket.socket | None = None,
         tls: PeerTLS | None = None,
+        security: PeerSecurity | None = None,
         send_after_prefill: bool = False,
     ):
         self.backend, self.hello = backend, hello
@@ -550,7 +554,10 @@ class PeerServer:
         # whole prefill is done, then send them (exo's released design), instead of each layer as
         # soon as it is computed
         self.send_after_prefill = send_after_prefill
-        self.tls = tls  # every connection mutual TLS 1.3 with a paired decoder (peer/trust/tls.py)
+        # per connection, from the address that connected (peer/trust/link_security.py): mutual TLS
+        # 1.3 with a paired decoder from a network, this user's local secret from loopback
+        self.security = security or PeerSecurity(tls=tls)
+        self.tls = self.security.tls
         self.limits = limits or ServerLimits()
         self.connection_class = connection_class
         self.host, self.port = host, port
@@ -625,7 +632,7 @@ class PeerServer:
             try:
                 if sock.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self.tls is not None:  # the handshake runs on a thread of its own, never blocking accept
+                if self.security.tls or self.security.local:  # handshakes on their own threads, capped
                     self._start_handshake(sock, addr)
                 else:
                     self._admit(sock, addr)
@@ -672,20 +679,26 @@ class PeerServer:
         threading.Thread(target=run, name=f"duet-peer-handshake {who}", daemon=True).start()
 
     def _admit_tls(self, sock: socket.socket, addr: Any, deadline: threading.Timer | None = None) -> None:
-        """TLS handshake and pin check before anything of the peer protocol; an unpaired decoder is
-        refused (both sides say why) and never reaches ``Connection``."""
+        """Authenticate before anything of the peer protocol, as ``self.security`` says for the
+        address that connected: mutual TLS and the pin check from a network, this user's local
+        secret from loopback. A refused decoder (both sides say why) never reaches ``Connection``."""
         from peer.trust.tls import HandshakeAbortedError, LinkMismatchError, PeerAuthError
 
-        assert self.tls is not None
         who = addr[0] if isinstance(addr, tuple) else str(addr)
         try:
-            tls, peer = self.tls.wrap_server(sock)
+            guard = self.security.guard_for(addr[0] if isinstance(addr, tuple) else None)
+            if guard is None:  # loopback with neither guard: a plain link (tests, library use)
+                self._admit(sock, addr)
+                return
+            authed, peer = guard.wrap_server(sock)
         except HandshakeAbortedError as e:  # the deadline shut it, or the decoder went away
             log.info("peer: %s (from %s)", e, who)
             self.count("handshakes_failed")
             return
         except PeerAuthError as e:
             log.warning("peer: %s (from %s)", e, who)
+            with contextlib.suppress(OSError):
+                sock.close()
             self.count(
                 "connections_link_mismatch" if isinstance(e, LinkMismatchError) else "connections_unpaired"
             )
@@ -693,21 +706,24 @@ class PeerServer:
         if deadline is not None:
             deadline.cancel()  # authenticated: the connection's own timeouts apply from here
         if self._closing.is_set():
-            tls.close()
+            authed.close()
             return
-        if self.tls.link == "trusted":
+        if guard.link == "trusted":
             log.info(
                 "peer: %s is paired decoder %s (TLS 1.3 handshake; trusted link: frames authenticated, "
                 "not encrypted)",
                 who,
                 peer.name,
             )
+        elif guard.link == "local":
+            log.info("peer: %s is %s (local peer secret)", who, peer.name)
         else:
             log.info("peer: %s is paired decoder %s (TLS 1.3)", who, peer.name)
-        self._admit(tls, addr)
+        self._admit(authed, addr, peer)
 
-    def _admit(self, sock: socket.socket | MacSocket, addr: Any) -> None:
+    def _admit(self, sock: socket.socket | MacSocket, addr: Any, peer: PairedPeer | None = None) -> None:
         conn = self.connection_class(self, sock, addr)
+        conn.peer = peer
         with self._lock:
             full = len(self._conns) >= self.limits.max_connections
             if not full:

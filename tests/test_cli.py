@@ -20,7 +20,10 @@ from app import cli, options
 from app.commands import chat as chat_command
 from mlx_engine import defaults
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+def env() -> dict[str, str]:
+    """Read when the process starts: the suite's per-user directories (conftest) are set after import."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def duet(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -31,7 +34,7 @@ def duet(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=ENV,
+        env=env(),
     )
 
 

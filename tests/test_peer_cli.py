@@ -21,7 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from app import cli
 from tests.test_server_harness import ServerProcess
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+def env() -> dict[str, str]:
+    """Read when a process starts, not at import: the suite's per-user directories (conftest) are set
+    after collection, and a peer and its decoder must share one config directory (its local secret)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 WAIT = 180.0  # a deadline for hangs only
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
 
@@ -33,7 +39,7 @@ def duet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=ENV,
+        env=env(),
     )
 
 
@@ -47,7 +53,7 @@ class PeerProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env=ENV,
+            env=env(),
         )
         self.lines: list[str] = []
         self.port: int | None = None

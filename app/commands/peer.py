@@ -38,8 +38,8 @@ def add_peer_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser]
     s.add_argument(
         "--host",
         default="127.0.0.1",
-        help="address to listen on: loopback (127.0.0.1, the default) serves this machine over plain "
-        "TCP; any other address serves paired machines only, over mutual TLS 1.3 (docs/peers.md)",
+        help="address to listen on: loopback (127.0.0.1, the default) serves this user's processes "
+        "(authenticated by the local peer secret); any other address serves paired machines only, over mutual TLS 1.3 (docs/peers.md)",
     )
     s.add_argument(
         "--port",
@@ -158,12 +158,14 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
     from app.options import check_model_args, engine_config, use_fast_blas
     from peer.identity import local_hello
     from peer.server import EngineBackend, PeerServer, ServerLimits, listen
-    from peer.trust.tls import tls_for_address
+    from peer.trust.link_security import security_for
     from peer.wire.handshake import check_supported
     from peer.wire.protocol import ProtocolError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    tls = tls_for_address(args.host, link=args.link)  # not loopback: paired decoders only, mutual TLS
+    # from a network: paired decoders only, mutual TLS; from loopback: this user's local secret
+    security = security_for(args.host, link=args.link)
+    tls = security.tls if not _is_loopback_host(args.host) else None
     if tls is None and args.link != "tls":
         raise ConfigError(
             f"--link {args.link} applies to a network --host (loopback {args.host} is plain TCP to this "
@@ -200,7 +202,7 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
         except ProtocolError as e:
             raise ConfigError(f"{engine.model_name} cannot serve remote prefill: {e}", "model") from None
         server = PeerServer(
-            EngineBackend(engine), hello, args.host, limits=limits, sock=sock, tls=tls
+            EngineBackend(engine), hello, args.host, limits=limits, sock=sock, security=security
         ).start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -218,6 +220,13 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if tls is None:
+            print(
+                "duet: loopback connections are this user's processes only (the local peer secret in "
+                "the config directory authenticates both sides)",
+                file=sys.stderr,
+                flush=True,
+            )
         advertiser = _advertise(args, tls, hello, server.port, engine) if tls else None
         try:
             stop.wait()
@@ -229,6 +238,12 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
         sock.close()
         engine.shutdown()
     return 0
+
+
+def _is_loopback_host(host: str) -> bool:
+    from peer.trust.tls import is_loopback
+
+    return is_loopback(host)
 
 
 def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine: Any) -> Any:
