@@ -43,6 +43,36 @@ def prefill(port: int, security: PeerSecurity, name: str = "gpu") -> tuple[bool,
         src.close()
 
 
+class Listener:
+    """A plain TCP listener on loopback that records what one connection sends (``answer``: what it
+    says back to the first bytes)."""
+
+    def __init__(self, answer=None):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.got = bytearray()
+        self.answer = answer
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(5)
+            try:
+                while chunk := conn.recv(4096):
+                    if self.answer is not None and not self.got:
+                        conn.sendall(self.answer(chunk))
+                    self.got.extend(chunk)
+            except OSError:
+                pass
+
+    def close(self) -> bytes:
+        self.thread.join(WAIT)
+        self.sock.close()
+        return bytes(self.got)
+
+
 def local(tmp_path, who: str) -> PeerSecurity:
     return PeerSecurity(local=LocalAuth.load(tmp_path / who))
 
@@ -77,34 +107,16 @@ def test_a_loopback_peer_serves_processes_holding_the_users_secret_only(tmp_path
 def test_a_listener_squatting_the_port_gets_no_prompt(tmp_path):
     """Another local user binds the peer's port while it is down: the decoder sends only its
     authentication header (magic, version, a random nonce) and refuses what comes back."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    got = bytearray()
-
-    def squat() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.settimeout(WAIT)
-            head = conn.recv(4096)
-            got.extend(head)
-            conn.sendall(head[:9] + b"\0" * 64)  # echoes the header, forges a nonce and a proof
-            try:
-                while chunk := conn.recv(4096):
-                    got.extend(chunk)
-            except OSError:
-                pass
-
-    t = threading.Thread(target=squat, daemon=True)
-    t.start()
-    ok, src = prefill(listener.getsockname()[1], local(tmp_path, "me"))
-    t.join(WAIT)
-    listener.close()
+    squatter = Listener(lambda head: head[:9] + b"\0" * 64)  # echoes the header, forges nonce and proof
+    ok, src = prefill(squatter.port, local(tmp_path, "me"))
+    got = squatter.close()
     assert (
         not ok
         and src.last_error is not None
         and "does not hold this user's local peer secret" in src.last_error[1]
     )
     assert len(got) == 8 + 1 + 32  # DUETLOCL, the version, the nonce: nothing of the model or prompt
-    assert bytes(TOKENS[:4]) not in got and b"hello" not in bytes(got).lower()
+    assert bytes(TOKENS[:4]) not in got and b"hello" not in got.lower()
 
 
 def test_idle_local_connections_cannot_lock_the_real_decoder_out(tmp_path):
@@ -138,21 +150,7 @@ def test_the_choice_is_made_per_connection_from_the_address_reached(tmp_path, mo
     decoder needs TLS there (it has none: refused, nothing sent), not the plain or local link."""
     import peer.connection as connection
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    received = bytearray()
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.settimeout(5)
-            try:
-                while chunk := conn.recv(4096):
-                    received.extend(chunk)
-            except OSError:
-                pass
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
+    listener = Listener()
     real = socket.create_connection
 
     class Elsewhere(socket.socket):
@@ -164,13 +162,11 @@ def test_the_choice_is_made_per_connection_from_the_address_reached(tmp_path, mo
         return Elsewhere(fileno=s.detach())
 
     monkeypatch.setattr(connection.socket, "create_connection", create_connection)
-    ok, src = prefill(listener.getsockname()[1], local(tmp_path, "me"))
-    t.join(WAIT)
-    listener.close()
+    ok, src = prefill(listener.port, local(tmp_path, "me"))
     assert (
         not ok and src.last_error is not None and "never runs plain TCP over a network" in src.last_error[1]
     )
-    assert received == b""
+    assert listener.close() == b""
     with pytest.raises(PeerAuthError, match="network address"):  # the server side decides the same way
         local(tmp_path, "me").guard_for("192.0.2.7")
     assert local(tmp_path, "me").guard_for("127.0.0.1") is not None

@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from peer.trust.keys import PairedPeer, _private_dir, _write_private, config_dir
@@ -102,53 +103,59 @@ class LocalAuth:
 
     def wrap_server(self, sock: socket.socket) -> tuple[socket.socket, PairedPeer]:
         """Server side; ``PeerAuthError`` (socket closed) when the client does not hold the secret."""
-        try:
-            sock.settimeout(self.timeout)
-            _check_header(_read_exact(sock, len(MAGIC) + 1))
-            nonce_c = _read_exact(sock, NONCE_BYTES)
-            nonce_s = os.urandom(NONCE_BYTES)
-            sock.sendall(
-                MAGIC + bytes([VERSION]) + nonce_s + _proof(self._secret, b"server", nonce_c, nonce_s)
-            )
-            theirs = _read_exact(sock, PROOF_BYTES)
-            if not hmac.compare_digest(theirs, _proof(self._secret, b"client", nonce_c, nonce_s)):
-                raise PeerAuthError(
-                    "refused a local client: it does not hold this user's local peer secret "
-                    "(another user's process, or another config directory)"
-                )
-            sock.sendall(ACCEPTED)
-            sock.settimeout(None)
-            return sock, LOCAL_PEER
-        except PeerAuthError:
-            sock.close()
-            raise
-        except OSError as e:
-            sock.close()
-            raise HandshakeAbortedError(f"local authentication with a client failed: {e}") from None
+        return _guarded(sock, self.timeout, self._serve, "a client", HandshakeAbortedError)
 
     def wrap_client(self, sock: socket.socket, who: str = "the peer") -> tuple[socket.socket, PairedPeer]:
         """Client side: nothing of the model or a prompt is sent before the server proved it holds
         the secret; ``PeerAuthError`` (socket closed) otherwise."""
-        try:
-            sock.settimeout(self.timeout)
-            nonce_c = os.urandom(NONCE_BYTES)
-            sock.sendall(MAGIC + bytes([VERSION]) + nonce_c)
-            _check_header(_read_exact(sock, len(MAGIC) + 1))
-            nonce_s = _read_exact(sock, NONCE_BYTES)
-            proof = _read_exact(sock, PROOF_BYTES)
-            if not hmac.compare_digest(proof, _proof(self._secret, b"server", nonce_c, nonce_s)):
-                raise PeerAuthError(
-                    f"{who} does not hold this user's local peer secret: not this user's prefill peer "
-                    "(another user's listener on the port?); nothing was sent to it"
-                )
-            sock.sendall(_proof(self._secret, b"client", nonce_c, nonce_s))
-            if _read_exact(sock, 1) != ACCEPTED:
-                raise PeerAuthError(f"{who} refused this process's local authentication")
-            sock.settimeout(None)
-            return sock, LOCAL_PEER
-        except PeerAuthError:
-            sock.close()
-            raise
-        except OSError as e:
-            sock.close()
-            raise PeerAuthError(f"local authentication with {who} failed: {e}") from None
+        return _guarded(sock, self.timeout, lambda s: self._connect(s, who), who, PeerAuthError)
+
+    def _serve(self, sock: socket.socket) -> None:
+        _check_header(_read_exact(sock, len(MAGIC) + 1))
+        nonce_c = _read_exact(sock, NONCE_BYTES)
+        nonce_s = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + bytes([VERSION]) + nonce_s + _proof(self._secret, b"server", nonce_c, nonce_s))
+        theirs = _read_exact(sock, PROOF_BYTES)
+        if not hmac.compare_digest(theirs, _proof(self._secret, b"client", nonce_c, nonce_s)):
+            raise PeerAuthError(
+                "refused a local client: it does not hold this user's local peer secret "
+                "(another user's process, or another config directory)"
+            )
+        sock.sendall(ACCEPTED)
+
+    def _connect(self, sock: socket.socket, who: str) -> None:
+        nonce_c = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + bytes([VERSION]) + nonce_c)
+        _check_header(_read_exact(sock, len(MAGIC) + 1))
+        nonce_s = _read_exact(sock, NONCE_BYTES)
+        proof = _read_exact(sock, PROOF_BYTES)
+        if not hmac.compare_digest(proof, _proof(self._secret, b"server", nonce_c, nonce_s)):
+            raise PeerAuthError(
+                f"{who} does not hold this user's local peer secret: not this user's prefill peer "
+                "(another user's listener on the port?); nothing was sent to it"
+            )
+        sock.sendall(_proof(self._secret, b"client", nonce_c, nonce_s))
+        if _read_exact(sock, 1) != ACCEPTED:
+            raise PeerAuthError(f"{who} refused this process's local authentication")
+
+
+def _guarded(
+    sock: socket.socket,
+    timeout: float,
+    run: Callable[[socket.socket], None],
+    who: str,
+    io_error: type[PeerAuthError],
+) -> tuple[socket.socket, PairedPeer]:
+    """Run one side of the exchange within ``timeout`` per read; any failure closes the socket and
+    raises a ``PeerAuthError`` (``io_error`` for a connection that broke)."""
+    try:
+        sock.settimeout(timeout)
+        run(sock)
+        sock.settimeout(None)
+        return sock, LOCAL_PEER
+    except PeerAuthError:
+        sock.close()
+        raise
+    except OSError as e:
+        sock.close()
+        raise io_error(f"local authentication with {who} failed: {e}") from None
