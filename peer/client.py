@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource, LandedKV
 from peer.connection import Backoff, Conn, PeerTimeouts, open_connection
 from peer.planner import Decision, Planner, PromptMemory
-from peer.trust.link_security import PeerSecurity
+from peer.trust.link_security import PairingWatch, PeerSecurity
 from peer.wire.framing import Frame, encode_message, encode_prefill, send_frame
 from peer.wire.handshake import inexact_reasons
-from peer.wire.kv_wire import KVFormat, decode_layer
+from peer.wire.kv_wire import KVFormat, decode_layer, nonfinite_part
 from peer.wire.protocol import (
     Accept,
     Busy,
@@ -96,6 +96,7 @@ class _Load:
     t_sent: float = field(default_factory=time.monotonic)
     t_first: float | None = None
     predicted_compute_s: float = 0.0  # the planner's estimate of the peer's compute (its queue)
+    hard_deadline: float = float("inf")  # the whole load's (PeerTimeouts.load_deadline_s)
 
 
 class RemotePrefillSource(KVSource):
@@ -163,6 +164,7 @@ class RemotePrefillSource(KVSource):
         self._local_rate: float | None = None  # tokens/s of local prefill (EWMA, observe_local_prefill)
         self._local_rate_fn: Callable[[], float | None] | None = None
         self._closed = False
+        self._pairings = PairingWatch(self.tls.peers) if self.tls is not None else None
 
     # --- set-up ------------------------------------------------------------------------------
     def attach(self, engine: Engine) -> None:
@@ -354,6 +356,7 @@ class RemotePrefillSource(KVSource):
     def start_load(self, load: KVLoad, sink: KVSink) -> None:
         """Send the PREFILL (on the sender thread) and return; the layers arrive on the sink."""
         assert self.local is not None
+        self._drop_if_unpaired()
         with self._lock:
             conn = self._conn
             usable = conn is not None and not conn.closed.is_set() and not self._closed
@@ -377,6 +380,7 @@ class RemotePrefillSource(KVSource):
                     now + self.timeouts.first_byte_s,
                     LandedKV(self.local.num_layers),
                     t_sent=now,
+                    hard_deadline=now + self.timeouts.load_deadline_s(load.end - load.start),
                 )
                 if decision is not None and decision.estimate.compute_s is not None:
                     state.predicted_compute_s = decision.estimate.compute_s
@@ -391,6 +395,17 @@ class RemotePrefillSource(KVSource):
         msg_ = Prefill(load.request_id, load.load_id, load.end + 1, load.start, self.chunk_size)
         conn.out.put(encode_prefill(msg_, load.tokens[: load.end + 1]))
         conn.wake()  # the reader's deadline changed
+
+    def _drop_if_unpaired(self) -> None:
+        """A machine unpaired (``duet peer unpair``) since its connection opened: nothing more goes
+        to it (one stat of peers.json per load)."""
+        conn = self._conn
+        if self._pairings is None or conn is None or conn.peer is None or not conn.peer.fingerprint:
+            return
+        if conn.peer.fingerprint in self._pairings.unpaired({conn.peer.fingerprint}):
+            self._drop(
+                conn, ErrorCode.DISCONNECTED, f"{conn.peer.name} is no longer paired with this machine"
+            )
 
     def cancel(self, load_id: int) -> None:
         """The engine no longer wants this load: CANCEL it; no sink call follows."""
@@ -528,18 +543,18 @@ class RemotePrefillSource(KVSource):
             states = [s for s in self._loads.values() if s.conn is conn]
         nxt = None
         for s in states:
-            if s.deadline <= now:
+            if s.hard_deadline <= now:
+                limit = s.hard_deadline - s.t_sent
+                message = f"the load did not finish within its {limit:g} s deadline"
+            elif s.deadline <= now:
                 what = "no frame" if s.t_first is not None else "no reply"
                 limit = self.timeouts.stall_s if s.t_first is not None else self.timeouts.first_byte_s
-                self._fail(
-                    s,
-                    ErrorCode.TIMEOUT,
-                    f"{what} from the peer for {limit:g} s",
-                    cancel=True,
-                    unhealthy=True,
-                )
+                message = f"{what} from the peer for {limit:g} s"
             else:
-                nxt = s.deadline if nxt is None else min(nxt, s.deadline)
+                due = min(s.deadline, s.hard_deadline)
+                nxt = due if nxt is None else min(nxt, due)
+                continue
+            self._fail(s, ErrorCode.TIMEOUT, message, cancel=True, unhealthy=True)
         return None if nxt is None else max(nxt - now, 0.0)
 
     def _state(self, load_id: int, request_id: str) -> _Load | None:
@@ -562,11 +577,11 @@ class RemotePrefillSource(KVSource):
             s = self._state(msg.load_id, msg.request_id)
             if s is not None:
                 s.info.hit, s.info.eta_s = msg.hit, msg.eta_s
-                if s.info.accept_s is None:
+                if s.info.accept_s is None:  # only the first ACCEPT moves the deadline (by its ETA)
                     s.info.accept_s = now - s.t_sent
                     self.planner.observe_setup(s.info.accept_s)
-                if s.t_first is None:
-                    s.deadline = now + self.timeouts.first_byte_s + min(msg.eta_s, 3600.0)
+                    if s.t_first is None:
+                        s.deadline = now + self.timeouts.first_byte_s + min(max(msg.eta_s, 0.0), 3600.0)
         elif isinstance(msg, Busy):
             s = self._state(msg.load_id, msg.request_id)
             if s is not None:
@@ -604,6 +619,17 @@ class RemotePrefillSource(KVSource):
                 f"layer {msg.layer} tokens [{msg.t0}, {msg.t1}) are outside the load's "
                 f"[{s.load.start}, {s.load.end})",
             )
+        parts = decode_layer(frame, self.fmt)
+        if (bad := nonfinite_part(parts, self.fmt)) is not None:  # never into the pool, cache or disk
+            frame.release()
+            self._fail(
+                s,
+                ErrorCode.BAD_FRAME,
+                f"layer {msg.layer} tokens [{msg.t0}, {msg.t1}) hold NaN or Inf (part {bad})",
+                cancel=True,
+                unhealthy=True,
+            )
+            return
         now = self.clock()
         s.landed.add(msg.layer, msg.t0, msg.t1)
         s.deadline = now + self.timeouts.stall_s
@@ -613,7 +639,6 @@ class RemotePrefillSource(KVSource):
         s.info.bytes += frame.payload.nbytes
         s.info.link_s += read_s
         self.bytes_received += frame.payload.nbytes
-        parts = decode_layer(frame, self.fmt)
         s.sink.layer(msg.load_id, msg.layer, msg.t0, msg.t1, parts, release=frame.release)
 
     def _done(self, s: _Load, msg: Done, now: float) -> None:

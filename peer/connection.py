@@ -29,6 +29,13 @@ class PeerTimeouts:
     hello_s: float = 10.0  # the peer's HELLO after ours
     first_byte_s: float = 30.0  # PREFILL sent -> ACCEPT, and ACCEPT -> first LAYER_KV (plus the peer's ETA)
     stall_s: float = 10.0  # between two frames of one load, and inside a frame
+    # a whole load, PREFILL sent -> DONE, whatever its frames do (ACCEPTs, re-sent layers): load_s plus
+    # the load's tokens at min_rate_tps (a peer slower than that is no use for prefill anyway)
+    load_s: float = 120.0
+    min_rate_tps: float = 50.0
+
+    def load_deadline_s(self, tokens: int) -> float:
+        return self.load_s + max(tokens, 0) / self.min_rate_tps
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from mlx_engine.errors import ConfigError, QueueFullError, RequestError
-from peer.trust.link_security import PeerSecurity
+from peer.trust.link_security import PairingWatch, PeerSecurity
 from peer.wire.frame_mac import MacSocket
 from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, send_frame
 from peer.wire.handshake import check_peer
@@ -70,6 +70,9 @@ class ServerLimits:
     max_handshakes: int = 32  # TLS handshakes in progress at once (before anyone is authenticated)
     max_handshakes_per_address: int = 4
     handshake_deadline_s: float = 15.0  # a whole TLS handshake, not each of its reads
+    # PREFILL chunk_size at most this: a decoder's grid piece is one forward pass here (alone it may
+    # exceed the step's token budget), so an unbounded one is a whole-context pass preempting others
+    max_chunk_tokens: int = 2048
 
 
 # accept() errors that say "not now" (out of descriptors or memory, a connection reset while it
@@ -78,6 +81,7 @@ TRANSIENT_ACCEPT_ERRORS = frozenset(
     {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO, errno.EINTR}
 )
 ACCEPT_RETRY_S = 0.1
+PAIRING_POLL_S = 1.0  # how often the server looks for an unpairing (one stat of peers.json)
 
 
 class PrefillBackend(Protocol):
@@ -471,6 +475,17 @@ class Connection:
                 Error(ErrorCode.BAD_FRAME, "the prompt is longer than the decoder takes", *_key(msg))
             )
             return
+        if msg.chunk_size > server.limits.max_chunk_tokens:
+            server.count("refused_chunk_size")
+            self.queue_message(
+                Error(
+                    ErrorCode.BAD_FRAME,
+                    f"chunk_size {msg.chunk_size} is over this peer's limit of {server.limits.max_chunk_tokens} "
+                    "tokens",
+                    *_key(msg),
+                )
+            )
+            return
         with self._lock:
             if (msg.request_id, msg.load_id) in self.jobs:
                 self.queue_message(Error(ErrorCode.BAD_FRAME, "this load is already running", *_key(msg)))
@@ -584,7 +599,23 @@ class PeerServer:
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name="duet-peer-accept", daemon=True)
         self._thread.start()
+        if self.security.tls is not None:
+            threading.Thread(target=self._watch_pairings, name="duet-peer-pairings", daemon=True).start()
         return self
+
+    def _watch_pairings(self) -> None:
+        """Close the connections of a decoder that was unpaired (``duet peer unpair``) while connected."""
+        assert self.security.tls is not None
+        watch = PairingWatch(self.security.tls.peers)
+        while not self._closing.wait(PAIRING_POLL_S):
+            with self._lock:
+                conns = [c for c in self._conns if c.peer is not None and c.peer.fingerprint]
+            gone = watch.unpaired({c.peer.fingerprint for c in conns if c.peer is not None})
+            for c in conns:
+                if c.peer is not None and c.peer.fingerprint in gone:
+                    log.warning("peer: %s was unpaired: closing its connection %s", c.peer.name, c.name)
+                    self.count("connections_closed_unpaired")
+                    c.close()
 
     @property
     def address(self) -> tuple[str, int]:

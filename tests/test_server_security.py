@@ -24,9 +24,10 @@ import httpx
 import pytest
 import uvicorn
 
+from app.fd_limit import raise_fd_limit
 from app.server.app import create_app
 from app.server.common import max_prompt_chars
-from app.server.connections import RateLimitFilter, protocol_class, raise_fd_limit
+from app.server.connections import RateLimitFilter, protocol_class
 from app.server.errors import APIError
 from app.server.generation import check_fanout
 from app.server.security import SecurityMiddleware, SecurityPolicy

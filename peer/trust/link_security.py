@@ -17,10 +17,11 @@ later is refused: one paired machine cannot stand in for another).
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from peer.trust.keys import PairedPeer, short_id
+from peer.trust.keys import PairedPeer, PairedPeers, short_id
 from peer.trust.local_auth import LocalAuth
 from peer.trust.tls import PeerAuthError, PeerTLS, tls_for_address
 
@@ -75,8 +76,30 @@ def security_for(
     user's local authentication for loopback connections."""
     tls = tls_for_address(host, flag, directory, link)
     if tls is None:
-        from peer.trust.keys import PairedPeers
-
         if PairedPeers(directory).load():  # a loopback name may resolve to a network address later
             tls = PeerTLS.load(directory, link)
     return PeerSecurity(tls=tls, local=LocalAuth.load(directory))
+
+
+class PairingWatch:
+    """Notices ``duet peer unpair`` (another process) through ``peers.json``'s change time: each
+    side closes its open connections to a machine no longer paired, not only refuses the next."""
+
+    def __init__(self, peers: PairedPeers):
+        self.peers = peers
+        self._seen = self._stamp()
+
+    def _stamp(self) -> int | None:
+        try:
+            return os.stat(self.peers.path).st_mtime_ns
+        except OSError:
+            return None
+
+    def unpaired(self, fingerprints: set[str]) -> set[str]:
+        """Of ``fingerprints``, those no longer paired (empty, without reading, when nothing changed)."""
+        stamp = self._stamp()
+        if stamp == self._seen or not fingerprints:
+            return set()
+        self._seen = stamp
+        paired = {p.fingerprint for p in self.peers.load().values()}
+        return fingerprints - paired

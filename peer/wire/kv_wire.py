@@ -157,7 +157,7 @@ def decode_layer(frame: Frame, fmt: KVFormat) -> list[np.ndarray]:
 
 
 # the exponent bits of each wire float: all ones is an Inf or a NaN
-_EXPONENT = {
+_EXPONENT: dict[str, tuple[np.dtype, int]] = {
     "float32": (np.dtype("<u4"), 0x7F800000),
     "float16": (np.dtype("<u2"), 0x7C00),
     "bfloat16": (np.dtype("<u2"), 0x7F80),
