@@ -16,8 +16,8 @@ open it, and an open descriptor stays readable after the ``chmod``).
 - ``unsafe_dir_reason``: why a directory someone else may write to is not safe to read back from
   (not owned by this user, or writable by group or others), or None.
 
-Used by the app (``app/tui/store.py``, ``app/service.py``) and meant for the engine too, which is
-why it lives here (kernels <- mlx_engine <- peer <- app).
+Used by the engine (``kv_cache/prefix_disk.py``) and the app (``app/tui/store.py``,
+``app/service.py``), which is why it lives here (kernels <- mlx_engine <- peer <- app).
 """
 
 from __future__ import annotations
