@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine.errors import ConfigError
+from mlx_engine.private_files import private_dir, write_private
 
 ROLES = ("serve", "peer")
 MANAGERS = ("launchd", "systemd")
@@ -215,11 +216,17 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-def _write(path: Path, data: bytes, mode: int = 0o644) -> None:
+def _write(path: Path, data: bytes, private: bool = False) -> None:
+    """Write ``path`` whole (a temporary file renamed over it). ``private``: a file that may hold a
+    key (``--env``), created 0600, never readable by others even for a moment; otherwise 0644 (a
+    unit file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if private:
+        write_private(path, data)
+        return
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
-    tmp.chmod(mode)
+    tmp.chmod(0o644)
     tmp.replace(path)
 
 
@@ -272,14 +279,15 @@ def install(
     argv = program(service, None if app else duet_executable(executable), app)
     files = [str(service.unit_path)]
     if service.manager == "launchd":
-        Path(service.logs[0]).parent.mkdir(parents=True, exist_ok=True)
+        private_dir(Path(service.logs[0]).parent)  # ~/Library/Logs/duet: what the server logs is private
         data = plistlib.dumps(launchd_plist(service, argv + extra, env, app=app))
         if service.unit_path.is_file() and run is not None:  # reinstall: unload the old one first
             _apply(_commands(service, "stop"), run, must=False)
-        _write(service.unit_path, data, 0o600)  # --env may carry a key
+        _write(service.unit_path, data, private=True)  # --env may carry a key
     else:
         assert service.env_path is not None
-        _write(service.env_path, env_file(service, extra, env).encode(), 0o600)
+        private_dir(service.env_path.parent)  # ~/.config/duet: Duet's own, 0700
+        _write(service.env_path, env_file(service, extra, env).encode(), private=True)
         _write(service.unit_path, systemd_user_unit(service, argv).encode())
         files.append(str(service.env_path))
     try:

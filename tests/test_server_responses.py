@@ -253,18 +253,18 @@ async def test_refusals_are_clear_400s(client):
         await client.responses.create(model=MODEL)
 
 
+def as_key(app, key: str) -> openai.AsyncOpenAI:
+    """A client of ``app`` (in process) that authenticates with ``key``."""
+    http = httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=120
+    )
+    return openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key=key, http_client=http, max_retries=0)
+
+
 async def test_a_stored_response_belongs_to_the_key_that_made_it(engine):
     app = create_app(engine, security=SecurityPolicy.build(api_keys=["sk-alice", "sk-bob"]))
 
-    def as_key(key: str) -> openai.AsyncOpenAI:
-        http = httpx2.AsyncClient(
-            transport=httpx2.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=120
-        )
-        return openai.AsyncOpenAI(
-            base_url="http://127.0.0.1/v1", api_key=key, http_client=http, max_retries=0
-        )
-
-    async with as_key("sk-alice") as alice, as_key("sk-bob") as bob:
+    async with as_key(app, "sk-alice") as alice, as_key(app, "sk-bob") as bob:
         r = await alice.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
         with pytest.raises(openai.NotFoundError):
             await bob.responses.retrieve(r.id)
@@ -278,6 +278,53 @@ async def test_a_stored_response_belongs_to_the_key_that_made_it(engine):
             )
         assert (await alice.responses.retrieve(r.id)).id == r.id  # still there for its owner
         await alice.responses.delete(r.id)
+
+
+async def test_one_key_filling_its_share_evicts_only_its_own_responses(engine, monkeypatch):
+    from app.server import responses
+
+    monkeypatch.setattr(responses, "MAX_ITEMS", 4)  # two keys: two responses each
+    app = create_app(engine, security=SecurityPolicy.build(api_keys=["sk-alice", "sk-bob"]))
+
+    async with as_key(app, "sk-alice") as alice, as_key(app, "sk-bob") as bob:
+        a = await alice.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+        bobs = [
+            (await bob.responses.create(model=MODEL, input=f"Hi {i}", max_output_tokens=2)).id
+            for i in range(5)  # more than the whole store holds
+        ]
+        assert (await alice.responses.retrieve(a.id)).id == a.id  # bob's flood did not evict it
+        cont = await alice.responses.create(
+            model=MODEL, input="And then?", previous_response_id=a.id, max_output_tokens=2
+        )
+        assert cont.previous_response_id == a.id
+        for old in bobs[:3]:  # bob's own oldest went
+            with pytest.raises(openai.NotFoundError):
+                await bob.responses.retrieve(old)
+        assert [(await bob.responses.retrieve(r)).id for r in bobs[3:]] == bobs[3:]
+        with pytest.raises(openai.BadRequestError, match="not found"):  # and still none of alice's
+            await bob.responses.create(
+                model=MODEL, input="Hi", previous_response_id=cont.id, max_output_tokens=2
+            )
+
+
+def test_each_owner_has_its_own_share_of_the_store():
+    store = ResponseStore(max_items=4, max_chars=20_000, shares=2)
+    assert (store.items_per_owner, store.chars_per_owner) == (2, 10_000)
+    store.put({"id": "a0"}, [], [{"role": "user", "content": "x"}], owner="alice")
+    for i in range(6):
+        store.put({"id": f"b{i}"}, [], [{"role": "user", "content": "x"}], owner="bob")
+    assert store.get("a0", "alice") is not None and len(store) == 3
+    assert store.get("b3", "bob") is None and store.get("b5", "bob") is not None
+    assert store.get("a0", "bob") is None and store.get("b5", "alice") is None and store.get("a0") is None
+    assert not store.delete("a0", "bob") and store.get("a0", "alice") is not None
+    # by size too: bob's big responses push out bob's, never alice's
+    for i in range(3):
+        store.put({"id": f"big{i}"}, [], [{"role": "user", "content": "y" * 4000}], owner="bob")
+    assert store.get("a0", "alice") is not None and store.get("big0", "bob") is None
+    assert store.get("big2", "bob") is not None
+    store.put({"id": "huge"}, [], [{"role": "user", "content": "z" * 12_000}], owner="bob")
+    assert store.get("huge", "bob") is None  # larger than a share: not kept
+    assert store.delete("a0", "alice") and store.get("a0", "alice") is None
 
 
 def test_store_is_bounded():

@@ -157,7 +157,8 @@ def create_app(
     async def create_embeddings(body: EmbeddingRequest) -> JSONResponse:
         return await embeddings(state, batcher, body)
 
-    store = responses.ResponseStore()
+    # each key its own share: one key's responses never evict another's (with no key: one share)
+    store = responses.ResponseStore(responses.MAX_ITEMS, responses.MAX_CHARS, shares=len(policy.api_keys))
 
     @api("POST", "/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:

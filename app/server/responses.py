@@ -15,7 +15,9 @@ local model are accepted and ignored (logged at debug level).
 
 Responses are kept in memory (``ResponseStore``: the most recent ones, bounded by count and
 size; ``store: false`` keeps none) for retrieval, deletion, ``input_items`` and continuation,
-each visible only to the API key that created it.
+each visible only to the API key that created it. Each key has its own share of the store (an
+equal part of it), so one key storing many responses evicts only its own oldest ones, never
+another key's (which would break that key's ``previous_response_id``).
 Streaming sends Responses events (``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
 / ``.done``, ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``,
@@ -70,45 +72,67 @@ def owner_of(request: Request) -> str | None:
     return state.get(KEY_ID_STATE)
 
 
-class ResponseStore:
-    """The most recent responses, at most ``max_items`` of them and ``max_chars`` of JSON text
-    together; the oldest go first."""
+MAX_ITEMS = 512  # the server's store: responses, all keys together (create_app)
+MAX_CHARS = 64 * 2**20  # and their JSON text
 
-    def __init__(self, max_items: int = 512, max_chars: int = 64 * 2**20):
+
+@dataclass
+class _Share:
+    """One owner's responses, least recently used first."""
+
+    items: OrderedDict[str, Stored]
+    chars: int = 0
+
+
+class ResponseStore:
+    """The most recent responses, kept per owner (the id of the API key that created them, or None
+    on a server without keys). Each owner has a share of ``max_items`` responses and ``max_chars``
+    of JSON text, ``1 / shares`` of each (``shares``: how many owners there can be, the server's
+    number of keys, so that all of them together stay within the totals); when an owner's responses
+    pass its share, its own least recently used go first, never another owner's. An owner sees
+    only its own responses."""
+
+    def __init__(self, max_items: int = MAX_ITEMS, max_chars: int = MAX_CHARS, shares: int = 1):
         self.max_items, self.max_chars = max_items, max_chars
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-        self._chars = 0
+        self.shares = max(1, shares)
+        self.items_per_owner = max(1, max_items // self.shares)
+        self.chars_per_owner = max(1, max_chars // self.shares)
+        self._owners: dict[str | None, _Share] = {}
 
     def put(
         self, response: dict, input_items: list[dict], conversation: list[dict], owner: str | None = None
     ) -> None:
         size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (response, input_items, conversation))
-        if size > self.max_chars:
+        if size > self.chars_per_owner:
             return
         self.delete(response["id"], owner)
-        self._items[response["id"]] = Stored(response, input_items, conversation, size, owner)
-        self._chars += size
-        while len(self._items) > self.max_items or self._chars > self.max_chars:
-            _, old = self._items.popitem(last=False)
-            self._chars -= old.size
+        share = self._owners.setdefault(owner, _Share(OrderedDict()))
+        share.items[response["id"]] = Stored(response, input_items, conversation, size, owner)
+        share.chars += size
+        while len(share.items) > self.items_per_owner or share.chars > self.chars_per_owner:
+            _, old = share.items.popitem(last=False)
+            share.chars -= old.size
 
     def get(self, response_id: str, owner: str | None = None) -> Stored | None:
         """The stored response, if ``owner`` (the caller's key id) created it."""
-        s = self._items.get(response_id)
-        if s is None or s.owner != owner:
+        share = self._owners.get(owner)
+        if share is None or (s := share.items.get(response_id)) is None or s.owner != owner:
             return None
-        self._items.move_to_end(response_id)
+        share.items.move_to_end(response_id)
         return s
 
     def delete(self, response_id: str, owner: str | None = None) -> bool:
-        if self.get(response_id, owner) is None:
+        share = self._owners.get(owner)
+        if share is None or response_id not in share.items:
             return False
-        s = self._items.pop(response_id)
-        self._chars -= s.size
+        s = share.items.pop(response_id)
+        share.chars -= s.size
+        if not share.items:
+            del self._owners[owner]
         return True
 
     def __len__(self) -> int:
-        return len(self._items)
+        return sum(len(share.items) for share in self._owners.values())
 
 
 def not_found(response_id: str) -> APIError:

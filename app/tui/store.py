@@ -5,6 +5,10 @@ platformdirs' user data dir for "duet". One file per conversation:
 ``<data>/conversations/<id>.json``; every line typed into the chat (for Up/Down recall):
 ``<data>/input_history.json``, unless saving it is off (``/history off``, kept in
 ``<data>/preferences.json``, or ``DUET_NO_HISTORY=1``).
+
+What a user typed and was told is theirs alone: the directories are created 0700 (one from an
+older version is tightened to 0700) and every file 0600, each written whole into a temporary file
+created so and then renamed over the old one (``mlx_engine.private_files``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from platformdirs import user_data_dir
+
+from mlx_engine.private_files import private_dir, write_private
 
 from .settings import Sampling
 
@@ -98,10 +104,10 @@ class Store:
         self.conv_dir = self.root / "conversations"
 
     def _write(self, path: Path, text: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)  # never leave a half-written file behind
+        private_dir(self.root)
+        if path.parent != self.root:
+            private_dir(path.parent)
+        write_private(path, text)  # 0600 from the start, and never half-written
 
     def save(self, conv: Conversation) -> Path:
         conv.updated = time.time()
