@@ -524,6 +524,13 @@ class RemotePrefillSource(KVSource):
                     return
                 self.frames_received += 1
                 self._handle(conn, frame, time.monotonic() - t_ready)
+        except _IdleClosed as e:  # not a failure: connect again now, without a backoff
+            log.info("peer %s: %s; reconnecting", self.name, e)
+            self._drop(
+                conn, ErrorCode.DISCONNECTED, f"the peer closed an idle connection: {e}", unhealthy=False
+            )
+            with self._lock:
+                self._start_connect(force=True)
         except ProtocolError as e:
             self._drop(conn, e.code, str(e))
         except Exception as e:  # a bug must not leave loads hanging
@@ -594,6 +601,10 @@ class RemotePrefillSource(KVSource):
                 self._done(s, msg, now)
         elif isinstance(msg, Error):
             if msg.request_id is None:
+                with self._lock:
+                    mine = any(st.conn is conn for st in self._loads.values())
+                if msg.code is ErrorCode.TIMEOUT and not mine:  # the peer closed an idle connection
+                    raise _IdleClosed(msg.message)
                 raise ProtocolError(msg.code, f"the peer reported: {msg.message}")
             s = self._state(msg.load_id or 0, msg.request_id)
             if s is not None:
@@ -670,6 +681,10 @@ class RemotePrefillSource(KVSource):
         if info.bytes > 0:
             self.planner.observe_transfer(info.bytes, max(info.link_s, 1e-6))
         s.sink.done(s.load.load_id, msg.tokens_computed, msg.compute_s)
+
+
+class _IdleClosed(Exception):
+    """The peer closed this connection for idleness (no load of ours was on it)."""
 
 
 def _ewma(old: float | None, new: float, weight: float = 0.3) -> float:

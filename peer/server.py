@@ -33,7 +33,7 @@ import numpy as np
 from mlx_engine.errors import ConfigError, QueueFullError, RequestError
 from peer.trust.link_security import PairingWatch, PeerSecurity
 from peer.wire.frame_mac import MacSocket
-from peer.wire.framing import BufferPool, Frame, FrameReader, encode_message, send_frame
+from peer.wire.framing import BufferPool, Frame, FrameReader, IdleTimeout, encode_message, send_frame
 from peer.wire.handshake import check_peer
 from peer.wire.kv_wire import KVFormat, encode_layer, to_wire
 from peer.wire.protocol import (
@@ -73,6 +73,9 @@ class ServerLimits:
     # PREFILL chunk_size at most this: a decoder's grid piece is one forward pass here (alone it may
     # exceed the step's token budget), so an unbounded one is a whole-context pass preempting others
     max_chunk_tokens: int = 2048
+    # after HELLO: a connection with no export running and no frame for this long is closed (a
+    # decoder that slept or vanished without a FIN holds a slot no more; a live one reconnects)
+    idle_timeout_s: float = 300.0
 
 
 # accept() errors that say "not now" (out of descriptors or memory, a connection reset while it
@@ -413,7 +416,7 @@ class Connection:
         )
         try:
             if self._handshake(reader):
-                while (frame := reader.read()) is not None:
+                while (frame := self._next_frame(reader)) is not None:
                     with frame:
                         self._handle(frame)
         except ProtocolError as e:
@@ -432,6 +435,22 @@ class Connection:
             self.server.connection_ended(self)
             if self.remote is not None:
                 log.info("peer: decoder %s disconnected", self.name)
+
+    def _next_frame(self, reader: FrameReader) -> Frame | None:
+        """The decoder's next frame; a connection idle past ``idle_timeout_s`` with nothing of its
+        own running ends (``ProtocolError``: the decoder is told, and reconnects when it wants)."""
+        limit = self.server.limits.idle_timeout_s
+        while True:
+            try:
+                return reader.read(idle_timeout=limit)
+            except IdleTimeout:
+                with self._lock:
+                    busy = bool(self.jobs)
+                if not busy:
+                    self.server.count("connections_idle_closed")
+                    raise ProtocolError(
+                        ErrorCode.TIMEOUT, f"idle for {limit:g} s with no prefill running: closing"
+                    ) from None
 
     def _handshake(self, reader: FrameReader) -> bool:
         frame = reader.read(idle_timeout=self.server.limits.hello_timeout_s)

@@ -216,3 +216,34 @@ def source_unconnected(port: int, tls: PeerTLS) -> RemotePrefillSource:
     src = RemotePrefillSource("127.0.0.1", port, tls=tls, name="gpu")
     src.configure(fake_hello(), CHUNK)
     return src
+
+
+def test_an_idle_connection_is_closed_and_the_decoder_reconnects_quietly():
+    """After HELLO, a connection with nothing running is closed after idle_timeout_s (a decoder that
+    vanished holds no slot); a live decoder reconnects at once, without a backoff or a failure."""
+    server = PeerServer(FakeBackend(), fake_hello(), limits=ServerLimits(idle_timeout_s=0.5)).start()
+    src = source(server.port)
+    try:
+        with server.idle:
+            assert server.idle.wait_for(lambda: server.stats.counts.get("connections", 0) >= 2, WAIT)
+        assert server.stats.counts.get("connections_idle_closed", 0) >= 1
+        assert src.connect(wait_s=WAIT) and not src.failures  # reconnected: no failure, no backoff
+    finally:
+        src.close()
+        server.close()
+
+
+def test_a_connection_with_an_export_running_is_never_idle():
+    gate = threading.Semaphore(0)
+    server = PeerServer(FakeBackend(gate=gate), fake_hello(), limits=ServerLimits(idle_timeout_s=1.0)).start()
+    src = source(server.port)
+    try:
+        sink = load(src, start=0)  # sent right after HELLO: well inside the idle timeout
+        time.sleep(3.5)  # the export held past three idle timeouts
+        for _ in range(8):
+            gate.release()
+        assert sink.wait_end(1).done
+        assert server.stats.counts.get("connections_idle_closed", 0) == 0
+    finally:
+        src.close()
+        server.close()

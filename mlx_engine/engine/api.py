@@ -21,13 +21,13 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
 from mlx_engine.backend import backend_name
-from mlx_engine.blas import active_blas, warn_if_slow
+from mlx_engine.blas import warn_if_slow
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine.build import engine_numerics
 from mlx_engine.engine.core import EngineCore
@@ -49,6 +49,7 @@ from mlx_engine.engine.messages import (
     Wake,
 )
 from mlx_engine.engine.outputs import NO_KEY, RequestState, flush_outbox
+from mlx_engine.engine.stats import EngineStats, engine_stats, fixed_stats
 from mlx_engine.errors import EngineShutDownError, QueueFullError, RequestError
 from mlx_engine.kv_cache.kv_source import KVSource
 from mlx_engine.loading.identity import model_fingerprint
@@ -59,38 +60,6 @@ from mlx_engine.speculative.draft_model import check_same_tokenizer
 from mlx_engine.tokenization.reply_memory import ReplyMemory
 
 log = logging.getLogger("mlx_engine.engine")
-
-
-@dataclass
-class EngineStats:
-    model: str
-    backend: str
-    blas: str
-    weight_format: str
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_cached: int
-    kv_bytes: int
-    kv_bits: int | None
-    kv_format: str  # what a KV element is stored as: "float16", "8-bit", ...
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    preemptions: int
-    steps: int
-    loading: int = 0  # sequences whose KV is arriving from a KV source
-    kv_loads: int = 0  # loads started (disk and remote)
-    kv_load_failures: int = 0  # loads that ended early (their landed prefix was kept)
-    kv_bytes_loaded: int = 0  # KV bytes applied from loads
-    remote_prefills: int = 0  # requests that got prompt KV from a remote source
-    kv_frames_dropped: int = 0  # arriving layer ranges of dead loads (cancelled, failed, finished)
-    # one KV block, every layer (and a draft model's): kv_blocks_total of them is the budget
-    kv_block_bytes: int = 0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 # Engines whose worker may still run: shut down at interpreter exit (see Engine.shutdown).
@@ -118,6 +87,9 @@ class Engine:
         self._lock = threading.Lock()  # guards _live, _queued and _stopping
         self._live: set[str] = set()  # request ids submitted and not finished
         self._queued = 0  # submitted, not yet handed to the scheduler
+        self._taken = 0  # handed to the scheduler since the last published snapshot
+        self._snapshot: EngineStats | None = None  # the worker's state between two steps
+        self._fixed_stats: dict[str, Any] | None = None
         self._stopping = False
         self._sources_closed = False
         self._core: EngineCore | None = None  # made on the worker (MLX streams are per thread)
@@ -346,33 +318,13 @@ class Engine:
         return engine_numerics(self.config, self.loaded)
 
     def stats(self) -> EngineStats:
-        core = self.core
-        a, s, pool = core.allocator, core.scheduler, core.pool
-        return EngineStats(
-            model=self.model_name,
-            backend=backend_name(),
-            blas=active_blas(),
-            weight_format=self.loaded.weight_format,
-            running=len(s.running),
-            waiting=len(s.waiting) + self._queued,
-            kv_blocks_total=a.num_blocks - 1,
-            kv_blocks_used=a.num_used,
-            kv_blocks_cached=a.num_cached,
-            kv_bytes=pool.nbytes,
-            kv_block_bytes=core.block_bytes,
-            kv_bits=self.config.kv_bits,
-            kv_format=f"{pool.kv_bits}-bit" if pool.kv_bits else str(pool.dtype).rsplit(".", 1)[-1],
-            prefix_query_tokens=s.prefix_query_tokens,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            preemptions=s.preemptions,
-            steps=core.steps,
-            loading=len(s.loading),
-            kv_loads=s.loads_started,
-            kv_load_failures=s.loads_failed,
-            kv_bytes_loaded=core.kv.bytes_loaded,
-            remote_prefills=core.remote_prefills,
-            kv_frames_dropped=core.kv.frames_dropped,
-        )
+        """One consistent snapshot: the worker publishes its state between steps (before it hands
+        out a step's outputs, so a caller that saw its request finish sees it gone here too), and
+        submissions it has not yet published are counted as waiting."""
+        with self._lock:
+            snap, pending = self._snapshot, self._queued + self._taken
+        assert snap is not None, "the engine failed to build"
+        return replace(snap, waiting=snap.waiting + pending) if pending else snap
 
     def shutdown(self) -> None:
         """Stop taking requests, end running ones (finish_reason "error") and wait for the worker.
@@ -438,16 +390,27 @@ class Engine:
             self._init_error = e
             self._ready.set()
             return
+        self._publish(core)
         self._ready.set()
         busy = False
         while True:
             # block only when nothing can change without a message: no step ran, no KV is queued
             if self._receive(core, block=not busy and not core.has_kv_backlog):
                 core.stop(EngineShutDownError)
+                self._publish(core)
                 flush_outbox(core.outbox)
                 return
+            self._publish(core)
             busy = core.step()
+            self._publish(core)  # before the outputs: whoever sees a request end sees its stats
             flush_outbox(core.outbox)
+
+    def _publish(self, core: EngineCore) -> None:
+        if self._fixed_stats is None:
+            self._fixed_stats = fixed_stats(self, core)
+        snap = engine_stats(self._fixed_stats, core)
+        with self._lock:
+            self._snapshot, self._taken = snap, 0
 
     def _receive(self, core: EngineCore, block: bool) -> bool:
         """Handle what is in the mailbox (waiting for a first message when ``block``); KV
@@ -465,6 +428,7 @@ class Engine:
             elif isinstance(m, Submit | SubmitExport):
                 with self._lock:
                     self._queued -= 1
+                    self._taken += 1
                 if isinstance(m, Submit):
                     core.add(m.state)
                 else:
@@ -483,6 +447,7 @@ class Engine:
                     m.result = m.fn()
                 except BaseException as e:  # handed to the caller
                     m.error = e
+                self._publish(core)  # what the call changed shows in stats() once it returns
                 m.done.set()
             elif isinstance(m, Shutdown):
                 stop = True

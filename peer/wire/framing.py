@@ -219,6 +219,13 @@ class Frame:
         self.release()
 
 
+class IdleTimeout(ProtocolError):
+    """No frame began within ``read``'s idle timeout: the stream is still usable."""
+
+    def __init__(self, seconds: float):
+        super().__init__(ErrorCode.TIMEOUT, f"no frame from the peer in {seconds:g} s")
+
+
 class FrameReader:
     """Reads frames from a socket (anything with ``recv_into``) into ``buffers``.
 
@@ -253,7 +260,8 @@ class FrameReader:
         if self._error is not None:
             raise self._error
         if not self._wait(idle_timeout):
-            raise ProtocolError(ErrorCode.TIMEOUT, f"no frame from the peer in {idle_timeout:g} s")
+            assert idle_timeout is not None
+            raise IdleTimeout(idle_timeout)
         try:
             return self._read()
         except ProtocolError as e:
