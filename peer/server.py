@@ -424,6 +424,12 @@ class Connection:
                 log.info("peer: connection %s dropped: %s (%s)", self.name, e, e.code.value)
                 if e.code in (ErrorCode.BAD_FRAME, ErrorCode.TIMEOUT):
                     self.queue_message(Error(e.code, str(e)))
+        except OSError as e:  # the decoder went away mid-frame (reset, broken pipe)
+            log.info("peer: connection %s dropped: %s", self.name, e)
+        except Exception as e:  # a bug here ends this connection only, logged once with its trace
+            log.exception("peer: connection %s failed: %s", self.name, e)
+            self.server.count("connection_errors")
+            self.queue_message(Error(ErrorCode.INTERNAL, f"the peer failed: {e}"))
         finally:
             self.cancel_all()
             self._out.put(None)

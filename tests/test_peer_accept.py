@@ -82,3 +82,25 @@ def test_a_flood_of_unauthenticated_connections_is_capped_and_timed_out(tmp_path
         for s in idle:
             s.close()
         server.close()
+
+
+def test_a_bug_in_one_connection_ends_that_connection_only(caplog):
+    from peer.server import Connection
+
+    class Broken(Connection):
+        def _handle(self, frame):
+            if not getattr(self.server, "broke", False):
+                self.server.broke = True  # type: ignore[attr-defined]
+                raise RuntimeError("a bug in the frame handler")
+            super()._handle(frame)
+
+    server = PeerServer(FakeBackend(), fake_hello(), connection_class=Broken).start()
+    try:
+        assert not prefill(server)  # the first connection hits the bug: the decoder is told
+        with server.idle:
+            assert server.idle.wait_for(lambda: server.connections == 0, WAIT)
+        assert server.stats.counts.get("connection_errors") == 1
+        assert caplog.text.count("a bug in the frame handler") >= 1
+        assert prefill(server)  # and the server serves the next one
+    finally:
+        server.close()

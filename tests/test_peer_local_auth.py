@@ -223,3 +223,14 @@ def test_the_command_line_gives_loopback_the_local_secret(tmp_path):
     pair(gpu, mac)
     s = security_for("localhost", "--peers", directory=d)
     assert s.tls is not None and s.local is not None  # paired: TLS ready should the name move
+
+
+def test_processes_starting_at_once_agree_on_one_secret(tmp_path):
+    """A peer and its decoder started together for the first time must not each make their own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from peer.trust.local_auth import load_secret
+
+    with ThreadPoolExecutor(8) as pool:
+        secrets = set(pool.map(lambda _: load_secret(tmp_path / "fresh"), range(32)))
+    assert len(secrets) == 1 and [p.name for p in (tmp_path / "fresh").iterdir()] == [SECRET_FILE]

@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import os
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,17 +66,21 @@ def _check_header(head: bytes) -> None:
 
 
 def load_secret(directory: Path | None = None) -> bytes:
-    """This user's local peer secret, made (0600, ``O_EXCL``) on first use."""
+    """This user's local peer secret, made (0600) on first use. Two processes starting at once
+    agree: the new secret is linked into place, which fails rather than replace one already there."""
     d = _private_dir(directory or config_dir())
     path = d / SECRET_FILE
-    try:
-        secret = path.read_bytes()
-    except FileNotFoundError:
+    if not path.exists():
+        tmp = d / f".{SECRET_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.unlink(missing_ok=True)
+        _write_private(tmp, os.urandom(SECRET_BYTES))
         try:
-            _write_private(path, os.urandom(SECRET_BYTES))
+            os.link(tmp, path)
         except FileExistsError:
-            pass
-        secret = path.read_bytes()
+            pass  # another process made it first: its secret is the one
+        finally:
+            tmp.unlink(missing_ok=True)
+    secret = path.read_bytes()
     if len(secret) != SECRET_BYTES:
         raise PeerAuthError(
             f"{path} is not a local peer secret ({len(secret)} bytes); delete it to make a new one"
