@@ -136,8 +136,9 @@ class LocalAuth:
         proof = _read_exact(sock, PROOF_BYTES)
         if not hmac.compare_digest(proof, _proof(self._secret, b"server", nonce_c, nonce_s)):
             raise PeerAuthError(
-                f"{who} does not hold this user's local peer secret: not this user's prefill peer "
-                "(another user's listener on the port?); nothing was sent to it"
+                f"{who} does not hold this user's local peer secret: not this user's prefill peer (another "
+                "user's listener on the port, or a peer started with another DUET_CONFIG_DIR); nothing "
+                "was sent to it"
             )
         sock.sendall(_proof(self._secret, b"client", nonce_c, nonce_s))
         if _read_exact(sock, 1) != ACCEPTED:
