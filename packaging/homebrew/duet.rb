@@ -43,11 +43,6 @@ class Duet < Formula
     sha256 "fa8f5efb344d6908a1ce62f4a24e2e5780f825d6f53f5f50ec5ffacac72936cb"
   end
 
-  resource "duet-smollm2" do
-    url "https://files.pythonhosted.org/packages/py3/d/duet-smollm2/duet_smollm2-0.1.2-py3-none-any.whl"
-    sha256 "d1714f7879e31e88fc667afc822626ae22b463f007410a76c26ca9cef291891f"
-  end
-
   resource "fastapi" do
     url "https://files.pythonhosted.org/packages/c4/c1/3b74c030262a1b38b1fee180f80b4007bbc11c9ac12028cb18c7bcecaec9/fastapi-0.165.0-py3-none-any.whl"
     sha256 "896f48462042bb4f162147eb8fac7e858753dc1f486765709baf105d70e4fc5b"

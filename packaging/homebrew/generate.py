@@ -1,13 +1,13 @@
 """Write packaging/homebrew/duet.rb, a Homebrew virtualenv formula, from a pip installation report.
 
 The formula installs wheels only, the exact files pip resolves for an Apple Silicon Mac (macOS 14+,
-Homebrew's Python 3.12): duet-llm's own wheel is its main download, every dependency (duet-smollm2,
-mlx, mlx-metal, ...) a resource, so `brew install` compiles nothing and needs no build backend in its
+Homebrew's Python 3.12): duet-llm's own wheel (the bundled model inside) is its main download, every
+dependency (mlx, mlx-metal, ...) a resource, so `brew install` compiles nothing and needs no build backend in its
 sandbox. They come from a pip installation report (`pip install --dry-run --report`), never written
 by hand:
 
     # 1. build the wheels (or take them from PyPI once published)
-    python -m build --wheel --outdir dist . && python packaging/smollm2/build.py --out dist --no-sdist
+    python -m build --wheel --outdir dist .
     # 2. resolve for macOS arm64 and write the formula (pip asks PyPI for the macOS wheels: network)
     python packaging/homebrew/generate.py --resolve --dist dist
     # or from a report made elsewhere, e.g. on the Mac with Homebrew's python3.12:
