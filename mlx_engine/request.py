@@ -116,6 +116,9 @@ class GenerationRequest:
     # Prefix-cache isolation: cached prompt blocks are shared only between requests with the same
     # salt (None: the common, unsalted cache). See docs/architecture.md, "Prefix cache".
     cache_salt: str | None = None
+    # The reply's thinking apart from its answer (GenerationEvent.reasoning) when the model marks it
+    # (mlx_engine/tokenization/reasoning.py); False: everything in ``text``, markers and all
+    split_reasoning: bool = True
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ class Usage:
     prefill_exact: bool | None = None  # remote KV bit-exact with local prefill (None: nothing remote)
     # speculative decoding: proposed tokens verified, and how many of them were kept (None: off)
     speculative: dict[str, int] | None = None
+    reasoning_tokens: int = 0  # completion tokens inside the thinking section (markers included)
 
     @property
     def total_tokens(self) -> int:
@@ -158,7 +162,7 @@ class GenerationEvent:
     """A step of output for one request. The last event has ``finish_reason`` and ``usage`` set."""
 
     request_id: str
-    text: str = ""
+    text: str = ""  # the answer's text (without the thinking, when it is split out)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # one of FINISH_REASONS on the last event
@@ -168,6 +172,7 @@ class GenerationEvent:
     # The error's kind (e.g. EngineShutDownError), for callers that tell kinds apart without
     # reading the message; None for an unexpected failure.
     error_type: type[DuetError] | None = None
+    reasoning: str = ""  # the thinking section's text (GenerationRequest.split_reasoning)
 
     @property
     def finished(self) -> bool:

@@ -146,15 +146,35 @@ def bundled_tokenizer(chat_template: str | None = None) -> tuple[str, dict]:
     return tok.backend.to_str(), config
 
 
+def with_added_tokens(
+    tokenizer: tuple[str, dict], tokens: list[str], special: bool = False
+) -> tuple[str, dict]:
+    """``tokenizer`` with ``tokens`` added as whole tokens after its last id (a family's markers:
+    ``<think>``, ``[TOOL_CALLS]``...), as its tokenizer.json lists them."""
+    tj = json.loads(tokenizer[0])
+    added = tj.setdefault("added_tokens", [])
+    top = max([*tj["model"]["vocab"].values(), *(t["id"] for t in added)])
+    for k, content in enumerate(tokens, 1):
+        added.append(
+            {"id": top + k, "content": content, "single_word": False, "lstrip": False, "rstrip": False}
+            | {"normalized": False, "special": special}
+        )
+    return json.dumps(tj), tokenizer[1]
+
+
 def make_scripted_model_dir(
-    path: str | Path, reply: str = "Hi! How can I help?", context: int = 65536
+    path: str | Path,
+    reply: str = "Hi! How can I help?",
+    context: int = 65536,
+    tokenizer: tuple[str, dict] | None = None,
 ) -> Path:
     """A tiny llama with the bundled tokenizer that answers every chat with ``reply``, then ends its
     turn: its attention and MLP outputs are zero, so each next token depends on the current one
     alone, and its embeddings and output rows chain the generation prompt's last token through
     ``reply``'s tokens to the end-of-turn token. Real weights through the real engine, but a reply
-    a client can act on (Claude Code treats a reply cut off at max_tokens as an error)."""
-    tokenizer = bundled_tokenizer()
+    a client can act on (Claude Code treats a reply cut off at max_tokens as an error).
+    ``tokenizer``: the bundled one with changes (``with_added_tokens``)."""
+    tokenizer = tokenizer or bundled_tokenizer()
     path = make_tiny_model_dir(path, tokenizer=tokenizer, context=context)
     from tokenizers import Tokenizer as HFTokenizer
 

@@ -360,6 +360,8 @@ class ChatCall:
             reason = self._finish_reason(c.finish_reason, bool(calls))
             self.state.metrics.requests.labels("chat", reason).inc()
             message: dict = {"role": "assistant", "content": content, "refusal": None}
+            if c.reasoning:  # the name llama.cpp, vLLM, DeepSeek and LiteLLM read
+                message["reasoning_content"] = "".join(c.reasoning)
             if calls and self.legacy:  # the legacy API has one call, as function_call
                 message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
             elif calls:
@@ -412,6 +414,9 @@ class ChatCall:
                 logprobs = None
                 if self.body.logprobs and ev.logprobs:
                     logprobs = {"content": [chat_logprob(lp) for lp in ev.logprobs], "refusal": None}
+                if ev.reasoning:
+                    yield self._chunk(i, {"reasoning_content": ev.reasoning}, logprobs=logprobs)
+                    logprobs = None
                 parser = parsers[i]
                 items: list[StreamItem] = [ev.text] if ev.text else []
                 if parser is not None:

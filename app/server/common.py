@@ -199,13 +199,15 @@ def prompt_ids(engine: Engine, request, param: str) -> list[int]:
         raise bad_request(str(e), param if e.param in ("prompt", "messages") else e.param, code) from None
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage_dict(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int = 0
+) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
     }
 
 
@@ -255,6 +257,7 @@ class ChoiceState:
     """What one choice has produced so far."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # the thinking, apart from the answer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -272,6 +275,8 @@ class ChoiceState:
                 metrics.itl.observe(now - self.t_last)
             self.t_last = now
         self.text.append(ev.text)
+        if ev.reasoning:
+            self.reasoning.append(ev.reasoning)
         self.token_ids.extend(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
         if ev.finished:
@@ -302,14 +307,15 @@ def failure(choices: list[ChoiceState], err: BaseException | None) -> APIError |
 def total_usage(choices: list[ChoiceState], n: int) -> dict:
     """Prompt tokens count once per prompt (choices of one prompt share it, as OpenAI bills);
     cached tokens are the first choice's of each prompt."""
-    prompt = cached = completion = 0
+    prompt = cached = completion = reasoning = 0
     for i, c in enumerate(choices):
         u = c.usage or Usage()
         completion += u.completion_tokens
+        reasoning += u.reasoning_tokens
         if i % n == 0:
             prompt += u.prompt_tokens
             cached += u.cached_tokens
-    return usage_dict(prompt, completion, cached)
+    return usage_dict(prompt, completion, cached, reasoning)
 
 
 async def collect_choices(gen, request: Request, metrics: Metrics, count: int) -> list[ChoiceState] | None:

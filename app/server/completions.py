@@ -122,6 +122,7 @@ class CompletionCall:
                 ignore_eos=bool(self.body.ignore_eos),
                 request_id=f"{self.id}-{p * self.n + j}",
                 cache_salt=self.cache_salt,
+                split_reasoning=False,  # a raw completion is the text as generated, markers and all
             )
             for p, ids in enumerate(self.prompts)
             for j in range(self.n)

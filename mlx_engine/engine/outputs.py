@@ -22,6 +22,7 @@ from mlx_engine.request import GenerationEvent, GenerationRequest, TokenLogprob,
 from mlx_engine.sampling.sampler import SampleResult, SeedState, make_rng
 from mlx_engine.scheduler import Sequence
 from mlx_engine.tokenization.detokenizer import StreamingDetokenizer
+from mlx_engine.tokenization.reasoning import ReasoningSplitter, opens_thinking
 from mlx_engine.tokenization.reply_memory import ReplyMemory
 from mlx_engine.tokenization.stop_strings import StopMatcher
 from mlx_engine.tokenization.tokenizer import Tokenizer
@@ -74,13 +75,20 @@ class RequestState:
     t_last: float | None = None
     done: bool = False
     remote: RemoteUsage = field(default_factory=RemoteUsage)
-    text: list[str] = field(default_factory=list)  # what was emitted
+    text: list[str] = field(default_factory=list)  # what was emitted (thinking and answer, as generated)
+    reasoning: ReasoningSplitter | None = None  # the thinking apart from the answer (the model marks it)
+    reasoning_tokens: int = 0
 
     @classmethod
     def new(
         cls, prepared: Prepared, tokenizer: Tokenizer, queue: asyncio.Queue, key: Hashable = NO_KEY
     ) -> RequestState:
         r = prepared.request
+        markers = tokenizer.think_markers if r.split_reasoning else None
+        splitter = None
+        if markers is not None:  # the rendered prompt says whether the reply starts inside thinking
+            tail = tokenizer.decode(prepared.ids[-16:], skip_special_tokens=False)
+            splitter = ReasoningSplitter(markers, opens_thinking(tail, markers))
         return cls(
             req=r,
             seq=prepared.sequence(),
@@ -90,6 +98,7 @@ class RequestState:
             detok=StreamingDetokenizer(tokenizer),
             stopper=StopMatcher(list(r.stop)),
             rng=make_rng(r.sampling.seed),
+            reasoning=splitter,
         )
 
 
@@ -113,9 +122,20 @@ class OutputProcessor:
         self.outbox = outbox
 
     def emit(self, st: RequestState, ev: GenerationEvent) -> None:
-        st.text.append(ev.text)
+        st.text.append(ev.reasoning + ev.text)
         item = ev if st.key is NO_KEY else (st.key, ev)
         self.outbox.setdefault(st.loop, []).append((st.queue, item))
+
+    def _event(self, st: RequestState, text: str, **kw: Any) -> GenerationEvent:
+        """An event for ``text`` as generated: split into thinking and answer when the model marks
+        thinking (``RequestState.reasoning``)."""
+        if st.reasoning is None:
+            return GenerationEvent(st.req.request_id, text, **kw)
+        reasoning, content = st.reasoning.feed(text)
+        if kw.get("finish_reason") is not None:
+            r2, c2 = st.reasoning.finish()
+            reasoning, content = reasoning + r2, content + c2
+        return GenerationEvent(st.req.request_id, content, reasoning=reasoning, **kw)
 
     def token(self, st: RequestState, r: SampleResult, now: float) -> Finish | None:
         """Append a sampled token to the request and emit its event; what ends the request, if it
@@ -139,8 +159,13 @@ class OutputProcessor:
         if (tok in self.tokenizer.eos_token_ids and not req.ignore_eos) or tok in req.stop_token_ids:
             self.emit(st, GenerationEvent(req.request_id, "", [tok], lp))
             return Finish("stop", tok)
-        text, hit = st.stopper.feed(st.detok.add(tok))
-        self.emit(st, GenerationEvent(req.request_id, text, [tok], lp))
+        thinking = st.reasoning is not None and st.reasoning.thinking
+        marker = self.tokenizer.special_markers.get(tok)
+        raw = st.detok.add(tok) if marker is None else st.detok.flush() + marker  # a full decode skips it
+        text, hit = st.stopper.feed(raw)
+        self.emit(st, self._event(st, text, token_ids=[tok], logprobs=lp))
+        if thinking or (st.reasoning is not None and st.reasoning.thinking):
+            st.reasoning_tokens += 1  # inside the thinking section, its markers included
         if hit is not None:
             return Finish("stop", hit, flush=False)
         if req.constraint is not None and req.constraint.is_finished():
@@ -183,9 +208,18 @@ class OutputProcessor:
         if end.flush and reason in ("stop", "length"):
             tail, hit = st.stopper.feed(st.detok.flush())
             text = tail if hit is not None else tail + st.stopper.flush()
-        rid = st.req.request_id
+        usage.reasoning_tokens = st.reasoning_tokens
         self.emit(
-            st, GenerationEvent(rid, text, [], [], reason, usage, end.error, end.stop_reason, end.error_type)
+            st,
+            self._event(
+                st,
+                text,
+                finish_reason=reason,
+                usage=usage,
+                error=end.error,
+                stop_reason=end.stop_reason,
+                error_type=end.error_type,
+            ),
         )
         seq = st.seq
         if reason in ("stop", "length") and st.req.messages is not None:

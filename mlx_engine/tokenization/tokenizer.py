@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_engine.errors import TemplateError
 from mlx_engine.tokenization import system_turns
+from mlx_engine.tokenization.reasoning import ThinkMarkers, infer_markers
 
 # Used when a model ships no chat template: ChatML, what most small instruct models speak.
 DEFAULT_CHAT_TEMPLATE = (
@@ -190,6 +191,20 @@ class Tokenizer:
         return _ControlText.of(
             {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special and t.content}
         )
+
+    @cached_property
+    def think_markers(self) -> ThinkMarkers | None:
+        """This model's thinking markers (``reasoning.infer_markers``), or None."""
+        return infer_markers(self.chat_template, lambda t: self.backend.token_to_id(t) is not None)
+
+    @cached_property
+    def special_markers(self) -> dict[int, str]:
+        """Think markers that are special tokens (a full decode skips them): id -> marker text."""
+        m = self.think_markers
+        if m is None:
+            return {}
+        ids = {t: self.backend.token_to_id(t) for t in (m.start, m.end)}
+        return {i: t for t, i in ids.items() if i is not None and i in self.special_ids}
 
     def piece(self, token_id: int) -> str:
         """A single token's text as it would appear in isolation (for logprobs)."""
