@@ -314,11 +314,12 @@ def test_the_chat_shows_kv_in_use_against_the_budget_not_the_allocated_pool(tiny
             n: float(v) for n, v in (line.split() for line in lines if line.startswith("duet_kv_cache_"))
         }
         assert gauges == {"duet_kv_cache_bytes": pool.nbytes, "duet_kv_cache_budget_bytes": budget}
-        held = engine.allocator.allocate(3)  # as a request's blocks would be (the engine is idle)
+        # as a request's blocks would be, on the worker that owns the allocator (stats() then shows it)
+        held = engine.run_on_worker(lambda: engine.allocator.allocate(3), 60)
         try:
             assert backend.resources().kv_used_bytes == 3 * (budget // (pool.num_blocks - 1))
         finally:
-            engine.allocator.free(held)
+            engine.run_on_worker(lambda: engine.allocator.free(held), 60)
     finally:
         engine.shutdown()
 

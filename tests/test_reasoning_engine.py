@@ -95,3 +95,47 @@ def test_openai_chat_returns_reasoning_content_streamed_and_not(thinker, tmp_pat
         assert raw.choices[0].text.startswith("<think>")  # a raw completion: the text as generated
     finally:
         server.stop()
+
+
+def test_anthropic_and_responses_give_thinking_blocks_and_reasoning_items(thinker, tmp_path):
+    import anthropic
+    from openai import OpenAI
+
+    from tests.test_server_harness import ServerProcess
+
+    server = ServerProcess(thinker, tmp_path / "serve.log", "--cache-gb", "0.05")
+    try:
+        o = OpenAI(base_url=server.base + "/v1", api_key="none", http_client=httpx.Client(timeout=120))
+        model = o.models.list().data[0].id
+        a = anthropic.Anthropic(base_url=server.base, api_key="none", timeout=120)
+        msgs = [{"role": "user", "content": "hi"}]
+        r = a.messages.create(model=model, messages=msgs, max_tokens=64)
+        kinds = [b.type for b in r.content]
+        assert kinds == ["thinking", "text"], kinds
+        assert r.content[0].thinking == THOUGHT and r.content[1].text == ANSWER
+        with a.messages.stream(model=model, messages=msgs, max_tokens=64) as s:
+            thought = "".join(
+                e.delta.thinking
+                for e in s
+                if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+            )
+            final = s.get_final_message()
+        assert thought == THOUGHT and [b.type for b in final.content] == ["thinking", "text"]
+        assert final.content[1].text == ANSWER
+
+        resp = o.responses.create(model=model, input="hi", max_output_tokens=64, temperature=0)
+        assert [i.type for i in resp.output] == ["reasoning", "message"]
+        assert resp.output[0].content[0].text == THOUGHT and resp.output_text == ANSWER
+        assert resp.usage.output_tokens_details.reasoning_tokens > 0
+        deltas, done = "", None
+        for ev in o.responses.create(
+            model=model, input="hi", max_output_tokens=64, temperature=0, stream=True
+        ):
+            if ev.type == "response.reasoning_text.delta":
+                deltas += ev.delta
+            elif ev.type == "response.completed":
+                done = ev.response
+        assert deltas == THOUGHT and done is not None and done.output_text == ANSWER
+        assert [i.type for i in done.output] == ["reasoning", "message"]
+    finally:
+        server.stop()

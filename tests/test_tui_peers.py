@@ -38,12 +38,15 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("chat_dirs")]
 WAIT = 120.0  # a deadline for hangs only
 
 
-@pytest.fixture(scope="module")
-def prefill_peer(tiny_dirs):
-    """A prefill peer on 127.0.0.1 (what `duet peer serve --port 0` runs); yields its HOST:PORT."""
+@pytest.fixture
+def prefill_peer(tiny_dirs, chat_dirs):
+    """A prefill peer on 127.0.0.1 (what `duet peer serve --port 0` runs: loopback connections
+    authenticated by this test's local peer secret); yields its HOST:PORT."""
+    from peer.trust.link_security import security_for
+
     engine = Engine.load(str(tiny_dirs("llama")), config=EngineConfig(cache_gb=0.02))
     hello = engine.run_on_worker(lambda: local_hello(engine), WAIT)
-    server = PeerServer(EngineBackend(engine), hello).start()
+    server = PeerServer(EngineBackend(engine), hello, security=security_for("127.0.0.1")).start()
     yield f"127.0.0.1:{server.port}"
     server.close()
     engine.shutdown()

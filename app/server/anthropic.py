@@ -45,7 +45,7 @@ from .anthropic_protocol import ContentBlock, CountTokensRequest, MessagesReques
 from .chat import ChatCall
 from .common import SSE_HEADERS, ServerState, fewest, warn_once
 from .errors import APIError, bad_request
-from .turns import TurnEnd, collect, prepare, start, turn_items
+from .turns import Thinking, TurnEnd, collect, prepare, start, turn_items
 
 log = logging.getLogger("duet.server")
 _VERSION = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -268,6 +268,8 @@ class MessagesCall:
             return Response(status_code=499)  # the client is gone; nobody reads this
         text, calls, end = turn
         content: list[dict] = []
+        if end.reasoning:  # a thinking block first, as Claude's extended thinking gives it (unsigned)
+            content.append({"type": "thinking", "thinking": end.reasoning, "signature": ""})
         if text or not calls:
             content.append({"type": "text", "text": text})
         for c in calls:
@@ -287,9 +289,23 @@ class MessagesCall:
             yield event("message_start", {"message": self._message([], None, start_usage)})
             yield event("ping", {})
             index = -1
-            open_text = False
+            open_text = open_thinking = False
             try:
                 async for x in turn_items(self.call, gen, request):
+                    if isinstance(x, Thinking):
+                        if not open_thinking:
+                            index += 1
+                            open_thinking = True
+                            block = {"type": "thinking", "thinking": "", "signature": ""}
+                            yield event("content_block_start", {"index": index, "content_block": block})
+                        yield event(
+                            "content_block_delta",
+                            {"index": index, "delta": {"type": "thinking_delta", "thinking": x.text}},
+                        )
+                        continue
+                    if open_thinking:
+                        yield event("content_block_stop", {"index": index})
+                        open_thinking = False
                     if isinstance(x, str):
                         if not open_text:
                             index += 1

@@ -47,7 +47,7 @@ from .responses_protocol import InputItem, ResponsesRequest
 from .responses_tools import ResponseTools
 from .security import KEY_ID_STATE
 from .tool_calls import ParsedToolCall
-from .turns import TurnEnd, collect, prepare, start, turn_items
+from .turns import Thinking, TurnEnd, collect, prepare, start, turn_items
 
 log = logging.getLogger("duet.server")
 _UNSUPPORTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
@@ -277,7 +277,7 @@ def _usage(u: Usage) -> dict[str, Any]:
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
@@ -285,6 +285,11 @@ def _usage(u: Usage) -> dict[str, Any]:
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
 
 
 def _call_item(
@@ -366,7 +371,7 @@ class ResponseCall:
         if turn is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         text, calls, end = turn
-        output: list[dict] = []
+        output: list[dict] = [_reasoning_item(_id("rs"), end.reasoning)] if end.reasoning else []
         if text.strip() or not calls:
             output.append(_message_item(_id("msg"), text))
         output += [_call_item(_id("fc"), c, self.tools) for c in calls]
@@ -409,8 +414,40 @@ class ResponseCall:
                     event("response.output_item.done", output_index=index, item=item),
                 ]
 
+            thought: tuple[int, str] | None = None  # (output index, id) of the open reasoning item
+            thought_text: list[str] = []
+
+            def close_reasoning() -> list[str]:
+                nonlocal thought
+                if thought is None:
+                    return []
+                (index, item_id), thought = thought, None
+                item = _reasoning_item(item_id, "".join(thought_text))
+                output.append(item)
+                at = {"item_id": item_id, "output_index": index, "content_index": 0}
+                return [
+                    event("response.reasoning_text.done", **at, text=item["content"][0]["text"]),
+                    event("response.output_item.done", output_index=index, item=item),
+                ]
+
             try:
                 async for x in turn_items(self.call, gen, request):
+                    if isinstance(x, Thinking):
+                        if thought is None:
+                            thought = (len(output), _id("rs"))
+                            item = _reasoning_item(thought[1], "", "in_progress")
+                            yield event("response.output_item.added", output_index=thought[0], item=item)
+                        thought_text.append(x.text)
+                        yield event(
+                            "response.reasoning_text.delta",
+                            item_id=thought[1],
+                            output_index=thought[0],
+                            content_index=0,
+                            delta=x.text,
+                        )
+                        continue
+                    for e in close_reasoning():
+                        yield e
                     if isinstance(x, str):
                         texts.append(x)
                         if msg is None:

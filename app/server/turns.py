@@ -40,9 +40,17 @@ class TurnEnd:
     stop_sequence: str | None
     called: bool
     usage: Usage
+    reasoning: str = ""  # the turn's thinking, whole (streamed before as ``Thinking`` items)
 
 
-TurnItem = str | ParsedToolCall | TurnEnd
+@dataclass
+class Thinking:
+    """A piece of the turn's thinking (the engine splits it from the answer)."""
+
+    text: str
+
+
+TurnItem = str | Thinking | ParsedToolCall | TurnEnd
 
 
 def chat_body(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -108,6 +116,8 @@ async def turn_items(call: ChatCall, gen: Generation, request: Request) -> Async
             if problem is not None:
                 raise problem
             assert ev is not None  # no error: an event
+            if ev.reasoning:
+                yield Thinking(ev.reasoning)
             items: list[str | ParsedToolCall] = [ev.text] if ev.text else []
             if parser is not None:
                 items = list(parser.feed(ev.text))
@@ -122,7 +132,7 @@ async def turn_items(call: ChatCall, gen: Generation, request: Request) -> Async
                     call.endpoint, "tool_calls" if called and reason == "stop" else reason
                 ).inc()
                 stop = ev.stop_reason if isinstance(ev.stop_reason, str) else None
-                yield TurnEnd(reason, stop, called, ev.usage or Usage())
+                yield TurnEnd(reason, stop, called, ev.usage or Usage(), "".join(choice.reasoning))
                 return
     finally:
         watcher.cancel()
@@ -140,6 +150,6 @@ async def collect(
             return "".join(text), calls, x
         if isinstance(x, str):
             text.append(x)
-        else:
+        elif isinstance(x, ParsedToolCall):
             calls.append(x)
     return None

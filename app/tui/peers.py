@@ -158,7 +158,8 @@ class PeerDirectory:
                 attached=True,
                 connected=src.connected,
                 healthy=src.healthy,
-                paired=(src.name in paired) if src.tls is not None else None,
+                # pairing is for network peers: a loopback one is this user's (local peer secret)
+                paired=(src.name in paired) if src.tls is not None and not _loopback(src.host) else None,
                 error="" if src.healthy or src.last_error is None else src.last_error[1],
             )
             profile = src.planner.profile()  # the offload planner's profiles, measured on real requests
@@ -168,7 +169,9 @@ class PeerDirectory:
             name = by_id.get(d.short_id, d.name)
             row = rows.setdefault(name, PeerRow(name))
             row.discovered = True
-            row.address = row.address or (address_of(d.best_address() or "?", d.port))
+            # what it advertises (--peers auto connects only to a non-loopback one: best_address)
+            shown = d.best_address() or (d.addresses[0] if d.addresses else "?")
+            row.address = row.address or address_of(shown, d.port)
             row.backend = row.backend or d.txt.get("backend", "")
             row.paired = d.short_id in by_id
             try:
@@ -179,3 +182,9 @@ class PeerDirectory:
             rows.setdefault(p.name, PeerRow(p.name)).paired = True
         attached = [r for r in rows.values() if r.attached]
         return attached + sorted((r for r in rows.values() if not r.attached), key=lambda r: r.name)
+
+
+def _loopback(host: str) -> bool:
+    from peer.trust.link_security import is_loopback_ip
+
+    return is_loopback_ip(host) or host == "localhost"

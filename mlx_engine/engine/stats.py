@@ -55,7 +55,6 @@ def fixed_stats(engine: Any, core: EngineCore) -> dict[str, Any]:
         blas=active_blas(),
         weight_format=engine.loaded.weight_format,
         kv_blocks_total=core.allocator.num_blocks - 1,
-        kv_bytes=pool.nbytes,
         kv_block_bytes=core.block_bytes,
         kv_bits=engine.config.kv_bits,
         kv_format=f"{pool.kv_bits}-bit" if pool.kv_bits else str(pool.dtype).rsplit(".", 1)[-1],
@@ -64,9 +63,10 @@ def fixed_stats(engine: Any, core: EngineCore) -> dict[str, Any]:
 
 def engine_stats(fixed: dict[str, Any], core: EngineCore) -> EngineStats:
     """The snapshot (worker thread only: it reads the scheduler's and the allocator's state)."""
-    a, s = core.allocator, core.scheduler
+    a, s, pool = core.allocator, core.scheduler, core.pool
     return EngineStats(
         **fixed,
+        kv_bytes=pool.max_nbytes // pool.num_blocks * pool.capacity,  # the pool grows: pool.nbytes, cheaply
         running=len(s.running),
         waiting=len(s.waiting),
         kv_blocks_used=a.num_used,
