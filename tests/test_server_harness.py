@@ -55,7 +55,8 @@ def free_port() -> int:
 
 class ServerProcess:
     """``extra``: more `duet serve` options (an ``--api-key`` among them is sent by ``headers``);
-    ``env``: more environment; ``preexec_fn``: run in the child before it starts (e.g. setrlimit)."""
+    ``env``: more environment; ``preexec_fn``: run in the child before it starts (e.g. setrlimit);
+    ``port``: the loopback port to serve on (default: a free one)."""
 
     live: weakref.WeakSet[ServerProcess] = weakref.WeakSet()  # started and not stopped: see conftest
 
@@ -67,9 +68,10 @@ class ServerProcess:
         timeout: float = 180,
         env: dict[str, str] | None = None,
         preexec_fn=None,
+        port: int | None = None,
     ):
         ServerProcess.live.add(self)
-        self.port = free_port()
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
