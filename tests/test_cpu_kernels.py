@@ -285,6 +285,25 @@ def test_unsupported_formats_take_mlx_path(ext):
     assert np.allclose(np.array(y), np.array(ref))
 
 
+def test_untransposed_and_bias_free_products_take_mlx_path(ext):
+    """``transpose=False`` is x @ dequantize(w), which the kernel (x @ w.T) does not compute: a square w
+    would give a wrong answer of the right shape. A missing bias (a non-affine mode) goes to MLX too."""
+    rng = np.random.default_rng(11)
+    x, wq, scales, biases = case(rng, 3, 64, 64, 32, 4)
+    w = dequantize_f64(wq, scales, biases, 32, 4)
+    assert not np.allclose(f64(x) @ w, f64(x) @ w.T, atol=1e-2)  # the two products differ here
+    for rows in (3, dequantize_rows() + 1):  # the fused kernel's size and the dequantize + GEMM one
+        xs = mx.array(rng.standard_normal((rows, 64)).astype(np.float32))
+        y = quantized_matmul(xs, wq, scales, biases, transpose=False, group_size=32, bits=4)
+        ref = mx.quantized_matmul(xs, wq, scales, biases, transpose=False, group_size=32, bits=4)
+        assert np.allclose(np.array(y), np.array(ref), atol=1e-5)
+        assert np.allclose(f64(y), f64(xs) @ w, atol=1e-4)
+    with pytest.raises(ValueError, match="x @ w.T"):
+        quantized_matmul(x, wq, scales, biases, transpose=False, group_size=32, bits=4, backend="native")
+    with pytest.raises(ValueError, match="with biases"):
+        quantized_matmul(x, wq, scales, None, group_size=32, bits=4, backend="native")
+
+
 def _tiny_quantized(tiny_dirs, arch: str, kernels: bool):
     from mlx_engine.loading.loader import load_model
 

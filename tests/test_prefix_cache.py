@@ -168,3 +168,28 @@ def test_a_block_still_being_prefilled_is_not_shared(loaded):
     finally:
         b_queued.set()
         engine.shutdown()
+
+
+def test_after_a_restart_the_disk_tier_serves_every_block_before_the_last_token(loaded, tmp_path):
+    """A 33-token prompt whose first 32 tokens are two whole blocks on disk: after a restart both
+    load (including the one ending right before the last token), so only the last token is
+    computed, and the output is the model's."""
+    base, (last,) = prompts(loaded.tokenizer.vocab_size, [2 * BS, 1], seed=70)
+    cfg = EngineConfig(cache_gb=0.01, block_size=BS, disk_cache_dir=str(tmp_path / "kv"), disk_cache_gb=0.1)
+    first = Engine(loaded, cfg)
+    try:
+        run(first, greedy(base, 1))  # 32 tokens computed: two whole blocks
+    finally:
+        first.shutdown()  # flushes them to disk
+    assert len(list((tmp_path / "kv").rglob("*.safetensors"))) == 2
+    prompt = base + [last]
+    second = Engine(loaded, cfg)  # a restart: nothing cached in memory
+    try:
+        assert second.disk is not None
+        evs = run(second, greedy(prompt, 6))
+        assert evs[-1].usage.cached_tokens == 2 * BS  # 1 token computed, not 17
+        assert second.disk.loaded == 2
+        assert tokens(evs) == reference_greedy(loaded.model, prompt, 6)
+        assert_no_leaks(second)
+    finally:
+        second.shutdown()

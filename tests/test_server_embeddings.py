@@ -25,6 +25,7 @@ import numpy as np
 import openai
 import pytest
 from mlx.utils import tree_flatten
+from openai.types import CreateEmbeddingResponse
 
 from app.server.app import create_app
 from mlx_engine.config import EngineConfig
@@ -157,8 +158,18 @@ async def test_token_arrays_are_used_as_given(app, client):
     assert np.allclose(many.data[0].embedding, text.data[0].embedding, atol=1e-5) and len(many.data) == 2
 
 
+def vectors(r: CreateEmbeddingResponse) -> np.ndarray:
+    return np.array([d.embedding for d in r.data])
+
+
 async def test_concurrent_requests_share_batches_on_the_engine_worker(app, engine):
+    """Requests batched together each get their own vectors (the ones they get alone)."""
     batcher = app.state.embeddings
+    inputs = [[s, s + "!"] for s in SENTENCES]
+    async with sdk(app) as c:
+        alone = [
+            vectors(await c.embeddings.create(model=EMB, input=i, encoding_format="float")) for i in inputs
+        ]
     entered, release = threading.Event(), threading.Event()
 
     def block() -> None:
@@ -170,8 +181,8 @@ async def test_concurrent_requests_share_batches_on_the_engine_worker(app, engin
     before = batcher.rounds
     async with sdk(app) as c:
         tasks = [
-            asyncio.create_task(c.embeddings.create(model=EMB, input=[s, s + "!"], encoding_format="float"))
-            for s in SENTENCES
+            asyncio.create_task(c.embeddings.create(model=EMB, input=i, encoding_format="float"))
+            for i in inputs
         ]
         # every input has reached the batcher while the worker is busy (a deadline only against hangs)
         for _ in range(6000):
@@ -183,6 +194,8 @@ async def test_concurrent_requests_share_batches_on_the_engine_worker(app, engin
     await blocker
     assert batcher.rounds - before <= 2  # the first request's batch, then all the others in one
     assert all(len(r.data) == 2 for r in results)
+    for r, want in zip(results, alone, strict=True):
+        assert np.allclose(vectors(r), want, atol=1e-5)  # its own, not another request's
 
 
 async def test_models_lists_capabilities_and_wrong_models_are_refused(app, client):
