@@ -57,7 +57,8 @@ def expected_kv(tokens: list[int], layer: int, t0: int, t1: int) -> list[np.ndar
 
 class FakeBackend:
     """Serves exports on a thread of its own, like the engine's worker: ACCEPT, then per chunk of
-    ``chunk_size`` (grid anchored at token 0) one ``layer`` call per layer, then DONE. It holds a
+    ``chunk_size`` (grid anchored at token 0) one ``layer`` call per layer with all the chunk computed
+    (tokens before the job's start too: ``ExportJob.layer`` cuts them), then DONE. It holds a
     prefix cache of ``cached`` tokens (its hit ``h``), pauses an export without room, and stops one
     on cancel. ``gate`` (a Semaphore), when given, lets one chunk be computed per release."""
 
@@ -108,7 +109,7 @@ class FakeBackend:
                 if self._stopped(job):
                     self._end(job)
                     return
-                lo = max(c0, job.start)
+                lo = max(c0, hit)  # what this chunk's pool write covers: the job sends what the decoder lacks
                 if lo < c1:
                     job.layer(layer, lo, c1, expected_kv(job.tokens, layer, lo, c1))
         job.done(job.end - hit)

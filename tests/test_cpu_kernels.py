@@ -328,6 +328,26 @@ def test_layers_switch_and_logits_match_mlx_quantized_path(ext, tiny_dirs):
     assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
+def test_layers_of_a_format_the_kernel_lacks_keep_mlx_and_the_same_logits(ext, tiny_dirs):
+    """3-bit weights (not a kernel format): ``use_cpu_kernels`` switches the norms, RoPEs and MLPs,
+    never those layers, and the logits are MLX's own."""
+    from mlx_engine.loading.loader import load_model
+
+    def model(kernels: bool) -> nn.Module:
+        m = load_model(str(tiny_dirs("qwen3")), weights="dense").model
+        nn.quantize(m, group_size=32, bits=3)
+        if kernels:
+            assert use_cpu_kernels(m) > 0  # the norms, RoPEs and MLPs
+        return m
+
+    ours, theirs = model(True), model(False)
+    kinds = {type(m) for _, m in ours.named_modules()}
+    assert CPUQuantizedLinear not in kinds and CPUQuantizedEmbedding not in kinds
+    assert nn.QuantizedLinear in kinds and nn.QuantizedEmbedding in kinds
+    for tokens in (mx.array([[5]]), mx.array([[5, 9, 200, 31, 7, 64, 3, 12]])):  # decode and prefill
+        assert np.abs(f64(ours(tokens)) - f64(theirs(tokens))).max() < 1e-3
+
+
 def test_engine_paged_batched_matches_mlx_lm_with_quantized_cpu_weights(ext, tiny_dirs):
     """test_engine_tiny's equivalence (paged engine, alone and batched, vs mlx-lm's loop on the same
     model) with 4-bit weights through the kernel: batching changes how many rows the kernel takes at

@@ -186,6 +186,25 @@ def test_thread_counts_and_a_long_context_give_the_same_result(threads):
     np.testing.assert_allclose(got, oracle(case, 0.125, 16, None), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window, sinks", [(None, False), (7, False), (20, True)])
+def test_the_mlx_reference_matches_float64_too(window, sinks):
+    """``reference`` (the same semantics through MLX's ops) against the oracle: causal queries of a
+    chunk, the window and the sinks."""
+    q, k, v, table, lens, s = make_case([40, 23], 8, 2, 64, 64, 16, seed=13, sinks=sinks, L=5)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)  # the gather reads every slot of a row's blocks
+    args = (mx.array(k), mx.array(v), mx.array(table), mx.array(lens))
+    got = reference(
+        mx.array(q),
+        *args,
+        scale=0.125,
+        block_size=16,
+        window=window,
+        sinks=None if s is None else mx.array(s),
+    )
+    want = oracle((q, k, v, table, lens, s), 0.125, 16, window)
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=2e-5)
+
+
 def test_strided_query_and_lazy_composition_match_mlx_reference():
     q, k, v, table, lens, _ = make_case([33, 64], 8, 2, 64, 64, 16, seed=5, L=4)
     k, v = np.nan_to_num(k), np.nan_to_num(v)  # the gather reads every slot of a row's blocks

@@ -14,7 +14,7 @@ from mlx_engine.engine.outputs import RequestState
 from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationEvent, GenerationRequest, SamplingParams
 from mlx_engine.tokenization.reply_memory import ReplyMemory
-from tests.test_engine_tiny import prompts, reference_greedy, run_all
+from tests.test_engine_tiny import kv_token_bytes, prompts, reference_greedy, run_all
 from tests.tiny_models import TINY_TOKENS
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -97,3 +97,32 @@ def test_a_padded_output_layer_never_emits_an_id_that_is_no_token(loaded):
             run_all(engine, [GenerationRequest(prompt=p, max_tokens=8, sampling=sampling, ignore_eos=True)])
         )
     assert ids == [only] * 8
+
+
+def test_a_reply_without_max_tokens_ends_where_the_kv_cache_is_full(loaded):
+    """The context (2048 tokens) is larger than the KV cache (4 usable blocks, 64 tokens): a reply
+    with no max_tokens ends for length when prompt and reply fill the cache, it never waits for
+    room that cannot come."""
+    per_block = 16 * kv_token_bytes(loaded)
+    core = core_for(loaded, config(cache_gb=5 * per_block / 2**30))
+    kv_tokens = (core.allocator.num_blocks - 1) * 16
+    assert kv_tokens == 64 < loaded.context_length
+    (p,) = prompts(TINY_TOKENS, [5], seed=6)
+    r = GenerationRequest(prompt=p, max_tokens=None, sampling=GREEDY, ignore_eos=True, request_id="r")
+
+    async def drive() -> list[GenerationEvent]:
+        events: asyncio.Queue = asyncio.Queue()
+        core.add(RequestState.new(core.inputs.prepare(r), core.tokenizer, events))
+        steps = 0
+        while core.step():
+            steps += 1
+            assert steps <= 2 * kv_tokens, "the core keeps stepping a reply that cannot end"
+        return [ev for _, ev in core.outbox[asyncio.get_running_loop()]]
+
+    events = asyncio.run(drive())
+    assert events and events[-1].finish_reason == "length", "the reply never ended"
+    usage = events[-1].usage
+    assert usage.prompt_tokens + usage.completion_tokens == kv_tokens
+    assert [t for ev in events for t in ev.token_ids] == reference_greedy(loaded.model, p, kv_tokens - 5)
+    core.allocator.check_invariants()
+    assert core.allocator.num_used == 0 and not core.requests

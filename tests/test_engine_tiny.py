@@ -364,6 +364,51 @@ def test_stop_strings_logprobs_and_usage_through_the_engine(tiny_dirs):
         engine.shutdown()
 
 
+def test_a_reply_cut_by_max_tokens_keeps_the_text_held_back_for_a_stop_string(tiny_dirs):
+    """The stop matcher holds back text that may begin a stop string; when max_tokens ends the
+    reply first, that text is still the reply's (its last event carries it)."""
+    loaded = load_model(str(tiny_dirs("llama")))
+    (p,) = prompts(loaded.tokenizer.vocab_size, [10], seed=8)
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01))
+
+    async def collect(r):
+        return [ev async for ev in engine.generate(r)]
+
+    try:
+        free = asyncio.run(collect(req(p, 12)))
+        text = "".join(ev.text for ev in free)
+        assert len(text) >= 2 and free[-1].finish_reason == "length"
+        stop = text[-2:] + "\u2603 never generated"  # the reply ends in the first two characters of it
+        evs = asyncio.run(collect(req(p, 12, stop=[stop])))
+        assert "".join(ev.text for ev in evs) == text
+        assert evs[-1].finish_reason == "length" and evs[-1].text  # the held-back text comes last
+    finally:
+        engine.shutdown()
+
+
+def test_stop_token_ids_end_the_reply_at_the_first_one_sampled(tiny_dirs):
+    """``GenerationRequest.stop_token_ids`` stop a reply like EOS does (even with ``ignore_eos``):
+    the stop token is the last id, its text is not emitted."""
+    loaded = load_model(str(tiny_dirs("llama")))
+    (p,) = prompts(loaded.tokenizer.vocab_size, [10], seed=9)
+    free = reference_greedy(loaded.model, p, 12)
+    stop_id = free[4]
+    want = free[: free.index(stop_id) + 1]
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01))
+
+    async def collect(r):
+        return [ev async for ev in engine.generate(r)]
+
+    try:
+        evs = asyncio.run(collect(req(p, 12, stop_token_ids=[stop_id])))
+        assert [t for ev in evs for t in ev.token_ids] == want
+        assert evs[-1].finish_reason == "stop" and evs[-1].stop_reason == stop_id
+        assert "".join(ev.text for ev in evs) == loaded.tokenizer.decode(want[:-1])
+        assert evs[-1].usage.completion_tokens == len(want)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("prompt_len", [37, 33, 48])  # last block partly filled / one token in it / full
 def test_n_choices_share_the_prompt_copy_on_write(tiny_dirs, prompt_len):
     """n > 1: the other choices fork the first one's prompt KV (the partly filled last block

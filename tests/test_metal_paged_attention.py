@@ -261,6 +261,17 @@ def test_unsupported_shapes_decline_to_the_reference(kw):
     case.assert_matches(case.run("emulator"))
 
 
+@pytest.mark.parametrize("q_dtype, kv_dtype", [(mx.float32, mx.float16), (mx.bfloat16, mx.float16)])
+def test_a_pool_of_another_dtype_than_the_queries_declines_to_the_reference(q_dtype, kv_dtype):
+    """``kv_dtype`` set apart from the model's (a float16 pool under float32 activations): the kernels
+    read the pool as the queries' dtype, so such a pool takes the reference path (same answer)."""
+    case = Case([5, 40], n_kv=1, gqa=2, dim=64, dtype=q_dtype, poison=0.0, seed=15)
+    case.k, case.v = case.k.astype(kv_dtype), case.v.astype(kv_dtype)
+    case.k64, case.v64 = ref.to_f64(case.k), ref.to_f64(case.v)
+    assert pa.declines(case.q, case.k, case.v, None, 32) is not None
+    case.assert_matches(case.run("emulator"))
+
+
 def test_kernel_sources_are_built_once():
     assert pa._attention_spec(True, False, False) is pa._attention_spec(True, False, False)
     assert pa._reduce_spec(True) is pa._reduce_spec(True)

@@ -13,7 +13,7 @@ import pytest
 
 from mlx_engine.errors import ConfigError
 from peer.client import Backoff, PeerTimeouts, RemotePrefillSource
-from peer.server import PeerServer, ServerLimits
+from peer.server import Connection, PeerServer, ServerLimits
 from peer.wire.protocol import LayerSpec
 from tests.peer_fakes import (
     DIM,
@@ -23,6 +23,7 @@ from tests.peer_fakes import (
     FakeBackend,
     KVLoad,
     RecordingSink,
+    SinkLoad,
     expected_kv,
     fake_hello,
     fault_connection,
@@ -46,6 +47,23 @@ def source(server: PeerServer, hello=None, **kw) -> RemotePrefillSource:
 
 def load(load_id=1, start=0, end=N - 1, tokens=TOKENS) -> KVLoad:
     return KVLoad(load_id, f"req-{load_id}", list(tokens), start, end)
+
+
+def connected(closing, server: PeerServer) -> tuple[RemotePrefillSource, RecordingSink]:
+    """A source connected to ``server`` (both closed after the test) and a sink for its loads."""
+    closing(server)
+    src = source(server)
+    closing(src)
+    assert src.connect(wait_s=WAIT)
+    return src, RecordingSink(N)
+
+
+def one_load(closing, server: PeerServer) -> tuple[RemotePrefillSource, SinkLoad]:
+    """The load of the whole prompt from a source connected to ``server``, run to its end."""
+    src, sink = connected(closing, server)
+    src.start_load(load(), sink)
+    sink.wait_end(1)
+    return src, sink.loads[1]
 
 
 def check_landed(sink: RecordingSink, load_id: int, start: int, end: int) -> None:
@@ -92,11 +110,7 @@ def test_only_tokens_the_decoder_lacks_are_sent_and_the_peer_computes_from_its_o
     on the grid anchored at 0 and sends only [40, 99)."""
     backend = FakeBackend(cached=16)
     server = serve(backend)
-    closing(server)
-    src = source(server)
-    closing(src)
-    assert src.connect(wait_s=WAIT)
-    sink = RecordingSink(N)
+    src, sink = connected(closing, server)
     src.start_load(load(start=40), sink)
     sink.wait_end(1)
     check_landed(sink, 1, 40, N - 1)
@@ -137,17 +151,32 @@ def test_hello_mismatch_is_refused_before_any_prefill(closing, caplog, change, c
     assert len(lines) == 1, lines  # the reason, once
 
 
+def test_a_done_before_every_layer_landed_fails_the_load_and_keeps_what_did(closing):
+    """A peer that says DONE with a layer of the range missing: the load fails (the engine computes
+    the rest itself), it is never done with unwritten KV in the pool."""
+
+    class DropsOneLayer(Connection):
+        dropped = threading.Event()
+
+        def send(self, buffers, kind, job) -> None:
+            if kind == "layer_kv" and not self.dropped.is_set():
+                self.dropped.set()  # layer 0 of the first chunk never leaves
+                return
+            super().send(buffers, kind, job)
+
+    src, got = one_load(closing, serve(connection_class=DropsOneLayer))
+    assert DropsOneLayer.dropped.is_set()
+    assert got.failed == "bad_frame" and not got.done
+    assert src.fallbacks["bad_frame"] == 1 and src.remote_prefills == 0
+    assert got.frames == LAYERS * 4 - 1  # 4 chunks of 3 layers, less the one dropped
+    assert np.isnan(got.kv[0][0][:CHUNK]).all() and not np.isnan(got.kv[1][0][:CHUNK]).any()
+
+
 def test_busy_peer_answers_busy_and_the_decoder_backs_off(closing):
     backend = FakeBackend()
     server = serve(backend, limits=ServerLimits(max_exports=0))
-    closing(server)
-    src = source(server)
-    closing(src)
-    assert src.connect(wait_s=WAIT)
-    sink = RecordingSink(N)
-    src.start_load(load(), sink)
-    sink.wait_end(1)
-    assert sink.loads[1].failed == "busy" and sink.loads[1].frames == 0
+    src, got = one_load(closing, server)
+    assert got.failed == "busy" and got.frames == 0
     assert src.fallbacks["busy"] == 1 and server.stats.counts["busy"] == 1
     assert src.match(TOKENS, 0, N - 1) == 0  # until retry_after has passed
     assert not backend.started
@@ -157,11 +186,7 @@ def test_cancel_stops_the_export_and_late_frames_are_dropped(closing):
     gate = threading.Semaphore(0)  # the peer computes one chunk per release
     backend = FakeBackend(gate=gate)
     server = serve(backend)
-    closing(server)
-    src = source(server)
-    closing(src)
-    assert src.connect(wait_s=WAIT)
-    sink = RecordingSink(N)
+    src, sink = connected(closing, server)
     src.start_load(load(), sink)
     gate.release()
     sink.wait(lambda: 1 in sink.loads and sink.loads[1].frames == LAYERS)
@@ -262,6 +287,39 @@ def test_backoff_then_reconnect(closing):
     assert src.match(TOKENS, 0, N - 1) == N - 1
 
 
+def test_a_completed_load_ends_the_failure_streak(closing):
+    """The backoff grows with consecutive failures only: after a load that completed, the next
+    failure waits the initial backoff again, not twice it."""
+    now = [1000.0]
+    faults = fault_connection("kill", 1)
+    server = serve(FakeBackend(), connection_class=faults)
+    closing(server)
+    src = source(server, backoff=Backoff(initial_s=5, max_s=40), clock=lambda: now[0])
+    closing(src)
+    sink = RecordingSink(N)
+
+    def run(load_id: int) -> SinkLoad:
+        src.start_load(load(load_id), sink)
+        sink.wait_end(load_id)
+        return sink.loads[load_id]
+
+    def reconnects_after(seconds: float) -> bool:
+        now[0] += seconds
+        assert src.match(TOKENS, 0, N - 1) == 0  # starts reconnecting in the background, if it may
+        with src._lock:
+            assert src._connected.wait_for(lambda: src._connecting is None, WAIT)
+        return src.match(TOKENS, 0, N - 1) == N - 1
+
+    assert src.connect(wait_s=WAIT)
+    assert run(1).failed is not None  # the connection is killed mid-stream: a 5 s backoff
+    faults.fault = None
+    assert reconnects_after(5.1)
+    assert run(2).done
+    faults.fault = "kill"
+    assert run(3).failed is not None  # a new streak of one failure
+    assert reconnects_after(5.1)
+
+
 def test_receive_buffer_cap_bounds_ingest_and_pauses_the_export(closing):
     """A decoder that does not apply frames: the reader stops at the buffer cap, TCP fills, the
     peer's per-export byte cap pauses the export (its worker never blocks), and everything flows
@@ -290,11 +348,7 @@ def test_receive_buffer_cap_bounds_ingest_and_pauses_the_export(closing):
 def test_two_concurrent_loads_on_one_connection(closing):
     backend = FakeBackend()
     server = serve(backend)
-    closing(server)
-    src = source(server)
-    closing(src)
-    assert src.connect(wait_s=WAIT)
-    sink = RecordingSink(N)
+    src, sink = connected(closing, server)
     src.start_load(load(1), sink)
     src.start_load(load(2, start=16), sink)
     sink.wait(lambda: all(i in sink.loads and sink.loads[i].finished.is_set() for i in (1, 2)))
@@ -327,11 +381,7 @@ def test_a_done_racing_a_cancel_is_dropped(closing):
     conn_cls = fault_connection("stall", 0, kind="done")
     backend = FakeBackend()
     server = serve(backend, connection_class=conn_cls)
-    closing(server)
-    src = source(server)
-    closing(src)
-    assert src.connect(wait_s=WAIT)
-    sink = RecordingSink(N)
+    src, sink = connected(closing, server)
     src.start_load(load(), sink)
     assert conn_cls.tripped.wait(WAIT)  # every layer was sent, the DONE is in send()
     sink.wait(lambda: 1 in sink.loads and sink.loads[1].frames == LAYERS * 4)

@@ -9,11 +9,15 @@ sequence's part-full last block serves the next turn to the token.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
+import mlx.core as mx
 import pytest
 
 from mlx_engine.engine import Engine, EngineConfig
+from mlx_engine.kv_cache.kv_pool import KVPool
+from mlx_engine.kv_cache.prefix_disk import PrefixDiskTier
 from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationEvent, GenerationRequest, SamplingParams
 from tests.test_engine_tiny import assert_no_leaks, prompts, reference_greedy
@@ -193,3 +197,20 @@ def test_after_a_restart_the_disk_tier_serves_every_block_before_the_last_token(
         assert_no_leaks(second)
     finally:
         second.shutdown()
+
+
+def test_the_disk_tier_over_its_cap_deletes_the_least_recently_used_files(tmp_path):
+    """Saving past ``max_bytes`` deletes the files used longest ago: a load counts as a use, so a
+    block read back after a restart outlives one nobody asked for since."""
+    disk = PrefixDiskTier(tmp_path / "kv", {"m": 1}, 2**30, block_size=4, num_layers=1)
+    blocks = KVPool(1, 4, 4, 1, 8, mx.float32).read_block(1)
+    a, b, c = [list(range(i, i + 4)) for i in (1, 11, 21)]
+    disk.save(a, blocks)
+    disk.save(b, blocks)
+    size = disk._path(a).stat().st_size
+    os.utime(disk._path(a), (1_000, 1_000))  # both used long ago, b more recently than a
+    os.utime(disk._path(b), (2_000, 2_000))
+    assert disk.load(a) is not None  # a is used now: b is the least recently used
+    disk.max_bytes = 2 * size + size // 2  # room for two files
+    disk.save(c, blocks)
+    assert [disk.has(t) for t in (a, b, c)] == [True, False, True]

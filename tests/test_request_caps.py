@@ -10,7 +10,8 @@ import pytest
 from app.server.app import create_app
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine import Engine
-from mlx_engine.errors import ConfigError
+from mlx_engine.errors import ConfigError, ContextLengthError
+from mlx_engine.request import GenerationRequest, SamplingParams
 from tests.test_server_harness import tiny_model
 
 CONTEXT = 96
@@ -92,6 +93,17 @@ async def test_a_prompt_that_fills_the_context_alone_is_still_a_400(engine):
         )
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "fox " * 200, "max_tokens": 4})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+async def test_a_prompt_one_token_short_of_the_context_gets_one_token(engine):
+    """The context holds the prompt and the reply: a prompt as long as the context is refused (no
+    position is left for a reply token), one a token shorter gets exactly one."""
+    with pytest.raises(ContextLengthError, match=f"context is {CONTEXT} tokens"):
+        engine.prepare_prompt(GenerationRequest(prompt=[5] * CONTEXT))
+    r = GenerationRequest(prompt=[5] * (CONTEXT - 1), sampling=SamplingParams(temperature=0), ignore_eos=True)
+    events = [ev async for ev in engine.generate(r)]
+    assert events[-1].finish_reason == "length"
+    assert events[-1].usage.prompt_tokens == CONTEXT - 1 and events[-1].usage.completion_tokens == 1
 
 
 async def test_the_server_cap_holds_whatever_a_request_asks(engine):

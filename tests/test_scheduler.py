@@ -59,6 +59,21 @@ def test_preemption_takes_the_newest_running_sequence_and_requeues_it_first():
     assert new.tokens[:5] == [5, 6, 7, 8, 104] and later.status == WAITING
 
 
+def test_a_recomputed_sequence_counts_its_prefix_hits_once():
+    """cached_tokens (and the scheduler's hit count) are what a request's first admission reused:
+    a preempted sequence that finds its own blocks cached when it comes back does not count them."""
+    d = Driver(num_blocks=4, max_batch_tokens=64, prefill_chunk=64, max_running=8)  # 3 usable blocks
+    old = d.add("old", [1, 2, 3, 4], arrival=1.0)
+    new = d.add("new", [5, 6, 7, 8, 9, 10, 11, 12], arrival=2.0)
+    assert d.step() == {"old": 4, "new": 8}
+    assert (new.num_cached, d.sched.prefix_hit_tokens) == (0, 0)
+    assert d.step() == {"old": 1}  # "new" is preempted; "old" takes the block of its tail
+    assert new.preemptions == 1 and len(d.alloc.index.match(new.tokens)) == 1  # its head is cached
+    d.sched.finish(old)
+    assert d.step() == {"new": 5}  # re-admitted on its own cached head: 4 of its 9 tokens reused
+    assert (new.num_cached, d.sched.prefix_hit_tokens) == (0, 0)
+
+
 def test_never_runs_more_than_max_running():
     d = Driver(num_blocks=64, max_batch_tokens=100, prefill_chunk=100, max_running=2)
     seqs = [d.add(f"r{i}", [i + 1] * 3, arrival=float(i)) for i in range(4)]

@@ -310,6 +310,35 @@ def test_conversation_translates_to_chat_messages():
     assert f["stop"] == ["\n\n"] and f["top_k"] == 5 and "metadata" not in f
 
 
+def test_a_tool_result_with_is_error_reads_as_an_error():
+    """The model must know a tool failed: an ``is_error`` result's text says so, another's is as sent."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Atlantis"}}
+
+    def tool_message(result: dict) -> dict:
+        body = MessagesRequest.model_validate(
+            {
+                "model": MODEL,
+                "max_tokens": 5,
+                "messages": [
+                    {"role": "user", "content": "Weather in Atlantis?"},
+                    {"role": "assistant", "content": [use]},
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "toolu_1", **result}],
+                    },
+                ],
+                "tools": [WEATHER],
+            }
+        )
+        (tool,) = [m for m in chat_fields(body)["messages"] if m["role"] == "tool"]
+        return tool
+
+    assert tool_message({"content": "no such city", "is_error": True})["content"] == "Error: no such city"
+    failed = tool_message({"content": [{"type": "text", "text": "no such city"}], "is_error": True})
+    assert failed["content"] == "Error: no such city"
+    assert tool_message({"content": "no such city", "is_error": False})["content"] == "no such city"
+
+
 async def test_output_config_json_schema_is_enforced(client):
     schema = {
         "type": "object",

@@ -84,6 +84,25 @@ async def test_create_shape_usage_and_retrieval(client):
         await client.responses.delete(r.id)
 
 
+async def test_input_items_page_on_after_each_item_once(client):
+    """``input_items`` pages: ``after`` starts past that item, in either order, and ``has_more``
+    says whether a page is the last."""
+    said = [{"role": "user", "content": f"message {i}"} for i in range(3)]
+    r = await client.responses.create(model=MODEL, input=said, max_output_tokens=1)
+
+    async def page(**kw) -> tuple[list[str], bool]:
+        p = await client.responses.input_items.list(r.id, limit=2, **kw)
+        return [i.content[0].text for i in p.data], p.has_more
+
+    texts = [m["content"] for m in said]
+    assert await page(order="asc") == (texts[:2], True)
+    ids = [i.id for i in (await client.responses.input_items.list(r.id, order="asc")).data]
+    assert await page(order="asc", after=ids[0]) == (texts[1:], False)
+    assert await page(order="asc", after=ids[1]) == (texts[2:], False)
+    assert await page(order="desc", after=ids[2]) == ([texts[1], texts[0]], False)
+    assert await page(order="asc", after=ids[2]) == ([], False)
+
+
 async def test_stream_events_match_create(client):
     kw = dict(model=MODEL, input=STORY, max_output_tokens=10, temperature=0)
     whole = await client.responses.create(**kw)
