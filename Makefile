@@ -9,7 +9,7 @@ MODEL := duet_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 BLAS_ENV = LD_PRELOAD="$$($(VPY) -m mlx_engine.blas --preload)"
 TEST_ENV = HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(BLAS_ENV)
 
-.PHONY: setup kernels chat serve test test-fast lint bench bench-deps bench-cpu mac-check clean
+.PHONY: setup kernels chat serve test soak-test test-fast lint bench bench-deps bench-cpu mac-check clean
 
 setup: $(STAMP) $(MODEL) kernels
 
@@ -41,7 +41,10 @@ test: $(STAMP) $(MODEL) kernels
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy  # mlx_engine/, peer/ and app/, as [tool.mypy] in pyproject.toml selects
 	$(VENV)/bin/lint-imports  # kernels <- mlx_engine <- peer <- app ([tool.importlinter])
-	$(TEST_ENV) $(VPY) -m pytest -q -ra
+	$(TEST_ENV) $(VPY) -m pytest -q -ra -m "not soak"
+
+soak-test: $(STAMP) $(MODEL) kernels
+	$(TEST_ENV) $(VPY) -m pytest -q -ra -m soak
 
 test-fast: $(STAMP) $(MODEL) kernels
 	$(TEST_ENV) $(VPY) -m pytest -q -ra -m "not slow"
