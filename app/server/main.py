@@ -226,6 +226,7 @@ def serve(args) -> int:
         embedding_aliases=model_aliases(args.embedding_model) if embedder is not None else (),
         max_tokens=getattr(args, "max_tokens", None),
     )
+    app.state.duet.grammars.prepare()  # before serving: its build would stall the event loop
     s = engine.stats()
     host = f"[{args.host.strip('[]')}]" if ":" in args.host else args.host
     banner = (
