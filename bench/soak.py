@@ -12,8 +12,8 @@ Each client has its own HTTP connection and sends one request after another, cho
 - Anthropic Messages, streamed and not;
 - Responses, streamed and not, and a two-turn chain (``previous_response_id``);
 - a tenth of all requests malformed: bad JSON, wrong types or values, a body over the server's
-  --max-body-mb (with a Content-Length and chunked), a prompt longer than the context, a
-  ``previous_response_id`` that does not exist;
+  --max-body-mb (with a Content-Length and chunked), a prompt longer than the context (by a little,
+  and a 2 MB one, under the body limit), a ``previous_response_id`` that does not exist;
 - a quarter of the streamed requests dropped: the client closes the connection after 1-3 events.
 
 ``max_tokens`` is 8-32, so many requests complete. A separate process polls ``/health`` four times a
@@ -77,6 +77,7 @@ DRAIN_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 300.0  # a well-formed request still unanswered after this is a hang
 OVERSIZE_MB = 9  # above `duet serve`'s default --max-body-mb (8)
 CONTEXT_WORDS = 9000  # a prompt of this many words is longer than SmolLM2's 8192-token context
+HUGE_PROMPT_MB = 2  # a prompt far over any context, in a body well under the limit
 
 WORDS = (
     "river stone light garden north window paper music seven quiet engine orange market forest silver "
@@ -115,6 +116,7 @@ MALFORMED = (
     "oversize_body",
     "oversize_chunked",
     "oversize_prompt",
+    "huge_prompt",
     "unknown_previous",
 )
 ROUTES = {
@@ -251,6 +253,7 @@ def _oversize_chunks() -> Callable[[], AsyncIterator[bytes]]:
 
 OVERSIZE = b'{"model": "m", "prompt": "' + b"x" * (OVERSIZE_MB * 2**20) + b'"}'
 CHUNKED = _oversize_chunks()
+HUGE_PROMPT = " ".join(WORDS * (HUGE_PROMPT_MB * 2**20 // len(" ".join(WORDS))))
 
 
 def malformed_request(b: Bodies, api: str, variant: str) -> tuple[bytes | AsyncIterator[bytes], bool]:
@@ -281,8 +284,8 @@ def malformed_request(b: Bodies, api: str, variant: str) -> tuple[bytes | AsyncI
             "responses": ("temperature", -1),
         }[api]
         body[field] = value
-    elif variant == "oversize_prompt":
-        long = " ".join(rng.choices(WORDS, k=CONTEXT_WORDS))
+    elif variant in ("oversize_prompt", "huge_prompt"):
+        long = " ".join(rng.choices(WORDS, k=CONTEXT_WORDS)) if variant == "oversize_prompt" else HUGE_PROMPT
         if api == "completions":
             body["prompt"] = long
         elif api == "responses":
