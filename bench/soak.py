@@ -914,7 +914,11 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{c.get('fail', 0):>6}{_s(c['p50_s']):>10}{_s(c['p95_s']):>10}"
         )
     h, rss, kv = rep["health"], rep["rss_mb"], rep["kv_blocks"]
-    growth = "-" if rss["growth"] is None else f"{rss['growth']:+.1%}"
+    growth = (
+        "-"
+        if rss["growth"] is None
+        else f"{rss['growth']:+.1%}, {rss['last_third'] - rss['first_third']:+.0f} MB"
+    )
     first = "-" if rss["first_third"] is None else f"{rss['first_third']:.0f}"
     last = "-" if rss["last_third"] is None else f"{rss['last_third']:.0f}"
     out += [
