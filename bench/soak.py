@@ -12,8 +12,8 @@ Each client has its own HTTP connection and sends one request after another, cho
 - Anthropic Messages, streamed and not;
 - Responses, streamed and not, and a two-turn chain (``previous_response_id``);
 - a tenth of all requests malformed: bad JSON, wrong types or values, a body over the server's
-  --max-body-mb (with a Content-Length and chunked), a prompt longer than the context, a
-  ``previous_response_id`` that does not exist;
+  --max-body-mb (with a Content-Length and chunked), a prompt longer than the context (by a little,
+  and a 2 MB one, under the body limit), a ``previous_response_id`` that does not exist;
 - a quarter of the streamed requests dropped: the client closes the connection after 1-3 events.
 
 ``max_tokens`` is 8-32, so many requests complete. A separate process polls ``/health`` four times a
@@ -22,7 +22,11 @@ KV blocks. The KV pool grows as blocks are needed, up to its budget (--cache-gb)
 blocks for prefix reuse, so under load it reaches the budget and stays there: that growth is by
 design, and bounded, so the first part of the run, until /metrics shows the pool at its budget
 (at most 120 s), is the warm-up, and the T seconds are counted from there (the warm-up's requests
-are checked as all others). Afterwards, every one of these must hold, or the run exits 1:
+are checked as all others). The warm-up also starts with a primer: 4 clients at once each send
+the largest requests (a 2 MB prompt, an over-limit chunked body, ...) first; tokenizing a 2 MB
+prompt takes ~200 MB for a moment, which glibc keeps (a high-water mark, bounded, not a leak),
+so that peak is reached before the window rather than by chance inside it. Afterwards, every one
+of these must hold, or the run exits 1:
 
 - every well-formed request that was not dropped got a complete reply: HTTP 200, a finish/stop
   reason for every choice, a stream that ended with its API's terminal event (``[DONE]``,
@@ -77,6 +81,7 @@ DRAIN_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 300.0  # a well-formed request still unanswered after this is a hang
 OVERSIZE_MB = 9  # above `duet serve`'s default --max-body-mb (8)
 CONTEXT_WORDS = 9000  # a prompt of this many words is longer than SmolLM2's 8192-token context
+HUGE_PROMPT_MB = 2  # a prompt far over any context, in a body well under the limit
 
 WORDS = (
     "river stone light garden north window paper music seven quiet engine orange market forest silver "
@@ -115,8 +120,12 @@ MALFORMED = (
     "oversize_body",
     "oversize_chunked",
     "oversize_prompt",
+    "huge_prompt",
     "unknown_previous",
 )
+# the warm-up's primer (see ``primer``): the largest bodies, from this many clients at once
+PRIMER = ("huge_prompt", "oversize_chunked", "oversize_prompt", "oversize_body")
+PRIMER_CLIENTS = 4
 ROUTES = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -251,6 +260,7 @@ def _oversize_chunks() -> Callable[[], AsyncIterator[bytes]]:
 
 OVERSIZE = b'{"model": "m", "prompt": "' + b"x" * (OVERSIZE_MB * 2**20) + b'"}'
 CHUNKED = _oversize_chunks()
+HUGE_PROMPT = " ".join(WORDS * (HUGE_PROMPT_MB * 2**20 // len(" ".join(WORDS))))
 
 
 def malformed_request(b: Bodies, api: str, variant: str) -> tuple[bytes | AsyncIterator[bytes], bool]:
@@ -281,8 +291,8 @@ def malformed_request(b: Bodies, api: str, variant: str) -> tuple[bytes | AsyncI
             "responses": ("temperature", -1),
         }[api]
         body[field] = value
-    elif variant == "oversize_prompt":
-        long = " ".join(rng.choices(WORDS, k=CONTEXT_WORDS))
+    elif variant in ("oversize_prompt", "huge_prompt"):
+        long = " ".join(rng.choices(WORDS, k=CONTEXT_WORDS)) if variant == "oversize_prompt" else HUGE_PROMPT
         if api == "completions":
             body["prompt"] = long
         elif api == "responses":
@@ -523,12 +533,24 @@ async def pool_full(http: httpx.AsyncClient) -> bool:
     return m["duet_kv_cache_bytes"] >= m["duet_kv_cache_budget_bytes"]
 
 
+async def primer(http: httpx.AsyncClient, b: Bodies, records: list[Record]) -> None:
+    """The largest requests, one of each (to a random API), from PRIMER_CLIENTS clients at once at
+    the start: what they take transiently the allocator keeps (glibc does not give it back), a
+    high-water mark reached here rather than by chance in the measured window."""
+    for variant in PRIMER:
+        api = b.rng.choice(list(ROUTES))
+        content, stream = malformed_request(b, api, variant)
+        rec = Record(f"malformed:{variant}:{api}", stream, time.monotonic())
+        records.append(rec)
+        await send_malformed(http, rec, api, content)
+
+
 async def run_clients(
     base: str, model: str, clients: int, seconds: float, seed: int, warmup_cap: float
 ) -> Load:
-    """``clients`` clients, each sending one request after another until ``seconds`` after the KV
-    pool has grown to its budget (at most ``warmup_cap`` seconds after the start); each finishes
-    the request it is in (it is not cut)."""
+    """``clients`` clients, each sending one request after another until ``seconds`` after the
+    warm-up: the KV pool has grown to its budget (or ``warmup_cap`` seconds have passed) and the
+    primer is done; each finishes the request it is in (it is not cut)."""
     records: list[Record] = []
     stop = asyncio.Event()
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30)
@@ -537,20 +559,29 @@ async def run_clients(
     tls = ssl.create_default_context()
     https = [httpx.AsyncClient(base_url=base, timeout=timeout, verify=tls) for _ in range(clients + 1)]
 
+    primed = [min(PRIMER_CLIENTS, clients)]  # clients still sending their primer
+    primer_done = asyncio.Event()
+
     async def client(i: int) -> None:
         b = Bodies(random.Random(f"{seed}-{i}"), model)
         async with https[i] as http:
+            if i < PRIMER_CLIENTS:
+                await primer(http, b, records)
+                primed[0] -= 1
+                if not primed[0]:
+                    primer_done.set()
             while not stop.is_set():
                 await one_turn(http, b, records)
 
     async def window() -> tuple[float, float, bool]:
-        """The pool's growth to its budget is the warm-up: by design, not a leak."""
+        """The warm-up: the pool's growth to its budget and the primer's peak, by design, not leaks."""
         full = False
         async with https[clients] as http:
             while time.monotonic() < t_load + warmup_cap:
                 if full := await pool_full(http):
                     break
                 await asyncio.sleep(0.5)
+        await primer_done.wait()
         t0 = time.monotonic()
         await asyncio.sleep(seconds)
         stop.set()
@@ -628,7 +659,9 @@ def poll(base: str, pid: int, stop: multiprocessing.synchronize.Event, out: Any)
                     metrics_failed.append(f"HTTP {r.status_code}: {r.text[:200]}")
                 else:
                     m = parse_metrics(r.text)
-                    kept = {k: v for k, v in m.items() if k.startswith(("duet_kv", "duet_requests_"))}
+                    kept = {
+                        k: v for k, v in m.items() if k.startswith(("duet_kv", "duet_requests_", "duet_mlx"))
+                    }
                     metrics.append((t, kept))
         stop.wait(max(0.0, HEALTH_INTERVAL_S - (time.monotonic() - t)))
     out.put({"health": health, "rss": rss, "metrics": metrics, "metrics_failed": metrics_failed})
@@ -744,6 +777,17 @@ def build_report(
     rss_first = statistics.fmean(first) / 1024 if first else None
     rss_last = statistics.fmean(last) / 1024 if last else None
     growth = rss_last / rss_first - 1 if rss_first and rss_last else None
+
+    def mlx_mb(name: str, lo: float, hi: float) -> float | None:
+        xs = [m[name] for t, m in polled["metrics"] if lo <= t <= hi and name in m]
+        return statistics.fmean(xs) / 2**20 if xs else None
+
+    mlx = {  # MLX's share of the RSS: arrays held, and freed buffers kept for reuse
+        f"{what}_{part}": mlx_mb(f"duet_mlx_{what}_bytes", lo, hi)
+        for what in ("active", "cache")
+        for part, (lo, hi) in (("first_third", (t0, t0 + third)), ("last_third", (t1 - third, t1)))
+    }
+    mlx["peak_after"] = after.get("duet_mlx_peak_bytes", 0.0) / 2**20
     if growth is None:
         violations.append("too few RSS samples")
     elif growth >= RSS_GROWTH_LIMIT:
@@ -809,7 +853,17 @@ def build_report(
             "p99_s": pct(health_lat, 99),
             "failed_or_slow": len(slow),
         },
-        "rss_mb": {"first_third": rss_first, "last_third": rss_last, "growth": growth, "samples": len(rss)},
+        "rss_mb": {
+            "first_third": rss_first,
+            "last_third": rss_last,
+            "growth": growth,
+            "samples": len(rss),
+            # (seconds from the start, MB) every 5 s: where it grew, warm-up included
+            "series": [
+                (round(t - load.t_load, 1), round(kb / 1024, 1)) for t, kb in rss[:: int(5 / RSS_INTERVAL_S)]
+            ],
+        },
+        "mlx_mb": mlx,
         "kv_blocks": {
             "total": after.get("duet_kv_blocks_total"),
             "used_before": before.get("duet_kv_blocks_used"),
@@ -836,6 +890,11 @@ def _s(x: float | None, unit: str = "s") -> str:
     return "-" if x is None else (f"{x * 1000:.0f} ms" if unit == "ms" else f"{x:.2f} s")
 
 
+def _pair(d: dict[str, float | None], what: str) -> str:
+    a, b = d[f"{what}_first_third"], d[f"{what}_last_third"]
+    return "-" if a is None or b is None else f"{a:.0f} -> {b:.0f}"
+
+
 def format_report(rep: dict[str, Any]) -> str:
     out = [
         f"soak: {rep['clients']} clients, {rep['load_s']:.0f} s (warm-up {rep['warmup_s']:.0f} s until the KV "
@@ -855,7 +914,11 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{c.get('fail', 0):>6}{_s(c['p50_s']):>10}{_s(c['p95_s']):>10}"
         )
     h, rss, kv = rep["health"], rep["rss_mb"], rep["kv_blocks"]
-    growth = "-" if rss["growth"] is None else f"{rss['growth']:+.1%}"
+    growth = (
+        "-"
+        if rss["growth"] is None
+        else f"{rss['growth']:+.1%}, {rss['last_third'] - rss['first_third']:+.0f} MB"
+    )
     first = "-" if rss["first_third"] is None else f"{rss['first_third']:.0f}"
     last = "-" if rss["last_third"] is None else f"{rss['last_third']:.0f}"
     out += [
@@ -867,6 +930,11 @@ def format_report(rep: dict[str, Any]) -> str:
         f"  /health: {h['polls']} polls, max {_s(h['max_s'], 'ms')}, p99 {_s(h['p99_s'], 'ms')}, "
         f"{h['failed_or_slow']} failed or over {HEALTH_LIMIT_S:g} s",
         f"  RSS (MB): first third {first}, last third {last} ({growth}; {rss['samples']} samples)",
+        "  MLX (MB): arrays held "
+        + _pair(rep["mlx_mb"], "active")
+        + ", freed buffers kept "
+        + _pair(rep["mlx_mb"], "cache")
+        + f", peak {rep['mlx_mb']['peak_after']:.0f}",
         f"  KV blocks held by requests: before {kv['used_before']:g}, peak {kv['peak_used']:g}, after "
         f"{kv['used_after']:g} of {kv['total']:g}; cached for prefix reuse {kv['cached_before']:g} -> "
         f"{kv['cached_after']:g}",

@@ -4,6 +4,8 @@ same file, stored by bench/make_gguf_reference.py), plus a small SentencePiece v
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -60,6 +62,29 @@ def test_digits_are_split_one_by_one(tok):
         pieces = [tok.piece(i) for i in tok.encode(text)]
         assert all(sum(c.isdigit() for c in piece) <= 1 for piece in pieces), pieces
     assert len(tok.encode("12345")) == 5
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_tokenizing_a_long_prompt_lets_other_threads_run(tok, chat):
+    """A server tokenizes prompts on worker threads; with the GIL held throughout (``encode`` holds
+    it, about a second per megabyte), a 2 MB prompt froze its event loop, /health included, for
+    a second (bench/soak.py). Another thread must keep running meanwhile: here it wakes from
+    1 ms sleeps while the tokenizing thread is alive, hundreds of times if the GIL is let go,
+    a handful at most (before and after the encode) if it is not."""
+    text = " ".join(["river stone light garden"] * 60000)  # ~1.4 MB, ~0.3M tokens
+    tok.prepare()
+    work = threading.Thread(
+        target=(lambda: tok.encode_chat([{"role": "user", "content": text}]))
+        if chat
+        else (lambda: tok.encode(text, parse_special=False))
+    )
+    wakes = 0
+    work.start()
+    while work.is_alive():
+        time.sleep(0.001)
+        wakes += 1
+    work.join()
+    assert wakes >= 30, wakes
 
 
 def test_chat_template_matches_reference(tok):

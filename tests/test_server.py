@@ -995,6 +995,8 @@ def test_metrics_exposed(server, client):
     assert 0 <= m["duet_speculative_accepted_tokens_total"] <= m["duet_speculative_proposed_tokens_total"]
     assert m["duet_kv_blocks_total"] == m["duet_kv_blocks_used"] + m["duet_kv_blocks_free"]
     assert 0 < m["duet_prefix_cache_hit_rate"] <= 1
+    # MLX's allocator: the weights and the KV pool are held; the cache may be empty
+    assert 0 < m["duet_mlx_active_bytes"] <= m["duet_mlx_peak_bytes"] and m["duet_mlx_cache_bytes"] >= 0
     text = httpx.get(server.base + "/metrics").text
     assert 'duet_requests_total{endpoint="chat",finish_reason="length"}' in text
 

@@ -173,3 +173,33 @@ def test_serve_takes_the_port_before_loading_the_model(monkeypatch):
         taken.listen()
         with pytest.raises(ConfigError, match="already in use"):
             main.serve(serve_args("--port", str(taken.getsockname()[1])))
+
+
+def test_serve_builds_the_grammar_tokenizer_before_serving(monkeypatch, tiny_dirs):
+    """llguidance's tokenizer holds the GIL for its whole build (~0.3 s for the bundled model's 49k
+    vocabulary, more on a loaded machine): built in the first JSON-schema request, on a worker
+    thread even, it stalled the event loop, and /health with it, past 1 s in bench/soak.py's first
+    burst of 64 clients. So does the tokenizer's copy that reads control-token text as text
+    (~0.2 s). `duet serve` builds both before it serves."""
+    from mlx_engine.sampling.constraints import GrammarFactory
+    from mlx_engine.tokenization.tokenizer import Tokenizer
+
+    monkeypatch.delenv("DUET_API_KEY", raising=False)
+    calls: list[str] = []
+    real_prepare = GrammarFactory.prepare
+
+    def prepare(self):
+        calls.append("prepare")
+        real_prepare(self)
+
+    monkeypatch.setattr(GrammarFactory, "prepare", prepare)
+    real_tokenizer_prepare = Tokenizer.prepare
+
+    def tokenizer_prepare(self):
+        calls.append("tokenizer")
+        real_tokenizer_prepare(self)
+
+    monkeypatch.setattr(Tokenizer, "prepare", tokenizer_prepare)
+    monkeypatch.setattr(main._Server, "run", lambda self, sockets=None: calls.append("run"))
+    main.serve(serve_args("--model", str(tiny_dirs("llama")), "--port", "0", "--cache-gb", "0.01"))
+    assert calls == ["prepare", "tokenizer", "run"]

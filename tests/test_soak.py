@@ -1,6 +1,7 @@
 """The soak test (``bench/soak.py``, issue 30), short: 12 clients mixing every API against a real
 `duet serve` on the bundled model, malformed bodies and dropped streams among them, for 45 s after
-the KV pool has grown to its budget (a small one, 0.05 GiB, so that warm-up is short).
+the KV pool has grown to its budget (a small one, 0.05 GiB, so that warm-up is short) and the
+primer (the largest requests, 4 clients at once) is done.
 
 Every check of the soak must hold: complete replies to every well-formed request not dropped, a 4xx
 to every malformed one, no 5xx, /health within 1 s throughout, the server drained afterwards

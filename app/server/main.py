@@ -226,6 +226,9 @@ def serve(args) -> int:
         embedding_aliases=model_aliases(args.embedding_model) if embedder is not None else (),
         max_tokens=getattr(args, "max_tokens", None),
     )
+    # before serving: built in a first request, these would stall the event loop (they hold the GIL)
+    app.state.duet.grammars.prepare()
+    engine.tokenizer.prepare()
     s = engine.stats()
     host = f"[{args.host.strip('[]')}]" if ":" in args.host else args.host
     banner = (

@@ -3,6 +3,7 @@ from ``engine.stats()`` at scrape time."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -37,6 +38,11 @@ class _EngineCollector:
                 "prompt tokens served from the prefix cache / prompt tokens looked up",
                 s.prefix_hit_rate,
             ),
+            # MLX's allocator: what arrays hold now, the freed buffers it keeps for reuse (the
+            # cache, which grows to the largest working set seen), and the most ever held at once
+            "duet_mlx_active_bytes": ("bytes MLX arrays hold now", mx.get_active_memory()),
+            "duet_mlx_cache_bytes": ("freed bytes MLX keeps for reuse", mx.get_cache_memory()),
+            "duet_mlx_peak_bytes": ("the most bytes MLX arrays held at once", mx.get_peak_memory()),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

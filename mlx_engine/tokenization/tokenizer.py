@@ -19,6 +19,7 @@ from pathlib import Path
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_engine.errors import TemplateError
@@ -122,6 +123,14 @@ class _Sentinels:
         return self._pattern.sub(lambda m: self.originals.get(m.group(), m.group()), text)
 
 
+def _encode(backend: HFTokenizer, text: str) -> Encoding:
+    """``backend.encode(text, add_special_tokens=False)``, letting other threads run meanwhile:
+    ``encode`` holds the GIL throughout (about a second per megabyte of text), so a server
+    tokenizing a long prompt on a worker thread froze its event loop, and /health and every stream
+    with it; ``encode_batch`` releases it while it works."""
+    return backend.encode_batch([text], add_special_tokens=False)[0]
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -159,7 +168,7 @@ class Tokenizer:
         text, the way untrusted text must be read; model-specific non-control added tokens
         (``<think>``...) are still matched whole, as llama.cpp and transformers do."""
         backend = self.backend if parse_special else self._text_backend
-        return self._with_bos(backend.encode(text, add_special_tokens=False).ids, add_special_tokens)
+        return self._with_bos(_encode(backend, text).ids, add_special_tokens)
 
     def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if (
@@ -173,6 +182,15 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def prepare(self) -> None:
+        """Build now what the first prompts with client text would build: the copy of the backend
+        that reads control-token text as text holds the GIL while it is made (~0.2 s for a 49k
+        vocabulary), which in a server's first request stalls its event loop; a server calls
+        this before it serves."""
+        self._text_backend  # noqa: B018
+        self._control_text  # noqa: B018
+        self.special_ids  # noqa: B018
 
     @cached_property
     def special_ids(self) -> frozenset[int]:
@@ -313,8 +331,8 @@ class Tokenizer:
     def _encode_rendered(self, text: str, sentinels: _Sentinels) -> list[int]:
         """Ids of rendered template text (no BOS added), sentinel stretches read as plain text."""
         if not sentinels.originals:
-            return self.backend.encode(text, add_special_tokens=False).ids
-        enc = self.backend.encode(text, add_special_tokens=False)
+            return _encode(self.backend, text).ids
+        enc = _encode(self.backend, text)
         ids: list[int] = []
         run: list[int] = []  # ids since the last control token
         start = 0  # where the text of that run begins
@@ -322,7 +340,7 @@ class Tokenizer:
         def close_run(end: int) -> None:
             piece = text[start:end]
             if sentinels.found_in(piece):
-                ids.extend(self._text_backend.encode(sentinels.restore(piece), add_special_tokens=False).ids)
+                ids.extend(_encode(self._text_backend, sentinels.restore(piece)).ids)
             else:
                 ids.extend(run)
             run.clear()
