@@ -607,7 +607,7 @@ MUTANTS = [
     ),
     Mutant(
         "peer-sends-tokens-the-decoder-holds",
-        "peer/server.py",
+        "peer/export_connection.py",
         "lo, hi = max(t0, self.start), min(t1, self.end)",
         "lo, hi = t0, min(t1, self.end)",
         PEER_SERVER,
@@ -623,7 +623,7 @@ MUTANTS = [
     ),
     Mutant(
         "peer-export-never-pauses",
-        "peer/server.py",
+        "peer/export_connection.py",
         "room = self.queued_bytes < self.cap",
         "room = True",
         PEER_SERVER,

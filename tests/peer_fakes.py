@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from peer.server import Connection, ExportJob
+from peer.export_connection import Connection, ExportJob
 from peer.wire.kv_wire import KVFormat
 from peer.wire.protocol import Hello, LayerSpec
 

@@ -14,8 +14,9 @@ from typing import Any
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.loading.loader import LoadedModel, load_model
 from peer.client import Backoff, PeerTimeouts, RemotePrefillSource
+from peer.export_connection import Connection
 from peer.identity import local_hello
-from peer.server import Connection, EngineBackend, PeerServer, ServerLimits
+from peer.server import EngineBackend, PeerServer, ServerLimits
 from tests.test_engine_tiny import assert_no_leaks
 from tests.test_remote_prefill_engine import NoPeer
 

@@ -85,7 +85,7 @@ def test_a_flood_of_unauthenticated_connections_is_capped_and_timed_out(tmp_path
 
 
 def test_a_bug_in_one_connection_ends_that_connection_only(caplog):
-    from peer.server import Connection
+    from peer.export_connection import Connection
 
     class Broken(Connection):
         def _handle(self, frame):

@@ -19,7 +19,8 @@ import numpy as np
 
 from peer.client import RemotePrefillSource
 from peer.connection import PeerTimeouts
-from peer.server import ExportJob, PeerServer, ServerLimits
+from peer.export_connection import ExportJob
+from peer.server import PeerServer, ServerLimits
 from peer.trust.tls import PeerTLS
 from peer.wire.kv_wire import to_wire
 from tests.peer_fakes import LAYERS, FakeBackend, KVLoad, RecordingSink, expected_kv, fake_hello

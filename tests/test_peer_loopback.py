@@ -22,7 +22,8 @@ import pytest
 
 from mlx_engine.kv_cache.kv_pool import KVPool
 from mlx_engine.request import GenerationRequest
-from peer.server import EngineBackend, ExportJob
+from peer.export_connection import ExportJob
+from peer.server import EngineBackend
 from tests.peer_pair import WAIT, Pair, tiny_cfg, two_models
 from tests.test_engine_tiny import pool_dtype, prompts
 from tests.test_remote_prefill_engine import GREEDY, Capture, collect, run, split_tokens

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from app.cli import main
+from peer.export_connection import Connection
 from peer.planner import CostModel, Planner, PromptMemory, plan_table
-from peer.server import Connection
 from tests.peer_pair import Pair, tiny_cfg, two_models
 from tests.test_engine_tiny import prompts
 from tests.test_remote_prefill_engine import run

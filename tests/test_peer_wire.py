@@ -13,7 +13,8 @@ import pytest
 
 from mlx_engine.errors import ConfigError
 from peer.client import Backoff, PeerTimeouts, RemotePrefillSource
-from peer.server import Connection, PeerServer, ServerLimits
+from peer.export_connection import Connection
+from peer.server import PeerServer, ServerLimits
 from peer.wire.protocol import LayerSpec
 from tests.peer_fakes import (
     DIM,

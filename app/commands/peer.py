@@ -159,13 +159,14 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
     from peer.identity import local_hello
     from peer.server import EngineBackend, PeerServer, ServerLimits, listen
     from peer.trust.link_security import security_for
+    from peer.trust.tls import is_loopback
     from peer.wire.handshake import check_supported
     from peer.wire.protocol import ProtocolError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     # from a network: paired decoders only, mutual TLS; from loopback: this user's local secret
     security = security_for(args.host, link=args.link)
-    tls = security.tls if not _is_loopback_host(args.host) else None
+    tls = security.tls if not is_loopback(args.host) else None
     if tls is None and args.link != "tls":
         raise ConfigError(
             f"--link {args.link} applies to a network --host (loopback {args.host} is plain TCP to this "
@@ -238,12 +239,6 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
         sock.close()
         engine.shutdown()
     return 0
-
-
-def _is_loopback_host(host: str) -> bool:
-    from peer.trust.tls import is_loopback
-
-    return is_loopback(host)
 
 
 def _advertise(args: argparse.Namespace, tls: Any, hello: Any, port: int, engine: Any) -> Any:

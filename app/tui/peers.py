@@ -141,6 +141,8 @@ class PeerDirectory:
     # --- rows ----------------------------------------------------------------------------------
     def rows(self, sources: Iterable[Any] = ()) -> list[PeerRow]:
         """One row per machine: the chat's prefill peers first, then the others by name."""
+        from peer.trust.tls import is_loopback
+
         paired: dict[str, PairedPeer] = {}
         if self.ready:
             try:
@@ -159,7 +161,7 @@ class PeerDirectory:
                 connected=src.connected,
                 healthy=src.healthy,
                 # pairing is for network peers: a loopback one is this user's (local peer secret)
-                paired=(src.name in paired) if src.tls is not None and not _loopback(src.host) else None,
+                paired=(src.name in paired) if src.tls is not None and not is_loopback(src.host) else None,
                 error="" if src.healthy or src.last_error is None else src.last_error[1],
             )
             profile = src.planner.profile()  # the offload planner's profiles, measured on real requests
@@ -182,9 +184,3 @@ class PeerDirectory:
             rows.setdefault(p.name, PeerRow(p.name)).paired = True
         attached = [r for r in rows.values() if r.attached]
         return attached + sorted((r for r in rows.values() if not r.attached), key=lambda r: r.name)
-
-
-def _loopback(host: str) -> bool:
-    from peer.trust.link_security import is_loopback_ip
-
-    return is_loopback_ip(host) or host == "localhost"

@@ -400,8 +400,7 @@ class Engine:
                 self._publish(core)
                 flush_outbox(core.outbox)
                 return
-            self._publish(core)
-            busy = core.step()
+            busy = core.step()  # runs after every receive too (an idle one), so one publish follows each
             self._publish(core)  # before the outputs: whoever sees a request end sees its stats
             flush_outbox(core.outbox)
 

@@ -126,13 +126,13 @@ class OutputProcessor:
         item = ev if st.key is NO_KEY else (st.key, ev)
         self.outbox.setdefault(st.loop, []).append((st.queue, item))
 
-    def _event(self, st: RequestState, text: str, **kw: Any) -> GenerationEvent:
+    def _event(self, st: RequestState, text: str, final: bool = False, **kw: Any) -> GenerationEvent:
         """An event for ``text`` as generated: split into thinking and answer when the model marks
-        thinking (``RequestState.reasoning``)."""
+        thinking (``RequestState.reasoning``); the ``final`` one also takes what the split held back."""
         if st.reasoning is None:
             return GenerationEvent(st.req.request_id, text, **kw)
         reasoning, content = st.reasoning.feed(text)
-        if kw.get("finish_reason") is not None:
+        if final:
             r2, c2 = st.reasoning.finish()
             reasoning, content = reasoning + r2, content + c2
         return GenerationEvent(st.req.request_id, content, reasoning=reasoning, **kw)
@@ -214,6 +214,7 @@ class OutputProcessor:
             self._event(
                 st,
                 text,
+                final=True,
                 finish_reason=reason,
                 usage=usage,
                 error=end.error,

@@ -24,15 +24,17 @@ user cannot read or alter another's loopback TCP stream without root, and root i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
 import socket
-import threading
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from peer.trust.keys import PairedPeer, _private_dir, _write_private, config_dir
+from mlx_engine.private_files import private_dir
+from peer.trust.keys import PairedPeer, config_dir
 from peer.trust.tls import ACCEPTED, HANDSHAKE_TIMEOUT_S, HandshakeAbortedError, PeerAuthError
 
 SECRET_FILE = "local-peer.key"
@@ -67,19 +69,19 @@ def _check_header(head: bytes) -> None:
 
 def load_secret(directory: Path | None = None) -> bytes:
     """This user's local peer secret, made (0600) on first use. Two processes starting at once
-    agree: the new secret is linked into place, which fails rather than replace one already there."""
-    d = _private_dir(directory or config_dir())
+    agree: each writes a candidate to its own temporary file (``mkstemp``: 0600, ``O_EXCL``) and
+    links it into place, and a link never replaces a secret already there."""
+    d = private_dir(directory or config_dir())
     path = d / SECRET_FILE
     if not path.exists():
-        tmp = d / f".{SECRET_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.unlink(missing_ok=True)
-        _write_private(tmp, os.urandom(SECRET_BYTES))
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{SECRET_FILE}.")
         try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another process made it first: its secret is the one
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(SECRET_BYTES))
+            with contextlib.suppress(FileExistsError):  # another process linked first: its secret holds
+                os.link(tmp, path)
         finally:
-            tmp.unlink(missing_ok=True)
+            os.unlink(tmp)
     secret = path.read_bytes()
     if len(secret) != SECRET_BYTES:
         raise PeerAuthError(
