@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlx_engine.errors import ConfigError
@@ -132,6 +133,53 @@ class EngineConfig:
         metavar="M",
     )
 
+    # how replies are parsed (mlx_engine/tokenization/reply_parser.py): inferred from the chat template
+    # and vocabulary unless set
+    reasoning_format: str = option(
+        "auto",
+        "reasoning apart from the answer (default auto: when the model marks thinking; none: thinking "
+        "stays in the answer's text, as llama.cpp's --reasoning-format none)",
+        choices=("auto", "none"),
+    )
+    tool_format: str = option(
+        "auto",
+        "the tool-call syntax to parse (default auto: from the chat template and vocabulary; see the "
+        "README's model families)",
+        metavar="NAME",
+    )
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template file to use instead of the model's own (a corrected template, as "
+        "llama.cpp's --chat-template-file)",
+        metavar="FILE",
+    )
+    reasoning_budget: int | None = option(
+        None,
+        "most tokens a reply may think before the engine closes its thinking section and the answer "
+        "begins (default: no cap; a request's own budget wins)",
+        metavar="N",
+    )
+
+    def _check_replies(self, fail: Callable[[str, str], ConfigError], spell: Callable[[str], str]) -> None:
+        from mlx_engine.tokenization.reply_parser import REASONING_FORMATS
+        from mlx_engine.tokenization.tool_formats import TOOL_FORMATS
+
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise fail(
+                "reasoning_format",
+                f"{spell('reasoning_format')} must be one of {', '.join(REASONING_FORMATS)}",
+            )
+        if self.tool_format not in TOOL_FORMATS:
+            raise fail("tool_format", f"{spell('tool_format')} must be one of {', '.join(TOOL_FORMATS)}")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise fail("chat_template", f"{spell('chat_template')}: no such file: {self.chat_template}")
+        budget = self.reasoning_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise fail(
+                "reasoning_budget",
+                f"{spell('reasoning_budget')} must be a whole number of tokens, not {budget!r}",
+            )
+
     def validate(self, memory_bytes: int | None = None, spell: Callable[[str], str] = _plain) -> None:
         """Raise ``ConfigError`` for the first option that cannot work; allocate nothing.
 
@@ -173,6 +221,7 @@ class EngineConfig:
                 "draft_model",
                 f"{spell('draft_model')} is used only with {spell('speculative')} draft, not {self.speculative}",
             )
+        self._check_replies(fail, spell)
         if self.weights not in WEIGHT_FORMATS:
             raise fail("weights", f"{spell('weights')} must be one of {', '.join(WEIGHT_FORMATS)}")
         if self.context_length is not None:

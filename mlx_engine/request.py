@@ -9,10 +9,12 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlx_engine import defaults
 from mlx_engine.errors import DuetError, RequestError
+from mlx_engine.tokenization.reply_parser import ToolParsing
+from mlx_engine.tokenization.tool_calls import ParsedToolCall
 
 if TYPE_CHECKING:
     import numpy as np
@@ -119,6 +121,16 @@ class GenerationRequest:
     # The reply's thinking apart from its answer (GenerationEvent.reasoning) when the model marks it
     # (mlx_engine/tokenization/reasoning.py); False: everything in ``text``, markers and all
     split_reasoning: bool = True
+    # Tools were offered: the reply's calls, in the model family's syntax, come apart from its
+    # text (GenerationEvent.tool_calls); None: the text is all answer
+    tool_parsing: ToolParsing | None = None
+    # Extra variables for the chat template (``chat_template_kwargs``, ``enable_thinking``,
+    # ``reasoning_effort``); the names the renderer sets itself cannot be overridden
+    template_kwargs: dict[str, Any] | None = None
+    # The most tokens the thinking section may take (its markers included): once spent, the
+    # engine writes the family's end marker and the answer follows (llama.cpp's
+    # --reasoning-budget, Anthropic's budget_tokens); None: no cap
+    thinking_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +185,7 @@ class GenerationEvent:
     # reading the message; None for an unexpected failure.
     error_type: type[DuetError] | None = None
     reasoning: str = ""  # the thinking section's text (GenerationRequest.split_reasoning)
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)  # calls completed at this step
 
     @property
     def finished(self) -> bool:

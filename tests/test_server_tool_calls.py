@@ -14,7 +14,6 @@ from pydantic import BaseModel, Field
 from tokenizers import Tokenizer as HFTokenizer
 
 from app.server.chat import _with_tools_prompt
-from app.server.tool_calls import ParsedToolCall, ToolCallStream, parse_tool_calls
 from mlx_engine.sampling.constraints import (
     GrammarFactory,
     json_schema_grammar,
@@ -22,6 +21,7 @@ from mlx_engine.sampling.constraints import (
     tool_call_schema,
 )
 from mlx_engine.tokenization.tokenizer import Tokenizer
+from mlx_engine.tokenization.tool_calls import ParsedToolCall, ToolCallStream, parse_tool_calls
 from tests.tiny_models import tokenizer_json
 
 CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'

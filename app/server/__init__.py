@@ -4,7 +4,7 @@ Modules: ``main`` (options, the port, start-up, uvicorn, shutdown), ``app`` (rou
 ``security`` (ASGI middleware: Host/Origin allowlists, API key, body limits, JSON content type),
 ``connections`` (fd limit, header timeout, connection cap, rate-limited logs), ``protocol``
 (request models = the OpenAPI schema), ``chat`` / ``completions`` (the two generation
-endpoints), ``generation`` (the n engine requests of one call, fan-out bound), ``tool_calls``
+endpoints), ``generation`` (the n engine requests of one call, fan-out bound), ``mlx_engine.tokenization.tool_calls``
 (Hermes/Qwen parser), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects), ``common``;
 the other APIs, as adapters onto the chat call (``turns``): ``anthropic`` (Messages, with
 ``anthropic_protocol`` and ``anthropic_errors``), ``responses`` (OpenAI Responses, with
@@ -53,7 +53,7 @@ Behaviour worth knowing (decisions where OpenAI's API leaves room):
   ``parameters`` takes ``{}``. A forced tool call is a single call unless
   ``parallel_tool_calls`` is true. ``tool_choice: "none"`` leaves the tools out of the prompt.
   Templates that do not render ``tools`` get a Hermes-style tools system prompt. A reply cut by
-  ``max_tokens`` inside a call still comes back as ``tool_calls`` (the arguments generated so
+  ``max_tokens`` inside a call still comes back as ``mlx_engine.tokenization.tool_calls`` (the arguments generated so
   far) with ``finish_reason: "length"``.
 - An unexpected error answers 500 ``internal error``; the traceback goes to the log, once.
 - A client that disconnects cancels its requests (counted as ``finish_reason="cancelled"`` in

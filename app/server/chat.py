@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mlx_engine import defaults
 from mlx_engine.request import GenerationRequest, RequestError
 from mlx_engine.sampling.constraints import json_schema_grammar, tool_call_grammar
+from mlx_engine.tokenization.reply_parser import ToolParsing
+from mlx_engine.tokenization.tool_calls import ParsedToolCall
 
 from .common import (
     SSE_DONE,
@@ -37,7 +39,6 @@ from .errors import bad_request
 from .generation import Generation
 from .protocol import ChatCompletionRequest, Message, NamedCustomToolChoice, NamedFunction, NamedToolChoice
 from .security import effective_cache_salt
-from .tool_calls import ParsedToolCall, StreamItem, ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("duet.server")
 
@@ -93,6 +94,9 @@ def _message_dicts(body: ChatCompletionRequest, template_knows_tools: bool) -> l
         d: dict = {"role": role, "content": _text(m, i)}
         if m.name:
             d["name"] = m.name
+        thought = m.reasoning_content or m.reasoning
+        if m.role == "assistant" and thought:  # Qwen3's templates read the one, gpt-oss's the other
+            d["reasoning_content"] = d["thinking"] = thought
         calls = _calls(m, i) if m.role == "assistant" else []  # other roles' calls mean nothing
         if m.role == "assistant" and m.function_call is not None:
             legacy_ids[m.function_call.name] = calls[-1]["id"]
@@ -259,7 +263,18 @@ class ChatCall:
             self.grammar = ("response_format.json_schema.schema", grammar)
 
         self.messages, self.template_tools = messages, self.tools if knows_tools else None
-        probe = GenerationRequest(messages=messages, tools=self.template_tools, max_tokens=1)
+        fmt = engine.tokenizer.reply_format
+        self.template_kwargs = {
+            **fmt.thinking_kwargs(body.reasoning_effort),
+            **(body.chat_template_kwargs or {}),
+        }
+        self.thinking_budget = body.thinking_budget
+        self.tool_parsing = (
+            ToolParsing(tuple(self.tool_names), self.tools, self.forced) if self.parse_tools else None
+        )
+        probe = GenerationRequest(
+            messages=messages, tools=self.template_tools, max_tokens=1, template_kwargs=self.template_kwargs
+        )
         self.prompt = prompt_ids(engine, probe, "messages")  # once: the requests carry these ids
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if requested is None:
@@ -296,6 +311,9 @@ class ChatCall:
                 constraint=constraints[i],
                 request_id=f"{self.id}-{i}",
                 cache_salt=self.cache_salt,
+                tool_parsing=self.tool_parsing,
+                template_kwargs=self.template_kwargs,
+                thinking_budget=self.thinking_budget,
             )
             for i in range(self.n)
         ]
@@ -351,12 +369,8 @@ class ChatCall:
         out = []
         for i, c in enumerate(choices):
             text = "".join(c.text)
-            content: str | None = text
-            calls: list[ParsedToolCall] = []
-            if self.parse_tools:
-                content, calls = parse_tool_calls(
-                    text, c.finish_reason == "length", self.tool_names, self.forced
-                )
+            calls = c.tool_calls
+            content: str | None = None if calls and not text.strip() else text
             reason = self._finish_reason(c.finish_reason, bool(calls))
             self.state.metrics.requests.labels("chat", reason).inc()
             message: dict = {"role": "assistant", "content": content, "refusal": None}
@@ -396,9 +410,6 @@ class ChatCall:
         watcher = asyncio.create_task(wait_disconnect(request))
         watcher.add_done_callback(lambda _: gen.cancel())
         choices = [ChoiceState() for _ in range(self.n)]
-        parsers = [
-            ToolCallStream(self.tool_names, self.forced) if self.parse_tools else None for _ in range(self.n)
-        ]
         n_calls = [0] * self.n
         try:
             for i in range(self.n):
@@ -417,12 +428,8 @@ class ChatCall:
                 if ev.reasoning:
                     yield self._chunk(i, {"reasoning_content": ev.reasoning}, logprobs=logprobs)
                     logprobs = None
-                parser = parsers[i]
-                items: list[StreamItem] = [ev.text] if ev.text else []
-                if parser is not None:
-                    items = parser.feed(ev.text)
-                    if ev.finished:
-                        items += parser.finish(ev.finish_reason == "length")
+                items: list[str | ParsedToolCall] = [ev.text] if ev.text else []
+                items += ev.tool_calls
                 sent_logprobs = False
                 for x in items:
                     if isinstance(x, str):

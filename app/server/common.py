@@ -22,6 +22,7 @@ from mlx_engine.errors import ContextLengthError, DuetError, EngineShutDownError
 from mlx_engine.loading.identity import short_hash
 from mlx_engine.request import GenerationEvent, RequestError, SamplingParams, TokenLogprob, Usage
 from mlx_engine.sampling.constraints import GrammarFactory
+from mlx_engine.tokenization.tool_calls import ParsedToolCall
 
 from .errors import APIError, bad_request, internal_error
 from .metrics import Metrics
@@ -258,6 +259,7 @@ class ChoiceState:
 
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)  # the thinking, apart from the answer
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)  # parsed by the engine
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -277,6 +279,7 @@ class ChoiceState:
         self.text.append(ev.text)
         if ev.reasoning:
             self.reasoning.append(ev.reasoning)
+        self.tool_calls.extend(ev.tool_calls)
         self.token_ids.extend(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
         if ev.finished:

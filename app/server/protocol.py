@@ -163,6 +163,10 @@ class Message(_Open):
     tool_call_id: str | None = None
     function_call: FunctionCall | None = None  # legacy assistant call
     refusal: str | None = None  # an assistant's earlier refusal
+    # an assistant's earlier thinking, as llama.cpp and vLLM return it (``reasoning`` is
+    # OpenRouter's and Ollama's name): to the template, which keeps or drops it as its family does
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     audio: dict[str, Any] | None = None  # a reference to earlier audio output: ignored
 
 
@@ -253,7 +257,6 @@ class ChatCompletionRequest(_Sampling):
         "prompt_cache_key",
         "prompt_cache_options",
         "prompt_cache_retention",
-        "reasoning_effort",
         "safety_identifier",
         "service_tier",
         "store",
@@ -274,6 +277,13 @@ class ChatCompletionRequest(_Sampling):
     functions: list[FunctionDef] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     modalities: list[str] | None = None  # only ["text"] can be honoured
+    # thinking: none/minimal turn it off where the family can (Qwen3's enable_thinking), low..high
+    # go to templates that read them (gpt-oss's "Reasoning: ..." line)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # extra variables for the chat template, as vLLM and llama.cpp take them
+    chat_template_kwargs: dict[str, Any] | None = None
+    # a cap on the thinking section's tokens (llama.cpp's --reasoning-budget per request)
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None
     # accepted and ignored (IGNORED): bookkeeping, caching and hosted-only features
     audio: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
@@ -282,7 +292,6 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
-    reasoning_effort: str | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None
     store: bool | None = None

@@ -39,6 +39,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_engine.request import Usage
+from mlx_engine.tokenization.tool_calls import ParsedToolCall
 
 from .chat import ChatCall
 from .common import SSE_HEADERS, ServerState
@@ -46,7 +47,6 @@ from .errors import APIError, bad_request
 from .responses_protocol import InputItem, ResponsesRequest
 from .responses_tools import ResponseTools
 from .security import KEY_ID_STATE
-from .tool_calls import ParsedToolCall
 from .turns import Thinking, TurnEnd, collect, prepare, start, turn_items
 
 log = logging.getLogger("duet.server")

@@ -21,6 +21,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from mlx_engine.request import Usage
+from mlx_engine.tokenization.tool_calls import ParsedToolCall
 
 from .chat import ChatCall
 from .common import ChoiceState, ServerState, failure, fewest, wait_disconnect
@@ -28,7 +29,6 @@ from .errors import _loc, _validation_message, bad_request
 from .generation import Generation
 from .protocol import ChatCompletionRequest
 from .security import effective_cache_salt
-from .tool_calls import ParsedToolCall, ToolCallStream
 
 
 @dataclass
@@ -106,7 +106,6 @@ async def turn_items(call: ChatCall, gen: Generation, request: Request) -> Async
     watcher = asyncio.create_task(wait_disconnect(request))
     watcher.add_done_callback(lambda _: gen.cancel())
     choice = ChoiceState()
-    parser = ToolCallStream(call.tool_names, call.forced) if call.parse_tools else None
     called = False
     try:
         async for _, ev, err in gen.events():
@@ -119,11 +118,7 @@ async def turn_items(call: ChatCall, gen: Generation, request: Request) -> Async
             if ev.reasoning:
                 yield Thinking(ev.reasoning)
             items: list[str | ParsedToolCall] = [ev.text] if ev.text else []
-            if parser is not None:
-                items = list(parser.feed(ev.text))
-                if ev.finished:
-                    items += parser.finish(ev.finish_reason == "length")
-            for x in items:
+            for x in [*items, *ev.tool_calls]:
                 called = called or isinstance(x, ParsedToolCall)
                 yield x
             if ev.finished:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine.build import build_kv
@@ -61,6 +63,9 @@ class EngineCore:
     ):
         self.loaded, self.config = loaded, config
         self.tokenizer = loaded.tokenizer
+        if (config.reasoning_format, config.tool_format, config.chat_template) != ("auto", "auto", None):
+            template = Path(config.chat_template).read_text() if config.chat_template else None
+            self.tokenizer.configure_replies(config.reasoning_format, config.tool_format, template)
         self.draft = draft
         self.released = released  # told (on this thread) each request id the core lets go of
         c, m = config, loaded
@@ -83,7 +88,7 @@ class EngineCore:
             context_length,
             (self.allocator.num_blocks - 1) * self.allocator.block_size,
         )
-        self.outputs = OutputProcessor(self.tokenizer, replies, self.outbox)
+        self.outputs = OutputProcessor(self.tokenizer, replies, self.outbox, config.reasoning_budget)
         self.kv = KVTransfer(self.scheduler, self.pool, sink, KV_APPLY_BUDGET)
         self.requests: dict[str, RequestState] = {}
         self.exports: dict[str, Export] = {}
@@ -240,7 +245,7 @@ class EngineCore:
         out = {}
         for seq in decoding:
             st = self.requests.get(seq.request_id)
-            if st is None or st.req.constraint is not None or seq.num_generated < 1:
+            if st is None or st.req.constraint is not None or st.forced or seq.num_generated < 1:
                 continue  # an export, or a grammar that must see each token first
             k = self.speculation.choose(seq.spec_proposed, seq.spec_accepted, len(decoding))
             if k == 0 and seq.num_generated % 16 == 0 and len(decoding) <= 2:
@@ -268,6 +273,9 @@ class EngineCore:
         keep, srows, live = [], [], []
         for st, i in zip(states, at, strict=True):
             allowed = st.req.constraint.allowed_tokens() if st.req.constraint is not None else None
+            if st.forced:  # a spent thinking budget: the end marker, token by token
+                allowed = np.zeros(self.tokenizer.vocab_size, dtype=bool)
+                allowed[st.forced[0]] = True
             if allowed is not None and not allowed.any():
                 self.finish(st, Finish("error", error="the output constraint allows no further token"))
                 continue

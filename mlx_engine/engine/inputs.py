@@ -71,7 +71,11 @@ class InputProcessor:
             # a reply the model wrote keeps the ids it was generated as (ReplyMemory)
             salt = request.cache_salt
             ids = self.tokenizer.encode_chat(
-                request.messages, True, request.tools, replies=lambda t: self.replies.recall(t, salt)
+                request.messages,
+                True,
+                request.tools,
+                replies=lambda t: self.replies.recall(t, salt),
+                template_kwargs=request.template_kwargs,
             )
         elif isinstance(request.prompt, str):
             if not request.prompt:

@@ -5,7 +5,8 @@ Events are collected per caller event loop (the ``Outbox``) and handed over with
 loop per worker iteration instead of one per token: fewer self-pipe writes and GIL hand-offs
 while the worker and BLAS threads are busy. Each event goes straight into the caller's own
 ``asyncio.Queue`` (one queue between the worker thread and the event loop), tagged with the
-caller's key when it gave one. Per-family output parsers (reasoning, tool calls) plug in here.
+caller's key when it gave one. The model family's reply parser (``ReplyParser``: reasoning, answer,
+tool calls) runs here, so every API and the TUI share it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from mlx_engine.request import GenerationEvent, GenerationRequest, TokenLogprob,
 from mlx_engine.sampling.sampler import SampleResult, SeedState, make_rng
 from mlx_engine.scheduler import Sequence
 from mlx_engine.tokenization.detokenizer import StreamingDetokenizer
-from mlx_engine.tokenization.reasoning import ReasoningSplitter, opens_thinking
+from mlx_engine.tokenization.reasoning import opens_thinking
 from mlx_engine.tokenization.reply_memory import ReplyMemory
+from mlx_engine.tokenization.reply_parser import ReplyParser
 from mlx_engine.tokenization.stop_strings import StopMatcher
 from mlx_engine.tokenization.tokenizer import Tokenizer
 
@@ -76,19 +78,25 @@ class RequestState:
     done: bool = False
     remote: RemoteUsage = field(default_factory=RemoteUsage)
     text: list[str] = field(default_factory=list)  # what was emitted (thinking and answer, as generated)
-    reasoning: ReasoningSplitter | None = None  # the thinking apart from the answer (the model marks it)
+    parser: ReplyParser | None = None  # reasoning, answer and tool calls apart (the model's format)
     reasoning_tokens: int = 0
+    forced: list[int] = field(
+        default_factory=list
+    )  # the next tokens, whatever the model says (a spent budget)
 
     @classmethod
     def new(
         cls, prepared: Prepared, tokenizer: Tokenizer, queue: asyncio.Queue, key: Hashable = NO_KEY
     ) -> RequestState:
         r = prepared.request
-        markers = tokenizer.think_markers if r.split_reasoning else None
-        splitter = None
-        if markers is not None:  # the rendered prompt says whether the reply starts inside thinking
-            tail = tokenizer.decode(prepared.ids[-16:], skip_special_tokens=False)
-            splitter = ReasoningSplitter(markers, opens_thinking(tail, markers))
+        fmt = tokenizer.reply_format
+        parser = None
+        if (r.split_reasoning and (fmt.think or fmt.harmony)) or r.tool_parsing is not None:
+            inside = False
+            if fmt.think is not None:  # the rendered prompt says whether the reply starts inside thinking
+                tail = tokenizer.decode(prepared.ids[-16:], skip_special_tokens=False)
+                inside = opens_thinking(tail, fmt.think)
+            parser = ReplyParser(fmt, r.split_reasoning, inside, r.tool_parsing)
         return cls(
             req=r,
             seq=prepared.sequence(),
@@ -98,7 +106,7 @@ class RequestState:
             detok=StreamingDetokenizer(tokenizer),
             stopper=StopMatcher(list(r.stop)),
             rng=make_rng(r.sampling.seed),
-            reasoning=splitter,
+            parser=parser,
         )
 
 
@@ -116,10 +124,14 @@ class Finish:
 class OutputProcessor:
     """Turns sampled tokens into events; runs on the worker thread."""
 
-    def __init__(self, tokenizer: Tokenizer, replies: ReplyMemory, outbox: Outbox):
+    def __init__(
+        self, tokenizer: Tokenizer, replies: ReplyMemory, outbox: Outbox, reasoning_budget: int | None = None
+    ):
+        """``reasoning_budget``: the thinking budget of requests that give none (--reasoning-budget)."""
         self.tokenizer = tokenizer
         self.replies = replies
         self.outbox = outbox
+        self.reasoning_budget = reasoning_budget
 
     def emit(self, st: RequestState, ev: GenerationEvent) -> None:
         st.text.append(ev.reasoning + ev.text)
@@ -127,15 +139,16 @@ class OutputProcessor:
         self.outbox.setdefault(st.loop, []).append((st.queue, item))
 
     def _event(self, st: RequestState, text: str, final: bool = False, **kw: Any) -> GenerationEvent:
-        """An event for ``text`` as generated: split into thinking and answer when the model marks
-        thinking (``RequestState.reasoning``); the ``final`` one also takes what the split held back."""
-        if st.reasoning is None:
+        """An event for ``text`` as generated: its reasoning, answer and tool calls apart
+        (``RequestState.parser``); the ``final`` one also takes what the parser held back."""
+        if st.parser is None:
             return GenerationEvent(st.req.request_id, text, **kw)
-        reasoning, content = st.reasoning.feed(text)
+        p = st.parser.feed(text)
+        reasoning, content, calls = p.reasoning, p.content, p.calls
         if final:
-            r2, c2 = st.reasoning.finish()
-            reasoning, content = reasoning + r2, content + c2
-        return GenerationEvent(st.req.request_id, content, reasoning=reasoning, **kw)
+            q = st.parser.finish(kw.get("finish_reason") == "length")
+            reasoning, content, calls = reasoning + q.reasoning, content + q.content, calls + q.calls
+        return GenerationEvent(st.req.request_id, content, reasoning=reasoning, tool_calls=calls, **kw)
 
     def token(self, st: RequestState, r: SampleResult, now: float) -> Finish | None:
         """Append a sampled token to the request and emit its event; what ends the request, if it
@@ -147,6 +160,8 @@ class OutputProcessor:
         seq.tokens.append(tok)
         if req.constraint is not None:
             req.constraint.accept(tok)
+        if st.forced and st.forced[0] == tok:
+            st.forced.pop(0)
         lp = []
         if req.sampling.logprobs:
             assert r.logprob is not None  # the sampler sets it when logprobs are asked for
@@ -159,13 +174,14 @@ class OutputProcessor:
         if (tok in self.tokenizer.eos_token_ids and not req.ignore_eos) or tok in req.stop_token_ids:
             self.emit(st, GenerationEvent(req.request_id, "", [tok], lp))
             return Finish("stop", tok)
-        thinking = st.reasoning is not None and st.reasoning.thinking
+        thinking = st.parser is not None and st.parser.thinking
         marker = self.tokenizer.special_markers.get(tok)
         raw = st.detok.add(tok) if marker is None else st.detok.flush() + marker  # a full decode skips it
         text, hit = st.stopper.feed(raw)
         self.emit(st, self._event(st, text, token_ids=[tok], logprobs=lp))
-        if thinking or (st.reasoning is not None and st.reasoning.thinking):
+        if thinking or (st.parser is not None and st.parser.thinking):
             st.reasoning_tokens += 1  # inside the thinking section, its markers included
+            self._check_budget(st)
         if hit is not None:
             return Finish("stop", hit, flush=False)
         if req.constraint is not None and req.constraint.is_finished():
@@ -173,6 +189,16 @@ class OutputProcessor:
         if len(seq.tokens) >= seq.max_total:
             return Finish("length")
         return None
+
+    def _check_budget(self, st: RequestState) -> None:
+        """A thinking section that has spent its budget is closed: the family's end marker (and,
+        for harmony, the start of the final message) becomes the next tokens."""
+        budget = st.req.thinking_budget if st.req.thinking_budget is not None else self.reasoning_budget
+        if budget is None or st.reasoning_tokens < budget or st.forced or st.parser is None:
+            return
+        if not st.parser.thinking:
+            return
+        st.forced = self.tokenizer.encode(self.tokenizer.reply_format.closing_text, add_special_tokens=False)
 
     @staticmethod
     def usage(st: RequestState, speculative: bool) -> tuple[Usage, bool]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -24,7 +25,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_engine.errors import TemplateError
 from mlx_engine.tokenization import system_turns
-from mlx_engine.tokenization.reasoning import ThinkMarkers, infer_markers
+from mlx_engine.tokenization.reasoning import ThinkMarkers
+from mlx_engine.tokenization.reply_parser import ReplyFormat, infer_reply_format
 
 # Used when a model ships no chat template: ChatML, what most small instruct models speak.
 DEFAULT_CHAT_TEMPLATE = (
@@ -211,17 +213,34 @@ class Tokenizer:
         )
 
     @cached_property
+    def reply_format(self) -> ReplyFormat:
+        """What this model's replies look like: think markers, tool-call syntax or harmony
+        (``reply_parser.infer_reply_format``); ``configure_replies`` overrides it."""
+        return infer_reply_format(self.chat_template, self.backend.get_vocab(with_added_tokens=True))
+
+    def configure_replies(
+        self, reasoning: str = "auto", tools: str = "auto", template: str | None = None
+    ) -> None:
+        """Apply ``--reasoning-format``, ``--tool-format`` and ``--chat-template`` (the template's
+        text): the reply format is inferred again from the new template, then overridden."""
+        if template is not None:
+            self.chat_template = template
+            self._template = _compile_template(template)
+            self.__dict__.pop("system_turns_in_place", None)
+        fmt = infer_reply_format(self.chat_template, self.backend.get_vocab(with_added_tokens=True))
+        self.reply_format = fmt.overridden(reasoning, tools)
+        self.__dict__.pop("special_markers", None)
+
+    @property
     def think_markers(self) -> ThinkMarkers | None:
         """This model's thinking markers (``reasoning.infer_markers``), or None."""
-        return infer_markers(self.chat_template, lambda t: self.backend.token_to_id(t) is not None)
+        return self.reply_format.think
 
     @cached_property
     def special_markers(self) -> dict[int, str]:
-        """Think markers that are special tokens (a full decode skips them): id -> marker text."""
-        m = self.think_markers
-        if m is None:
-            return {}
-        ids = {t: self.backend.token_to_id(t) for t in (m.start, m.end)}
+        """Markers the reply parser reads that are special tokens (a full decode skips them):
+        id -> marker text."""
+        ids = {t: self.backend.token_to_id(t) for t in self.reply_format.markers}
         return {i: t for t, i in ids.items() if i is not None and i in self.special_ids}
 
     def piece(self, token_id: int) -> str:
@@ -230,8 +249,15 @@ class Tokenizer:
 
     # --- chat ---------------------------------------------------------------
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """``template_kwargs``: extra variables for the template (``enable_thinking``,
+        ``reasoning_effort``, a client's ``chat_template_kwargs``); the ones the renderer sets
+        itself win."""
         if not messages:
             raise TemplateError("messages must not be empty")
         norm = []
@@ -246,7 +272,7 @@ class Tokenizer:
             norm.append({**m, "content": content if content is not None else ""})
         norm = system_turns.place(norm, self.system_turns_in_place)
         try:
-            return self._render(norm, add_generation_prompt, tools)
+            return self._render(norm, add_generation_prompt, tools, template_kwargs)
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
@@ -259,14 +285,21 @@ class Tokenizer:
 
         return system_turns.takes_system_turns(lambda messages: self._render(messages, True, None))
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+    def _render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list[dict] | None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        own = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        }
+        return self._template.render({**(extra or {}), **own})
 
     def encode_chat(
         self,
@@ -274,6 +307,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         replies: Callable[[str], list[int] | None] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Render a chat and tokenize it so that control tokens come only from the template.
 
@@ -292,7 +326,7 @@ class Tokenizer:
         sentinels = _Sentinels(self._control_text)
         messages = sentinels.swap(messages)
         tools = sentinels.swap(tools)
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         plain = self._encode_rendered(text, sentinels)
         spans = self._reply_spans(text, messages, sentinels, replies) if replies is not None else []
         if not spans:
