@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_engine import defaults
 from mlx_engine.request import GenerationRequest, RequestError
-from mlx_engine.sampling.constraints import json_schema_grammar, tool_call_grammar
+from mlx_engine.sampling.constraints import json_schema_grammar
+from mlx_engine.sampling.tool_grammars import forced_call_grammar
 from mlx_engine.tokenization.reply_parser import ToolParsing
 from mlx_engine.tokenization.tool_calls import ParsedToolCall
 
@@ -246,7 +247,16 @@ class ChatCall:
                 )
             # one call unless asked for more: a forced grammar that allows another call after each
             # one lets weak models repeat the same call until max_tokens
-            self.grammar = ("tool_choice", tool_call_grammar(forced, parallel=plan.parallel))
+            fmt = engine.tokenizer.reply_format
+            grammar = forced_call_grammar(
+                forced,
+                plan.parallel,
+                fmt.tools if knows_tools else None,
+                fmt.harmony and knows_tools,
+                engine.tokenizer.added_id,
+                template,
+            )
+            self.grammar = ("tool_choice", grammar)
         elif rf is not None and rf.type == "json_object":
             self.grammar = ("response_format", json_schema_grammar({"type": "object"}))
         elif rf is not None and rf.type == "json_schema":

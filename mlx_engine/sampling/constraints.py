@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import llguidance as llg
@@ -55,9 +56,10 @@ def json_schema_grammar(schema: dict | bool) -> str:
         raise RequestError(f"invalid JSON schema: {e}", "response_format") from e
 
 
-def tool_call_schema(tools: list[dict]) -> dict:
+def tool_call_schema(tools: list[dict], arguments_key: str = "arguments") -> dict:
     """The JSON schema of one call ``{"name": ..., "arguments": {...}}`` to one of ``tools``
-    (OpenAI function tools), whose arguments match that function's ``parameters``."""
+    (OpenAI function tools), whose arguments match that function's ``parameters``
+    (``arguments_key``: Llama 3 calls them ``parameters``)."""
     if not tools:
         raise RequestError("tool_choice needs at least one tool", "tool_choice")
     names = [t["function"]["name"] for t in tools]
@@ -69,8 +71,8 @@ def tool_call_schema(tools: list[dict]) -> dict:
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": p},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": name}, arguments_key: p},
+            "required": ["name", arguments_key],
             "additionalProperties": False,
         }
         for name, p in zip(names, params, strict=True)
@@ -79,14 +81,23 @@ def tool_call_schema(tools: list[dict]) -> dict:
     return {**schema, **({"$defs": defs} if defs else {})}
 
 
-def tool_call_grammar(tools: list[dict], parallel: bool = True) -> str:
+def tool_call_grammar(
+    tools: list[dict], parallel: bool = True, token_id: Callable[[str], int | None] = lambda _: None
+) -> str:
     """Hermes/Qwen tool calls: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
 
     ``tools`` are OpenAI function tools; each call's arguments must match that function's
-    ``parameters`` schema. With ``parallel`` the model may emit several calls in a row.
+    ``parameters`` schema. With ``parallel`` the model may emit several calls in a row. ``token_id``:
+    the id of a marker that is one token of the vocabulary (Qwen's ``<tool_call>``), which the
+    grammar must write as that token (llguidance does not match added tokens as text).
     """
     schema = {**tool_call_schema(tools), "x-guidance": JSON_OPTIONS}
-    call = f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + TOOL_CALL_CLOSE)}"
+
+    def lit(text: str) -> str:
+        i = token_id(text)
+        return f"<[{i}]>" if i is not None else json.dumps(text)
+
+    call = f'call: {lit(TOOL_CALL_OPEN)} "\\n" %json {json.dumps(schema)} "\\n" {lit(TOOL_CALL_CLOSE)}'
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return llg.LLMatcher.grammar_from_lark(f"{start}\n{call}\n")
 

@@ -116,6 +116,7 @@ class ToolParsing:
     names: tuple[str, ...] = ()
     tools: list[dict] | None = None
     forced: bool = False
+    syntax: ToolSyntax | None = None  # this request's calls' syntax, when not the model's own
 
 
 @dataclass
@@ -148,7 +149,7 @@ class ReplyParser:
         self._tools = None
         if tool_parsing is not None and self._harmony is None:
             tp = tool_parsing
-            self._tools = ToolCallStream(tp.names, tp.forced, fmt.tools or HERMES, tp.tools)
+            self._tools = ToolCallStream(tp.names, tp.forced, tp.syntax or fmt.tools or HERMES, tp.tools)
 
     @property
     def thinking(self) -> bool:

@@ -243,6 +243,16 @@ class Tokenizer:
         ids = {t: self.backend.token_to_id(t) for t in self.reply_format.markers}
         return {i: t for t, i in ids.items() if i is not None and i in self.special_ids}
 
+    def added_id(self, text: str) -> int | None:
+        """The id of the added token (special or not: ``<think>``, ``[TOOL_CALLS]``) whose text is
+        ``text``, or None."""
+        i = self.backend.token_to_id(text)
+        return i if i is not None and i in self._added_ids else None
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
     def piece(self, token_id: int) -> str:
         """A single token's text as it would appear in isolation (for logprobs)."""
         return self.backend.decode([token_id], skip_special_tokens=False)

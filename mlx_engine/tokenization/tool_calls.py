@@ -132,6 +132,7 @@ class ToolCallStream:
         self._buf = ""
         self._inside = False
         self._opener = ""  # the marker that opened the block we are in
+        self._text_last = False  # the last item out was text (not a call)
         self._started = False  # content has begun (for syntaxes whose calls only open a reply)
         self._ws = ""  # whitespace held back: dropped if it only separates tool calls
         self.calls: list[ParsedToolCall] = []
@@ -142,18 +143,26 @@ class ToolCallStream:
         if not text.strip():
             self._ws += text
             return
-        self._started = True
+        self._started = self._text_last = True
         out.append(self._ws + text)
         self._ws = ""
 
-    def _close_block(self, body: str, out: list[StreamItem], opener: str) -> None:
-        calls = self.syntax.parse_body(body, self.tools)
+    def _add_calls(self, calls: list[ParsedToolCall], out: list[StreamItem]) -> None:
+        """Calls found: whitespace held since the text before them is that text's (the same
+        however the text was split); whitespace between calls is dropped."""
+        if self._ws and self._text_last:
+            out.append(self._ws)
+        self._ws, self._text_last = "", False
+        self.calls += calls
+        out += calls
+
+    def _close_block(
+        self, body: str, calls: list[ParsedToolCall], out: list[StreamItem], opener: str
+    ) -> None:
         if not calls:
             self._content(opener + body + self.syntax.close, out)
             return
-        self._ws = ""
-        self.calls += calls
-        out += calls
+        self._add_calls(calls, out)
 
     def _find_open(self) -> tuple[int, str]:
         """Where the next block opens in the buffer, and its marker (-1 if none yet)."""
@@ -183,16 +192,24 @@ class ToolCallStream:
             keep = max(keep, held_prefix(self._buf, m))
         return keep
 
-    def _block_end(self) -> tuple[int, int]:
-        """Where the open block's body ends and the rest begins (-1 if not yet)."""
+    def _block_end(self) -> tuple[int, int, list[ParsedToolCall]]:
+        """Where the open block's body ends and the rest begins, and its calls (-1: not yet).
+
+        With a close marker, the first one after which the body parses ends the block: a close
+        marker inside a string of the arguments is the arguments' own text."""
         close = self.syntax.close
         if close:
             j = self._buf.find(close)
-            return (j, j + len(close)) if j >= 0 else (-1, -1)
+            while j >= 0:
+                calls = self.syntax.parse_body(self._buf[:j], self.tools)
+                if calls:
+                    return j, j + len(close), calls
+                j = self._buf.find(close, j + 1)
+            return -1, -1, []
         # no close marker: the block runs to the next open marker (which starts a new block)
         marks = [m for m in self.syntax.opens if m not in self.syntax.start_opens]
         j = min((k for m in marks if (k := self._buf.find(m)) >= 0), default=-1)
-        return (j, j) if j >= 0 else (-1, -1)
+        return (j, j, self.syntax.parse_body(self._buf[:j], self.tools)) if j >= 0 else (-1, -1, [])
 
     def feed(self, text: str) -> list[StreamItem]:
         out: list[StreamItem] = []
@@ -211,12 +228,14 @@ class ToolCallStream:
                 self._opener = marker
                 self._inside = True
             else:
-                j, rest = self._block_end()
+                j, rest, calls = self._block_end()
                 if j < 0:
                     return out
                 body, self._buf = self._buf[:j], self._buf[rest:]
                 self._inside = False
-                self._close_block(body, out, "" if self._opener in self.syntax.start_opens else self._opener)
+                self._close_block(
+                    body, calls, out, "" if self._opener in self.syntax.start_opens else self._opener
+                )
 
     def finish(self, truncated: bool = False) -> list[StreamItem]:
         """End of generation: an unclosed block still counts when its body parses (EOS right
@@ -233,9 +252,16 @@ class ToolCallStream:
             if not calls and truncated and syntax.json_body:
                 cut = cut_call_body(body, self.names)
                 calls = [cut] if cut is not None else []
+            first = self._buf.find(syntax.close) if syntax.close else -1
             if calls:
-                self.calls += calls
-                out += calls
+                self._add_calls(calls, out)
+            elif first >= 0 and not truncated:
+                # no close marker ended a call: the block up to the first one is text, and what
+                # follows is read again (it may hold calls)
+                rest = self._buf[first + len(syntax.close) :]
+                self._content(opener + self._buf[: first + len(syntax.close)], out)
+                self._buf, self._inside = "", False
+                return out + self.feed(rest) + self.finish(truncated)
             else:
                 self._content(opener + self._buf, out)
         elif (
@@ -248,8 +274,7 @@ class ToolCallStream:
             # call): markup, not content; a call if it can only be one
             call = cut_call_body("", self.names)
             if call is not None:
-                self.calls.append(call)
-                out.append(call)
+                self._add_calls([call], out)
         else:
             self._content(self._buf, out)
         if self._ws and not self.calls:

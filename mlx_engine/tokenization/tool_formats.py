@@ -41,6 +41,7 @@ class ToolSyntax:
     # (Llama 3's bare JSON object, a pythonic list)
     start_opens: frozenset[str] = frozenset()
     json_body: bool = False  # Hermes JSON bodies: a call cut by max_tokens is still recognised
+    inner: tuple[str, ...] = ()  # markers inside a block (Mistral's ``[ARGS]``), read by ``parse``
 
     def parse_body(self, body: str, tools: list[dict] | None) -> list[ParsedToolCall]:
         try:
@@ -51,7 +52,7 @@ class ToolSyntax:
     @property
     def markers(self) -> tuple[str, ...]:
         """The markers' texts (those that are special tokens must be decoded as text)."""
-        return tuple(m for m in (*self.opens, self.close) if m and m not in self.start_opens)
+        return tuple(m for m in (*self.opens, self.close, *self.inner) if m and m not in self.start_opens)
 
 
 def _hermes(body: str, _tools: list[dict] | None) -> list[ParsedToolCall]:
@@ -131,13 +132,23 @@ MLX_LM_PARSERS = (
 TOOL_FORMATS = ("auto", "none", *OURS, *MLX_LM_PARSERS)
 
 
+# the control tokens inside each family's call blocks (its tokenizer makes some of them special, and
+# a decode must keep them for the parser)
+_INNER = {
+    "mistral": ("[ARGS]", "[CALL_ID]"),
+    "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+    "gemma4": ('<|"|>',),
+    "glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+}
+
+
 def mlx_lm_syntax(name: str) -> ToolSyntax:
     """An mlx-lm tool parser as a syntax; its JSON-bodied cousins keep Hermes's cut-call handling."""
     if name == "json_tools":
         return HERMES
     module = _module(name)
     start, end = module.tool_call_start, module.tool_call_end
-    return ToolSyntax(name, (start,), end, _from_mlx_lm(module))
+    return ToolSyntax(name, (start,), end, _from_mlx_lm(module), inner=_INNER.get(name, ()))
 
 
 def syntax_named(name: str) -> ToolSyntax:
