@@ -289,3 +289,65 @@ def test_a_forced_call_is_written_in_the_family_syntax_and_parsed_back(f, seed):
     name, args = calls[0]
     assert name == "get_weather"
     jsonschema.validate(args, params)
+
+
+def test_anthropic_and_responses_thinking_controls_reach_the_chat_call():
+    from app.server.anthropic import chat_fields as messages_fields
+    from app.server.anthropic_protocol import MessagesRequest
+    from app.server.responses import chat_fields as responses_fields
+    from app.server.responses_protocol import ResponsesRequest
+    from app.server.responses_tools import ResponseTools
+
+    base = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+    off = messages_fields(MessagesRequest.model_validate({**base, "thinking": {"type": "disabled"}}))
+    assert off["reasoning_effort"] == "none"
+    capped = messages_fields(
+        MessagesRequest.model_validate({**base, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    )
+    assert capped["thinking_budget"] == 1024 and "reasoning_effort" not in capped
+    high = messages_fields(MessagesRequest.model_validate({**base, "output_config": {"effort": "max"}}))
+    assert high["reasoning_effort"] == "high"
+    # an earlier turn's thinking block goes back to the template (as reasoning_content)
+    turn = messages_fields(
+        MessagesRequest.model_validate(
+            {
+                **base,
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "thinking", "thinking": "hmm", "signature": ""},
+                            {"type": "text", "text": "b"},
+                        ],
+                    },
+                    {"role": "user", "content": "c"},
+                ],
+            }
+        )
+    )
+    assert turn["messages"][1]["reasoning_content"] == "hmm"
+
+    body = ResponsesRequest.model_validate(
+        {
+            "model": "m",
+            "reasoning": {"effort": "low"},
+            "chat_template_kwargs": {"enable_thinking": False},
+            "input": [
+                {"role": "user", "content": "a"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "plan"}],
+                },
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "14°C"},
+            ],
+        }
+    )
+    fields = responses_fields(body, [], ResponseTools())
+    assert fields["reasoning_effort"] == "low" and fields["chat_template_kwargs"] == {
+        "enable_thinking": False
+    }
+    assert fields["messages"][1]["reasoning_content"] == "plan" and fields["messages"][1]["tool_calls"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from app.options import (
     add_model_args,
@@ -46,15 +47,46 @@ def add_generate_parser(sub) -> None:
         action="store_true",
         help="apply the model's chat template (the default; kept for older scripts)",
     )
+    think = g.add_mutually_exclusive_group()
+    think.add_argument(
+        "--think",
+        dest="think",
+        action="store_const",
+        const="on",
+        help="ask a thinking model to think first (its template's switch; the default is the template's)",
+    )
+    think.add_argument(
+        "--no-think",
+        dest="think",
+        action="store_const",
+        const="off",
+        help="ask a thinking model not to think, where its template allows it (Qwen3's enable_thinking)",
+    )
     g.add_argument(
-        "--json", action="store_true", help="print one JSON object: text, token ids, usage, timings"
+        "--tools",
+        metavar="FILE",
+        help="a JSON file of OpenAI function tools to offer; the reply's calls are parsed in the model's syntax",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: text, reasoning, tool calls, token ids, usage, timings",
     )
     g.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args) -> int:
     from mlx_engine.request import GenerationRequest
+    from mlx_engine.tokenization.reply_parser import ToolParsing
     from peer.attach import peer_usage
+
+    tools = None
+    if args.tools:
+        try:
+            tools = json.loads(Path(args.tools).read_text())
+        except (OSError, ValueError) as e:
+            print(f"duet: error: --tools {args.tools}: {e}", file=sys.stderr)
+            return 2
 
     sampling = sampling_params(args)
     config = engine_config(args)
@@ -70,31 +102,51 @@ def cmd_generate(args) -> int:
             max_tokens=args.max_tokens,
             sampling=sampling,
             stop=args.stop or [],
+            tools=tools if chat else None,
+            tool_parsing=ToolParsing(tuple(t["function"]["name"] for t in tools), tools)
+            if tools and chat
+            else None,
+            template_kwargs=engine.tokenizer.reply_format.thinking_kwargs(args.think) if chat else None,
         )
 
         async def run():
-            text, ids, last = [], [], None
+            text, thought, calls, ids, last = [], [], [], [], None
             async for ev in engine.generate(req):
                 text.append(ev.text)
+                thought.append(ev.reasoning)
+                calls.extend(ev.tool_calls)
                 ids.extend(ev.token_ids)
                 if not args.json:
+                    if ev.reasoning:  # the thinking on stderr, dimmed: stdout is the answer
+                        dim = sys.stderr.isatty()
+                        print(
+                            ("\x1b[2m" if dim else "") + ev.reasoning + ("\x1b[0m" if dim else ""),
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     print(ev.text, end="", flush=True)
+                    for c in ev.tool_calls:
+                        print(f"\n[tool call] {c.name}({c.arguments})", flush=True)
                 last = ev
-            return "".join(text), ids, last
+            return "".join(text), "".join(thought), calls, ids, last
 
-        text, ids, last = asyncio.run(run())
+        text, reasoning, calls, ids, last = asyncio.run(run())
     u = last.usage
     if args.json:
         print(
             json.dumps(
                 {
                     "text": text,
+                    "reasoning": reasoning,
+                    "tool_calls": [c.to_openai() for c in calls],
                     "token_ids": ids,
                     "finish_reason": last.finish_reason,
                     "chat_template": chat,
                     "usage": {
                         "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens,
+                        "reasoning_tokens": u.reasoning_tokens,
                         "cached_tokens": u.cached_tokens,
                         "ttft_s": round(u.ttft_s, 4),
                         "prefill_tps": round(u.prefill_tps, 1),

@@ -20,9 +20,11 @@ or join the system prompt where the template cannot take one there (``system_tur
 
 What Claude Code sends beyond that is accepted, never a 400: server and Anthropic-defined tools
 (``web_search_*``, ``bash_*``, ...; nothing here runs them) are left out of what the model sees,
-with a warning the first time; ``thinking``, ``output_config.effort``, ``context_management``,
-``metadata``, ``cache_control``, the ``anthropic-beta`` header and unknown fields are ignored, at
-debug level in the log (the served models have no reasoning control to map them onto yet).
+with a warning the first time; ``context_management``, ``metadata``, ``cache_control``, the
+``anthropic-beta`` header and unknown fields are ignored, at debug level in the log. ``thinking``
+(disabled, or enabled with ``budget_tokens``) and ``output_config.effort`` are the chat call's
+thinking controls; an earlier turn's thinking blocks go back to the template, which keeps or drops
+them as its family does.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             continue
         texts: list[str] = []
         calls: list[dict] = []
+        thoughts: list[str] = []
         results: list[dict] = []
         for j, b in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
@@ -125,14 +128,18 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
                 if not b.tool_use_id:
                     raise bad_request("a tool_result block needs a tool_use_id", f"{where}.tool_use_id")
                 results.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)})
-            elif b.type in ("thinking", "redacted_thinking"):
-                continue  # an earlier turn's reasoning: not part of the conversation the model sees
+            elif b.type == "thinking" and m.role == "assistant":
+                thoughts.append((b.model_extra or {}).get("thinking") or "")  # the template keeps or drops it
+            elif b.type == "redacted_thinking":
+                continue  # encrypted by Anthropic: nothing a local model can read
             else:
                 raise bad_request(f"{b.type} blocks are not supported in a {m.role} message", f"{where}.type")
         out.extend(results)  # tool results answer the previous turn's calls, before any new text
         text = "".join(texts)
         if m.role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if any(thoughts):
+                msg["reasoning_content"] = "".join(thoughts)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -186,11 +193,9 @@ def _log_ignored(body: CountTokensRequest, request: Request) -> None:
         return
     ignored = sorted(k for k in (body.model_extra or {}))
     if isinstance(body, MessagesRequest):
-        for name in ("thinking", "context_management", "metadata", "service_tier"):
+        for name in ("context_management", "metadata", "service_tier"):
             if getattr(body, name) is not None:
                 ignored.append(name)
-        if body.output_config is not None and body.output_config.effort is not None:
-            ignored.append("output_config.effort")
     beta = request.headers.get("anthropic-beta")
     if beta:
         ignored.append(f"anthropic-beta ({beta})")
@@ -208,11 +213,28 @@ def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
                 fields[name] = value
         if body.stop_sequences:
             fields["stop"] = body.stop_sequences
+        fields.update(_thinking_fields(body))
         fmt = body.output_config.format if body.output_config is not None else None
         if fmt is not None:
             schema = {"name": "output", "schema": fmt.schema_}
             fields["response_format"] = {"type": "json_schema", "json_schema": schema}
     return fields
+
+
+def _thinking_fields(body: MessagesRequest) -> dict[str, Any]:
+    """``thinking`` and ``output_config.effort`` as the chat call's thinking controls: disabled turns
+    thinking off where the family can, ``budget_tokens`` caps it, the effort levels go to templates
+    that read them (``max`` as high)."""
+    out: dict[str, Any] = {}
+    effort = body.output_config.effort if body.output_config is not None else None
+    if effort in ("low", "medium", "high", "max"):
+        out["reasoning_effort"] = "high" if effort == "max" else effort
+    t = body.thinking
+    if t is not None and t.type == "disabled":
+        out["reasoning_effort"] = "none"
+    elif t is not None and t.type == "enabled" and t.budget_tokens is not None:
+        out["thinking_budget"] = t.budget_tokens
+    return out
 
 
 def _usage(u: Usage) -> dict[str, int]:

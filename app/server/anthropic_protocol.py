@@ -77,7 +77,7 @@ class OutputFormat(_Open):
 
 class OutputConfig(_Open):
     format: OutputFormat | None = None
-    effort: str | None = None  # low / medium / high / max: accepted; no reasoning control maps it yet
+    effort: str | None = None  # low / medium / high / max: the chat call's reasoning_effort
 
 
 class ThinkingConfig(_Open):

@@ -173,11 +173,23 @@ def input_items(body: ResponsesRequest) -> list[InputItem]:
     return body.input
 
 
+def _reasoning_text(item: InputItem) -> str:
+    """A reasoning item's text (its ``reasoning_text`` parts, as this server returns them)."""
+    parts = item.content if isinstance(item.content, list) else []
+    texts = []
+    for p in parts:
+        d = p if isinstance(p, dict) else p.model_dump() if hasattr(p, "model_dump") else {}
+        if d.get("type") == "reasoning_text" and isinstance(d.get("text"), str):
+            texts.append(d["text"])
+    return "".join(texts)
+
+
 def to_messages(items: list[InputItem], tools: ResponseTools) -> list[dict[str, Any]]:
     """Chat messages for input items; consecutive function calls join the assistant message
     before them, as one turn's calls. A call to a function in a ``namespace`` takes the name the
     model sees for it (``tools``)."""
     out: list[dict[str, Any]] = []
+    pending_thought = ""  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.type or "message"
@@ -185,6 +197,8 @@ def to_messages(items: list[InputItem], tools: ResponseTools) -> list[dict[str, 
             if item.role is None:
                 raise bad_request("a message item needs a role", f"{where}.role")
             out.append({"role": item.role, "content": _parts_text(item.content, where)})
+            if item.role == "assistant" and pending_thought:
+                out[-1]["reasoning_content"], pending_thought = pending_thought, ""
         elif kind == "function_call":
             if not item.name or item.call_id is None:
                 raise bad_request("a function_call item needs a name and a call_id", where)
@@ -202,12 +216,14 @@ def to_messages(items: list[InputItem], tools: ResponseTools) -> list[dict[str, 
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if pending_thought:
+                out[-1]["reasoning_content"], pending_thought = pending_thought, ""
         elif kind == "function_call_output":
             if item.call_id is None:
                 raise bad_request("a function_call_output item needs a call_id", f"{where}.call_id")
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": _output_text(item.output)})
-        elif kind == "reasoning":
-            continue  # an earlier turn's reasoning: not part of what the model reads
+        elif kind == "reasoning":  # the next assistant turn's thinking, for templates that keep it
+            pending_thought = _reasoning_text(item)
         else:
             raise bad_request(
                 f"input items of type {kind!r} are not supported by this server", f"{where}.type"
@@ -240,10 +256,19 @@ def chat_fields(
     if not messages:
         raise bad_request("input is required (or a previous_response_id to continue)", "input")
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
-    for name in ("temperature", "top_p", "top_k", "ignore_eos", "parallel_tool_calls"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "ignore_eos",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+    ):
         value = getattr(body, name)
         if value is not None:
             fields[name] = value
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        fields["reasoning_effort"] = body.reasoning.effort
     if tools.chat_tools:
         fields["tools"] = tools.chat_tools
     choice = body.tool_choice

@@ -102,6 +102,11 @@ class TextConfig(_Open):
     verbosity: str | None = None  # accepted and ignored
 
 
+class ReasoningConfig(_Open):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None  # accepted; the reasoning comes whole, not summarised
+
+
 class ResponsesRequest(_Open):
     model: Annotated[str, Field(min_length=1)]
     input: str | list[InputItem] | None = None
@@ -118,6 +123,8 @@ class ResponsesRequest(_Open):
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # an extension, as on the chat endpoint
     metadata: dict[str, str] | None = None
     background: bool | None = None
 
