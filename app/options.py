@@ -28,6 +28,10 @@ MODEL_FLAGS = (
     "weights",
     "speculative",
     "draft_model",
+    "reasoning_format",
+    "tool_format",
+    "chat_template",
+    "reasoning_budget",
 )
 
 

@@ -351,3 +351,28 @@ def test_anthropic_and_responses_thinking_controls_reach_the_chat_call():
         "enable_thinking": False
     }
     assert fields["messages"][1]["reasoning_content"] == "plan" and fields["messages"][1]["tool_calls"]
+
+
+def test_overrides_a_corrected_template_and_a_named_format(tmp_path):
+    from mlx_engine.config import EngineConfig
+    from mlx_engine.errors import ConfigError
+
+    f = next(x for x in FAMILIES if x.name == "magistral")
+    tj, cfg = f.tokenizer()
+    tok = Tokenizer(HFTokenizer.from_str(tj), eos_tokens=[f.eos], chat_template=None)
+    assert tok.reply_format.tools is None  # no template: nothing says how it calls tools
+    tok.configure_replies(template=f.template)  # --chat-template FILE's text
+    assert tok.reply_format.tools.name == "mistral" and tok.reply_format.think is not None
+    assert "[INST]hi[/INST]" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.special_markers  # [THINK], [TOOL_CALLS], [ARGS] decode as text for the parser
+    tok.configure_replies("none", "hermes", f.template)  # --reasoning-format none --tool-format hermes
+    assert tok.reply_format.think is None and tok.reply_format.tools.name == "hermes"
+    for bad, option in (
+        ({"tool_format": "nope"}, "tool_format"),
+        ({"reasoning_format": "raw"}, "reasoning_format"),
+        ({"chat_template": str(tmp_path / "missing.jinja")}, "chat_template"),
+        ({"reasoning_budget": -1}, "reasoning_budget"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            EngineConfig(**bad).validate(memory_bytes=2**34)
+        assert e.value.option == option

@@ -241,7 +241,7 @@ class FloodBackend:
     def count_tokens(self, messages):
         return None
 
-    async def stream(self, messages, sampling):
+    async def stream(self, messages, sampling, think=None):
         try:
             while True:
                 self.events += 1

@@ -37,6 +37,8 @@ SLASH_COMMANDS = {
     "/system [text]": "set the system prompt (no text: open the editor)",
     "/temp <t>": "temperature (0 = greedy); also /top_p, /top_k, /min_p, /seed <n|off>",
     "/max <n|auto>": "longest reply in tokens; auto (the default): until the model stops or the context is full",
+    "/think on|off|low|medium|high|auto": "ask a thinking model to think or not (its template's switch; "
+    "auto: the template's default); t on a reply shows or hides its thinking",
     "/settings": "open the sampling settings",
     "/save [title]": "save the conversation (optionally naming it)",
     "/new": "start a new chat",
@@ -120,6 +122,7 @@ class ChatApp(App):
         self.backend: Backend | None = None
         self.conv = Conversation()
         self.generating = False
+        self.think: str | None = None  # /think: on, off or a level; None: the template's default
         self.last_usage: Usage | None = None
         self.last_prefill: dict = {}  # the backend's prefill report of the last reply (remote split, planner)
         self.peer_dir = peers or PeerDirectory()
@@ -274,12 +277,16 @@ class ChatApp(App):
         try:
             # aclosing: a cancelled worker closes the stream now (the backend stops the request),
             # not whenever the abandoned generator is collected
-            async with aclosing(backend.stream(messages, conv.sampling)) as events:
+            async with aclosing(backend.stream(messages, conv.sampling, self.think)) as events:
                 async for ev in events:
+                    if ev.reasoning:
+                        await view.append_reasoning(ev.reasoning)
                     if ev.text:
                         await view.append(ev.text)  # buffered: rendered at most every FLUSH_S
                         msg.content = view.content
-                    n_tokens += len(ev.token_ids) or (1 if ev.text else 0)  # remote chunks carry no ids
+                    n_tokens += len(ev.token_ids) or (
+                        1 if ev.text or ev.reasoning else 0
+                    )  # remote chunks carry no ids
                     if prompt_tokens is not None:
                         self.context_used = prompt_tokens + n_tokens
                     if n_tokens and t_first is None:
@@ -493,6 +500,8 @@ class ChatApp(App):
                 self.notify(str(e), title="Bad setting", severity="error")
                 return
             self.notify(self.conv.sampling.summary(), title="Sampling", timeout=3)
+        elif name == "think":
+            self.set_think(arg.lower())
         elif name == "model":
             self.load_model(arg) if arg else self.action_pick_model()
         elif name == "system":
@@ -521,6 +530,14 @@ class ChatApp(App):
             self.exit()
         else:
             self.notify(f"Unknown command /{name}; /help lists them", severity="error")
+
+    def set_think(self, arg: str) -> None:
+        """``/think``: on, off or a level for the replies from now on (auto: the template's default)."""
+        if arg not in ("on", "off", "low", "medium", "high", "auto"):
+            self.notify("/think takes on, off, low, medium, high or auto", severity="warning")
+            return
+        self.think = None if arg == "auto" else arg
+        self.notify(f"thinking: {arg}", timeout=3)
 
     # --- peers ----------------------------------------------------------------------------------
     def peers_command(self, arg: str) -> None:

@@ -69,10 +69,16 @@ class LocalBackend:
         except RequestError:
             return None
 
-    async def stream(self, messages: list[dict], sampling: Sampling) -> AsyncGenerator[GenerationEvent, None]:
+    async def stream(
+        self, messages: list[dict], sampling: Sampling, think: str | None = None
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        """``think``: on, off, low, medium or high (``/think``), None for the template's default."""
         # max_tokens auto: the context length, which the engine caps at what the context and KV cache hold
         max_tokens = sampling.max_tokens or self.engine.context_length
-        req = GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling.params())
+        kwargs = self.engine.tokenizer.reply_format.thinking_kwargs(think)
+        req = GenerationRequest(
+            messages=messages, max_tokens=max_tokens, sampling=sampling.params(), template_kwargs=kwargs
+        )
         self._live.add(req.request_id)
         try:
             # closed now, not when collected (engine.generate is an async generator)
@@ -166,8 +172,15 @@ class RemoteBackend:
     def count_tokens(self, messages: list[dict]) -> int | None:
         return None
 
-    async def stream(self, messages: list[dict], sampling: Sampling) -> AsyncGenerator[GenerationEvent, None]:
+    async def stream(
+        self, messages: list[dict], sampling: Sampling, think: str | None = None
+    ) -> AsyncGenerator[GenerationEvent, None]:
         import openai
+
+        effort = {"on": "medium", "off": "none"}.get(think or "", think)
+        extra: dict[str, Any] = {"top_k": sampling.top_k, "min_p": sampling.min_p}
+        if effort is not None:
+            extra["reasoning_effort"] = effort
 
         t0 = time.perf_counter()
         t_first = t_last = None
@@ -183,24 +196,29 @@ class RemoteBackend:
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_tokens,  # None (auto): null, the server's own default
                 seed=sampling.seed,
-                extra_body={"top_k": sampling.top_k, "min_p": sampling.min_p},
+                extra_body=extra,
             )
             async with stream:
                 async for chunk in stream:
                     for choice in chunk.choices:
                         text = choice.delta.content or ""
-                        if text:
+                        # the server's thinking (llama.cpp's and vLLM's name; OpenRouter's reasoning)
+                        more = choice.delta.model_extra or {}
+                        thought = more.get("reasoning_content") or more.get("reasoning") or ""
+                        if text or thought:
                             now = time.perf_counter()
                             t_first = t_first or now
                             t_last = now
                             n_chunks += 1
-                            yield GenerationEvent(chunk.id, text)
+                            yield GenerationEvent(chunk.id, text, reasoning=thought)
                         finish = choice.finish_reason or finish
                     if chunk.usage is not None:
                         details = chunk.usage.prompt_tokens_details
                         usage.prompt_tokens = chunk.usage.prompt_tokens
                         usage.completion_tokens = chunk.usage.completion_tokens
                         usage.cached_tokens = (details.cached_tokens or 0) if details else 0
+                        out = chunk.usage.completion_tokens_details
+                        usage.reasoning_tokens = (out.reasoning_tokens or 0) if out else 0
         except openai.APIError as e:
             yield GenerationEvent("", "", finish_reason="error", error=f"server error: {e}", usage=usage)
             return

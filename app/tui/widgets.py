@@ -10,7 +10,7 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message as TMessage
 from textual.timer import Timer
-from textual.widgets import Markdown, Static, TextArea
+from textual.widgets import Collapsible, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
 
 from mlx_engine.request import Usage
@@ -41,6 +41,8 @@ def usage_line(u: Usage) -> str:
     if u.cached_tokens:
         parts.append(f"{u.cached_tokens} cached")
     parts.append(f"{u.completion_tokens} reply tok")
+    if u.reasoning_tokens:
+        parts.append(f"{u.reasoning_tokens} thinking")
     if u.ttft_s:
         parts.append(f"TTFT {u.ttft_s * 1000:.0f} ms")
     if u.decode_tps:
@@ -53,7 +55,7 @@ def usage_line(u: Usage) -> str:
 class MessageView(Vertical, can_focus=True):
     """One turn. Assistant replies render as Markdown and can be streamed into."""
 
-    BINDINGS = [Binding("c", "copy", "Copy message")]
+    BINDINGS = [Binding("c", "copy", "Copy message"), Binding("t", "toggle_thoughts", "Show/hide thinking")]
 
     def __init__(self, role: str, content: str = "", meta: str = "", label: str = ""):
         super().__init__(classes=f"message {role}")
@@ -66,6 +68,8 @@ class MessageView(Vertical, can_focus=True):
         self._last_flush = 0.0
         self._spinner_timer: Timer | None = None
         self._t0 = 0.0
+        self.reasoning = ""  # the reply's thinking, shown apart (dimmed, collapsible)
+        self._thoughts: Collapsible | None = None
 
     def compose(self):
         yield Static(self.label, classes="role", markup=False)
@@ -102,6 +106,28 @@ class MessageView(Vertical, can_focus=True):
             self._spinner_timer = None
         self.query_one(".thinking").display = False
 
+    async def append_reasoning(self, text: str) -> None:
+        """Add streamed thinking: dimmed, in a section of its own that collapses when the answer
+        starts (``t`` opens it again)."""
+        if not text:
+            return
+        self.stop_thinking()
+        self.reasoning += text
+        if self._thoughts is None:
+            self._thoughts = Collapsible(
+                Static("", classes="reasoning", markup=False),
+                title="Thinking",
+                collapsed=False,
+                classes="thoughts",
+            )
+            await self.mount(self._thoughts, after=self.query_one(".role"))
+        self._thoughts.query_one(".reasoning", Static).update(printable(self.reasoning))
+        self._thoughts.title = f"Thinking ({len(self.reasoning.split())} words)"
+
+    def action_toggle_thoughts(self) -> None:
+        if self._thoughts is not None:
+            self._thoughts.collapsed = not self._thoughts.collapsed
+
     async def append(self, text: str) -> None:
         """Add streamed text. Markdown is re-rendered at most every FLUSH_S: parsing per token
         would take the GIL from the engine thread and slow decoding down."""
@@ -109,6 +135,8 @@ class MessageView(Vertical, can_focus=True):
             return
         if self._stream is None:
             self.stop_thinking()
+            if self._thoughts is not None:  # the answer has begun: the thinking folds away
+                self._thoughts.collapsed = True
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         self.content += text
         self._pending += text
