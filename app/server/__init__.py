@@ -4,8 +4,9 @@ Modules: ``main`` (options, the port, start-up, uvicorn, shutdown), ``app`` (rou
 ``security`` (ASGI middleware: Host/Origin allowlists, API key, body limits, JSON content type),
 ``connections`` (fd limit, header timeout, connection cap, rate-limited logs), ``protocol``
 (request models = the OpenAPI schema), ``chat`` / ``completions`` (the two generation
-endpoints), ``generation`` (the n engine requests of one call, fan-out bound), ``mlx_engine.tokenization.tool_calls``
-(Hermes/Qwen parser), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects), ``common``;
+endpoints; the engine has parsed each reply's thinking and tool calls in the model family's
+format, ``mlx_engine/tokenization/reply_parser.py``), ``generation`` (the n engine requests of one
+call, fan-out bound), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects), ``common``;
 the other APIs, as adapters onto the chat call (``turns``): ``anthropic`` (Messages, with
 ``anthropic_protocol`` and ``anthropic_errors``), ``responses`` (OpenAI Responses, with
 ``responses_protocol``, ``responses_tools`` (namespace and hosted tools) and the in-memory
@@ -21,13 +22,15 @@ Behaviour worth knowing (decisions where OpenAI's API leaves room):
   ``tool_choice`` (``allowed_tools`` included) and ``parallel_tool_calls``, and the legacy
   ``functions`` / ``function_call`` (answered in the legacy ``function_call`` shape). Ignored
   (debug log): ``store``, ``metadata``, ``user``, ``safety_identifier``, ``service_tier``,
-  ``reasoning_effort``, ``verbosity``, ``prompt_cache_*``, ``prediction``, ``audio``,
+  ``verbosity``, ``prompt_cache_*``, ``prediction``, ``audio``,
   ``moderation``, ``web_search_options``. Refused: ``modalities`` other than text, custom
   (free-form) tools, non-text content parts, ``suffix``, ``echo`` with ``logprobs``. Unknown
   top-level fields are a 400, as at OpenAI; messages, tools and content parts accept extra keys
   (clients send back whole response objects). Legacy ``role: "function"`` messages are tool
-  results; ``refusal`` parts and fields are read as text. Extensions: ``top_k``, ``min_p``,
-  ``repetition_penalty``, ``ignore_eos``. Lone surrogates and bodies nested over 100 levels are
+  results; ``refusal`` parts and fields are read as text. Thinking controls:
+  ``reasoning_effort`` and ``chat_template_kwargs`` reach the template, an assistant message's
+  ``reasoning_content`` (or ``reasoning``) goes back to it. Extensions: ``top_k``, ``min_p``,
+  ``repetition_penalty``, ``ignore_eos``, ``thinking_budget``. Lone surrogates and bodies nested over 100 levels are
   a 400.
 - Omitted sampling fields take Duet's defaults (``mlx_engine.defaults``, Ollama's set:
   temperature 0.8, top_p 0.9, top_k 40), not OpenAI's 1.0. ``max_tokens`` absent, on both
