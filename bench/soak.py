@@ -23,10 +23,14 @@ blocks for prefix reuse, so under load it reaches the budget and stays there: th
 design, and bounded, so the first part of the run, until /metrics shows the pool at its budget
 (at most 120 s), is the warm-up, and the T seconds are counted from there (the warm-up's requests
 are checked as all others). The warm-up also starts with a primer: 4 clients at once each send
-the largest requests (a 2 MB prompt, an over-limit chunked body, ...) first; tokenizing a 2 MB
-prompt takes ~200 MB for a moment, which glibc keeps (a high-water mark, bounded, not a leak),
-so that peak is reached before the window rather than by chance inside it. Afterwards, every one
-of these must hold, or the run exits 1:
+the largest requests (a 2 MB prompt, an over-limit chunked body, ...) first, so that the code
+paths they take have run once before the window. Tokenizing a 2 MB prompt takes ~280 MB for a
+moment; glibc kept that in its heaps, in holes a later long prompt did not always reuse (it lands
+on another worker thread's arena, or the hole was split meanwhile), so the RSS climbed in steps of
+~100-150 MB through the whole run, not to a high-water mark the primer reached (+17% in 10 minutes
+at 64 clients, malloc's bytes in use and MLX's memory flat); the server now gives freed heap memory
+back after such a prompt (mlx_engine/heap.py), and the RSS check below holds it to that. Afterwards,
+every one of these must hold, or the run exits 1:
 
 - every well-formed request that was not dropped got a complete reply: HTTP 200, a finish/stop
   reason for every choice, a stream that ended with its API's terminal event (``[DONE]``,
@@ -535,8 +539,8 @@ async def pool_full(http: httpx.AsyncClient) -> bool:
 
 async def primer(http: httpx.AsyncClient, b: Bodies, records: list[Record]) -> None:
     """The largest requests, one of each (to a random API), from PRIMER_CLIENTS clients at once at
-    the start: what they take transiently the allocator keeps (glibc does not give it back), a
-    high-water mark reached here rather than by chance in the measured window."""
+    the start: their transient peak (~280 MB for a 2 MB prompt) comes before the measured window;
+    the server gives it back afterwards (mlx_engine/heap.py), which the RSS check holds it to."""
     for variant in PRIMER:
         api = b.rng.choice(list(ROUTES))
         content, stream = malformed_request(b, api, variant)

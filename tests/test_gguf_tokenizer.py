@@ -227,3 +227,14 @@ def test_unsupported_vocabularies(metadata):
         tokenizer_from_gguf({"general.architecture": "llama"})
     with pytest.raises(GGUFError, match="scores"):
         tokenizer_from_gguf({k: v for k, v in spm_metadata().items() if k != "tokenizer.ggml.scores"})
+
+
+def test_prepare_builds_what_a_first_request_would(metadata):
+    """``prepare`` (called before a server serves) builds everything a first chat request would
+    build holding the GIL: the reply format's inference imports ``transformers`` (through mlx-lm's
+    tokenizer_utils), ~1 s that stalled /health at the start of bench/soak.py's load."""
+    fresh = tokenizer_from_gguf(metadata)
+    fresh.prepare()
+    assert {"_text_backend", "_control_text", "special_ids", "reply_format", "special_markers"} <= set(
+        vars(fresh)
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_engine import heap
 from mlx_engine.errors import ContextLengthError, RequestError
 from mlx_engine.request import GenerationRequest
 from mlx_engine.scheduler import Sequence
@@ -85,6 +86,8 @@ class InputProcessor:
         else:
             assert request.prompt is not None  # exactly one of prompt and messages, checked above
             ids = self._token_ids(request.prompt, "prompt")
+        if len(ids) >= heap.RELEASE_AFTER_TOKENS:  # the tokenizer's transient heap, freed: give it back
+            heap.release_free()
         self._check_fits(ids, "messages" if request.messages is not None else "prompt")
         return ids
 
