@@ -4,7 +4,13 @@ Each fixture is the bundled SmolLM2 tokenizer with the family's marker tokens ad
 the family's tokenizer makes them special) and a chat template written here to reproduce the
 family's published format in the parts that decide parsing and round trips: the generation
 prompt (and whether it opens the thinking section), how the template renders tool definitions,
-an assistant turn's tool calls and thinking, and tool results. ``RENDERED`` (in the tests) pins
+an assistant turn's tool calls and thinking, and tool results. Checked on 2026-12-03 against
+llama.cpp's copies of the published templates (models/templates/: Qwen3-0.6B, Qwen3-Coder,
+gpt-oss-120b, Llama-3.3-70B, Devstral-Small-2507), rendered on the same conversations: the
+generation prompt, the call turn and the tool result match character for character; the tool
+definitions' preamble text is shorter here (its markers are the same). Gemma 3's published
+template has no tools (its ``tool_code`` form is Google's function-calling guide) and no
+published Magistral template was at hand (its ``[THINK]`` form is Mistral's documentation). ``RENDERED`` (in the tests) pins
 each rendering to the family's documented text. A recorded reply per family (thinking, then two
 calls with nested JSON arguments) is what the parser must take apart.
 """
@@ -67,11 +73,13 @@ QWEN3_CODER = _literal(
     "</parameter>\n</function>\n</tool_call><|im_end|>\n{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'user' or m.role == 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{%- for tc in m.tool_calls or [] %}\n<tool_call>\n<function={{ tc.function.name }}>\n"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
+    "{%- if m.content and m.content | trim %}\n{{ m.content | trim }}\n{%- endif %}"
+    "{%- for tc in m.tool_calls %}\n<tool_call>\n<function={{ tc.function.name }}>\n"
     "{%- for k, v in tc.function.arguments.items() %}<parameter={{ k }}>\n"
-    "{%- if v is string %}{{ v }}{%- else %}{{ v | tojson }}{%- endif %}\n</parameter>\n{%- endfor %}"
-    "</function>\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- if v is mapping or (v is sequence and v is not string) %}{{ v | tojson }}{%- else %}{{ v | string }}{%- endif %}"
+    "\n</parameter>\n{%- endfor %}</function>\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}<|im_end|>\n"
     "{%- elif m.role == 'tool' %}"
     "{%- if messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user\n{%- endif %}"
     "<tool_response>\n{{ m.content }}\n</tool_response>\n"
@@ -84,7 +92,7 @@ QWEN3_CODER = _literal(
 # namespace in the developer message; an assistant turn with tool calls keeps its analysis
 GPT_OSS = _literal(
     "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
-    "Knowledge cutoff: 2024-06\n\nReasoning: {{ reasoning_effort | default('medium') }}\n\n"
+    "Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\nReasoning: {{ reasoning_effort | default('medium') }}\n\n"
     "# Valid channels: analysis, commentary, final. Channel must be included for every message."
     "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{%- endif %}<|end|>"
     "{%- if tools %}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n"
@@ -101,7 +109,7 @@ GPT_OSS = _literal(
     "json<|message|>{{ tc.function.arguments | tojson }}<|call|>{%- endfor %}"
     "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
     "{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary<|message|>"
-    "{{ m.content }}<|end|>"
+    "{{ m.content | tojson }}<|end|>"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
 )
@@ -112,7 +120,7 @@ DEEPSEEK_R1 = _literal(
     "{%- if m.role == 'system' %}{{ m.content }}"
     "{%- elif m.role == 'user' %}<｜User｜>{{ m.content }}"
     "{%- elif m.role == 'assistant' %}<｜Assistant｜>"
-    "{%- set c = m.content %}{%- if '</think>' in c %}{%- set c = c.split('</think>')[-1] %}{%- endif %}"
+    "{%- set c = m.content or '' %}{%- if '</think>' in c %}{%- set c = c.split('</think>')[-1] %}{%- endif %}"
     "{{ c }}<｜end▁of▁sentence｜>{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<｜Assistant｜><think>\n{%- endif %}"
 )
@@ -122,6 +130,7 @@ DEEPSEEK_R1 = _literal(
 # [THINK]...[/THINK]
 MISTRAL = _literal(
     "{{ bos_token }}"
+    "{%- if messages[0].role != 'system' %}[SYSTEM_PROMPT]You are Devstral, a helpful agentic model.[/SYSTEM_PROMPT]{%- endif %}"
     "{%- set ns = namespace(last_user=0) %}"
     "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
     "{%- for m in messages %}"
@@ -140,7 +149,7 @@ MISTRAL = _literal(
 LLAMA3 = _literal(
     "{{ bos_token }}<|start_header_id|>system<|end_header_id|>\n\n"
     "{%- if tools %}Environment: ipython\n{%- endif %}"
-    "Cutting Knowledge Date: December 2023\n\n"
+    "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
     "{%- for m in messages %}{%- if m.role == 'system' %}{{ m.content }}{%- endif %}{%- endfor %}<|eot_id|>"
     "{%- set ns = namespace(first=true) %}"
     "{%- for m in messages %}"
@@ -155,7 +164,7 @@ LLAMA3 = _literal(
     '{"name": "{{ tc.function.name }}", "parameters": {{ tc.function.arguments | tojson }}}'
     "{%- endfor %}<|eot_id|>"
     "{%- elif m.role == 'assistant' %}<|start_header_id|>assistant<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
-    "{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content | tojson }}<|eot_id|>"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
 )

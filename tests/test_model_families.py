@@ -141,7 +141,7 @@ ROUND_TRIP = {
         "<|im_start|>user\n<tool_response>\n14°C\n</tool_response><|im_end|>\n",
     ],
     "qwen3_coder": [
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n<parameter=when>\n"
+        "<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n<parameter=when>\n"
         '{"day": "tomorrow", "hours": [9, 12]}\n</parameter>\n</function>\n</tool_call><|im_end|>\n',
         "<|im_start|>user\n<tool_response>\n14°C\n</tool_response>\n<|im_end|>\n",
     ],
@@ -149,7 +149,7 @@ ROUND_TRIP = {
         f"<|start|>assistant<|channel|>analysis<|message|>{THOUGHT}<|end|>"
         '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Zürich", '
         '"when": {"day": "tomorrow", "hours": [9, 12]}}<|call|>',
-        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>14°C<|end|>",
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"14°C"<|end|>',
     ],
     "magistral": [
         '[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", "when": {"day": "tomorrow", "hours": [9, 12]}}</s>',
@@ -158,7 +158,7 @@ ROUND_TRIP = {
     "llama3": [
         '{"name": "get_weather", "parameters": {"city": "Zürich", "when": {"day": "tomorrow", "hours": [9, 12]}}}'
         "<|eot_id|>",
-        "<|start_header_id|>ipython<|end_header_id|>\n\n14°C<|eot_id|>",
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"14°C"<|eot_id|>',
     ],
     "gemma3": [
         '```tool_code\n[get_weather(city="Zürich", when={"day": "tomorrow", "hours": [9, 12]})]\n```<end_of_turn>\n',
@@ -376,3 +376,10 @@ def test_overrides_a_corrected_template_and_a_named_format(tmp_path):
         with pytest.raises(ConfigError) as e:
             EngineConfig(**bad).validate(memory_bytes=2**34)
         assert e.value.option == option
+
+
+def test_mistral_calls_with_call_ids_keep_their_names():
+    from mlx_engine.tokenization.tool_formats import syntax_named
+
+    calls = syntax_named("mistral").parse_body('get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris"}', None)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]

@@ -294,6 +294,7 @@ def test_conversation_translates_to_chat_messages():
         {
             "role": "assistant",
             "content": "Let me look.",
+            "reasoning_content": "hmm",  # the thinking block, for templates that keep it (issue 31)
             "tool_calls": [
                 {
                     "id": "toolu_1",

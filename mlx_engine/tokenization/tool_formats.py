@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -148,7 +149,19 @@ def mlx_lm_syntax(name: str) -> ToolSyntax:
         return HERMES
     module = _module(name)
     start, end = module.tool_call_start, module.tool_call_end
-    return ToolSyntax(name, (start,), end, _from_mlx_lm(module), inner=_INNER.get(name, ()))
+    parse = _from_mlx_lm(module)
+    if name == "mistral":
+        parse = _without_call_ids(parse)
+    return ToolSyntax(name, (start,), end, parse, inner=_INNER.get(name, ()))
+
+
+_CALL_ID = re.compile(r"\[CALL_ID\][^\[]*")
+
+
+def _without_call_ids(parse: BodyParser) -> BodyParser:
+    """Mistral Small 3.2's templates write ``name[CALL_ID]id[ARGS]{...}``, and a model may copy
+    them; mlx-lm's parser reads ``name[ARGS]`` only (it would take the id for the name)."""
+    return lambda body, tools: parse(_CALL_ID.sub("", body), tools)
 
 
 def syntax_named(name: str) -> ToolSyntax:
