@@ -383,3 +383,12 @@ def test_mistral_calls_with_call_ids_keep_their_names():
 
     calls = syntax_named("mistral").parse_body('get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris"}', None)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_an_effort_above_high_reads_as_high_and_is_never_a_400():
+    oss = tokenizer(next(f for f in FAMILIES if f.name == "gpt_oss"))
+    assert oss.reply_format.thinking_kwargs("xhigh") == {"reasoning_effort": "high"}
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "xhigh"}
+    )
+    assert body.reasoning_effort == "xhigh"

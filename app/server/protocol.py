@@ -278,8 +278,9 @@ class ChatCompletionRequest(_Sampling):
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     modalities: list[str] | None = None  # only ["text"] can be honoured
     # thinking: none/minimal turn it off where the family can (Qwen3's enable_thinking), low..high
-    # go to templates that read them (gpt-oss's "Reasoning: ..." line)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # go to templates that read them (gpt-oss's "Reasoning: ..." line); other values (xhigh, ...)
+    # are accepted and read as high
+    reasoning_effort: Annotated[str, Field(max_length=32)] | None = None
     # extra variables for the chat template, as vLLM and llama.cpp take them
     chat_template_kwargs: dict[str, Any] | None = None
     # a cap on the thinking section's tokens (llama.cpp's --reasoning-budget per request)

@@ -103,7 +103,7 @@ class TextConfig(_Open):
 
 
 class ReasoningConfig(_Open):
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: Annotated[str, Field(max_length=32)] | None = None  # as the chat endpoint's reasoning_effort
     summary: str | None = None  # accepted; the reasoning comes whole, not summarised
 
 

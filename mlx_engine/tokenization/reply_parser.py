@@ -72,6 +72,8 @@ class ReplyFormat:
         always reasons: off asks it for the least, low)."""
         if effort is None:
             return {}
+        if effort not in ("none", "minimal", "off", "on", "low", "medium", "high"):
+            effort = "high"  # a level above high (OpenAI's xhigh, Anthropic's max)
         on = effort not in ("none", "minimal", "off")
         out: dict[str, Any] = {}
         if self.thinking_kwarg:
