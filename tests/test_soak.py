@@ -22,7 +22,7 @@ SECONDS = 45
 
 
 @pytest.mark.slow
-@pytest.mark.soak  # `make soak-test`: it found /health stalls of 1.2-1.4 s in the first seconds of load
+@pytest.mark.soak  # `make soak-test`: its short window's RSS check is not yet steady (docs/BENCHMARKS.md)
 def test_soak(tmp_path):
     srv = ServerProcess(None, tmp_path / "server.log", "--cache-gb", "0.05", timeout=300)
     try:
