@@ -336,3 +336,35 @@ FAMILIES = [
     ),
 ]
 BY_NAME = {f.name: f for f in FAMILIES}
+
+# the tools the recorded replies call (parsers that type arguments read their schemas)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Zürich"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "when": {"type": "object"},
+                },
+                "required": ["city", "days"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web",
+            "parameters": {
+                "type": "object",
+                "properties": {"q": {"type": "string"}, "limit": {"type": "integer"}},
+                "required": ["q"],
+            },
+        },
+    },
+]

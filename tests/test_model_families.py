@@ -24,38 +24,8 @@ from mlx_engine.tokenization.detokenizer import StreamingDetokenizer
 from mlx_engine.tokenization.reasoning import opens_thinking
 from mlx_engine.tokenization.reply_parser import ReplyParser, ToolParsing
 from mlx_engine.tokenization.tokenizer import Tokenizer
-from tests.family_fixtures import ARGS_A, FAMILIES, THOUGHT, Family
+from tests.family_fixtures import ARGS_A, FAMILIES, THOUGHT, TOOLS, Family
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "enum": ["Paris", "Zürich"]},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                    "when": {"type": "object"},
-                },
-                "required": ["city", "days"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the web",
-            "parameters": {
-                "type": "object",
-                "properties": {"q": {"type": "string"}, "limit": {"type": "integer"}},
-                "required": ["q"],
-            },
-        },
-    },
-]
 NAMES = ("get_weather", "search")
 _TOKENIZERS: dict[str, Tokenizer] = {}
 

@@ -21,37 +21,11 @@ import pytest
 from app.server.app import create_app
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine import Engine
-from tests.family_fixtures import FAMILIES, Family
+from tests.family_fixtures import FAMILIES, TOOLS, Family
 from tests.tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "when": {"type": "object"}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the web",
-            "parameters": {
-                "type": "object",
-                "properties": {"q": {"type": "string"}, "limit": {"type": "integer"}},
-                "required": ["q"],
-            },
-        },
-    },
-]
 MSGS = [{"role": "user", "content": "Weather in Zürich tomorrow, and pizza near me?"}]
 
 
@@ -93,20 +67,24 @@ def family(request, tmp_path_factory):
     engine.shutdown()
 
 
+def _openai(engine: Engine):
+    import openai
+
+    http = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_app(engine, aliases=("m",))), base_url="http://127.0.0.1"
+    )
+    return openai.AsyncOpenAI(
+        base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0
+    ), http
+
+
 def _calls(pairs) -> list[tuple[str, dict]]:
     return [(name, json.loads(args) if isinstance(args, str) else args) for name, args in pairs]
 
 
 async def test_openai_chat_streamed_and_not(family):
-    import openai
-
     f, engine = family
-    http = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=create_app(engine, aliases=("m",))), base_url="http://127.0.0.1"
-    )
-    client = openai.AsyncOpenAI(
-        base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0
-    )
+    client, http = _openai(engine)
     try:
         r = await client.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=400)
         m = r.choices[0].message
@@ -168,15 +146,8 @@ async def test_anthropic_messages_streamed_and_not(family):
 
 
 async def test_responses_streamed_and_not(family):
-    import openai
-
     f, engine = family
-    http = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=create_app(engine, aliases=("m",))), base_url="http://127.0.0.1"
-    )
-    client = openai.AsyncOpenAI(
-        base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0
-    )
+    client, http = _openai(engine)
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     try:
         resp = await client.responses.create(model="m", input=MSGS, tools=tools, max_output_tokens=400)

@@ -18,12 +18,7 @@ from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, SamplingParams
 from tests.family_fixtures import FAMILIES
 from tests.test_server_harness import ServerProcess
-from tests.tiny_models import (
-    bundled_tokenizer,
-    make_scripted_model_dir,
-    make_tiny_model_dir,
-    with_added_tokens,
-)
+from tests.tiny_models import make_thinking_model_dir, make_tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -127,8 +122,7 @@ REPLY = f"<think>{THOUGHT}</think> Hello there friend."
 
 @pytest.fixture(scope="module")
 def thinker_dir(tmp_path_factory):
-    tok = with_added_tokens(bundled_tokenizer(), ["<think>", "</think>"])
-    return make_scripted_model_dir(tmp_path_factory.mktemp("thinker"), REPLY, context=4096, tokenizer=tok)
+    return make_thinking_model_dir(tmp_path_factory.mktemp("thinker"), REPLY)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.loading.loader import load_model
 from mlx_engine.request import GenerationRequest, SamplingParams
-from tests.tiny_models import bundled_tokenizer, make_scripted_model_dir, with_added_tokens
+from tests.tiny_models import make_thinking_model_dir
 
 THOUGHT = "Greeting: answer warmly"  # each token once: the scripted model chains them
 ANSWER = "Hello! Nice to see you."
@@ -23,8 +23,7 @@ REPLY = f"<think>{THOUGHT}</think> {ANSWER}"
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    tok = with_added_tokens(bundled_tokenizer(), ["<think>", "</think>"])
-    return make_scripted_model_dir(tmp_path_factory.mktemp("thinker"), REPLY, context=4096, tokenizer=tok)
+    return make_thinking_model_dir(tmp_path_factory.mktemp("thinker"), REPLY)
 
 
 @pytest.fixture(scope="module")

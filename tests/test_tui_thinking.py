@@ -9,7 +9,7 @@ from textual.widgets import Collapsible
 
 from app.tui.widgets import MessageView
 from tests.test_tui import count_handled_lines, data_dir, loaded, make_app, reply_done, type_and_send  # noqa: F401
-from tests.tiny_models import bundled_tokenizer, make_scripted_model_dir, with_added_tokens
+from tests.tiny_models import make_thinking_model_dir
 
 THOUGHT = "Greeting: answer warmly"
 ANSWER = "Hello! Nice to see you."
@@ -17,10 +17,7 @@ ANSWER = "Hello! Nice to see you."
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    tok = with_added_tokens(bundled_tokenizer(), ["<think>", "</think>"])
-    return make_scripted_model_dir(
-        tmp_path_factory.mktemp("thinker"), f"<think>{THOUGHT}</think> {ANSWER}", context=4096, tokenizer=tok
-    )
+    return make_thinking_model_dir(tmp_path_factory.mktemp("thinker"), f"<think>{THOUGHT}</think> {ANSWER}")
 
 
 async def test_thinking_is_shown_apart_and_folds_when_the_answer_starts(thinker, data_dir):  # noqa: F811

@@ -198,3 +198,10 @@ def make_scripted_model_dir(
     weights["lm_head.weight"] = head
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     return path
+
+
+def make_thinking_model_dir(path: str | Path, reply: str) -> Path:
+    """A scripted model (``make_scripted_model_dir``) whose tokenizer has ``<think>`` and
+    ``</think>`` as whole tokens, as Qwen3's and DeepSeek-R1's do; ``reply`` marks its thinking."""
+    tok = with_added_tokens(bundled_tokenizer(), ["<think>", "</think>"])
+    return make_scripted_model_dir(path, reply, context=4096, tokenizer=tok)

@@ -81,6 +81,13 @@ def tool_call_schema(tools: list[dict], arguments_key: str = "arguments") -> dic
     return {**schema, **({"$defs": defs} if defs else {})}
 
 
+def marker_literal(text: str, token_id: Callable[[str], int | None]) -> str:
+    """A marker in a lark grammar: the token itself (``<[id]>``) when it is one added token of the
+    vocabulary (llguidance does not match added tokens as text), else its text."""
+    i = token_id(text)
+    return f"<[{i}]>" if i is not None else json.dumps(text)
+
+
 def tool_call_grammar(
     tools: list[dict], parallel: bool = True, token_id: Callable[[str], int | None] = lambda _: None
 ) -> str:
@@ -92,12 +99,11 @@ def tool_call_grammar(
     grammar must write as that token (llguidance does not match added tokens as text).
     """
     schema = {**tool_call_schema(tools), "x-guidance": JSON_OPTIONS}
-
-    def lit(text: str) -> str:
-        i = token_id(text)
-        return f"<[{i}]>" if i is not None else json.dumps(text)
-
-    call = f'call: {lit(TOOL_CALL_OPEN)} "\\n" %json {json.dumps(schema)} "\\n" {lit(TOOL_CALL_CLOSE)}'
+    lit = marker_literal
+    call = (
+        f'call: {lit(TOOL_CALL_OPEN, token_id)} "\\n" %json {json.dumps(schema)} "\\n" '
+        f"{lit(TOOL_CALL_CLOSE, token_id)}"
+    )
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return llg.LLMatcher.grammar_from_lark(f"{start}\n{call}\n")
 

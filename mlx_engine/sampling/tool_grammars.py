@@ -26,6 +26,7 @@ from collections.abc import Callable
 import llguidance as llg
 
 from mlx_engine.sampling.constraints import JSON_OPTIONS, NO_PARAMETERS, tool_call_grammar, tool_call_schema
+from mlx_engine.sampling.constraints import marker_literal as _lit
 from mlx_engine.sampling.json_schema_closing import close_objects
 from mlx_engine.tokenization.tool_formats import HERMES, ToolSyntax
 
@@ -33,11 +34,6 @@ from mlx_engine.tokenization.tool_formats import HERMES, ToolSyntax
 NATIVE = ("hermes", "qwen3_coder", "mistral", "llama3_json", "gemma_pythonic", "harmony")
 
 SpecialId = Callable[[str], int | None]  # a marker's id when it is one added token, else None
-
-
-def _lit(text: str, special: SpecialId) -> str:
-    i = special(text)
-    return f"<[{i}]>" if i is not None else json.dumps(text)
 
 
 def _json(schema: dict) -> str:

@@ -25,7 +25,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_engine.errors import TemplateError
 from mlx_engine.tokenization import system_turns
-from mlx_engine.tokenization.reasoning import ThinkMarkers
 from mlx_engine.tokenization.reply_parser import ReplyFormat, infer_reply_format
 
 # Used when a model ships no chat template: ChatML, what most small instruct models speak.
@@ -220,7 +219,10 @@ class Tokenizer:
     def reply_format(self) -> ReplyFormat:
         """What this model's replies look like: think markers, tool-call syntax or harmony
         (``reply_parser.infer_reply_format``); ``configure_replies`` overrides it."""
-        return infer_reply_format(self.chat_template, self.backend.get_vocab(with_added_tokens=True))
+        return infer_reply_format(self.chat_template, self._vocab())
+
+    def _vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
 
     def configure_replies(
         self, reasoning: str = "auto", tools: str = "auto", template: str | None = None
@@ -231,14 +233,9 @@ class Tokenizer:
             self.chat_template = template
             self._template = _compile_template(template)
             self.__dict__.pop("system_turns_in_place", None)
-        fmt = infer_reply_format(self.chat_template, self.backend.get_vocab(with_added_tokens=True))
+        fmt = infer_reply_format(self.chat_template, self._vocab())
         self.reply_format = fmt.overridden(reasoning, tools)
         self.__dict__.pop("special_markers", None)
-
-    @property
-    def think_markers(self) -> ThinkMarkers | None:
-        """This model's thinking markers (``reasoning.infer_markers``), or None."""
-        return self.reply_format.think
 
     @cached_property
     def special_markers(self) -> dict[int, str]:
