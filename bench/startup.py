@@ -35,7 +35,7 @@ PARTS = [
     ("model check (preflight)", "mlx_engine.loading.preflight", "check_model"),
     ("load_model", "mlx_engine.loading.loader", "load_model"),
     ("  GGUF metadata parse", "mlx_engine.loading.gguf_file", "read_gguf"),
-    ("  tensor read + decode", "mlx_engine.loading.gguf_loader", "_read_tensors"),
+    ("  tensor read + decode", "mlx_engine.loading.gguf_loader", "read_tensors"),
     ("  tokenizer from GGUF", "mlx_engine.tokenization.gguf_tokenizer", "tokenizer_from_gguf"),
     ("  mlx-lm model module", "mlx_engine.loading.mlx_lm_lazy", "import_module"),
     ("  weight re-layout (CPU)", "mlx_engine.loading.loader", "_input_major_weights"),

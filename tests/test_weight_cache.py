@@ -29,13 +29,13 @@ def cache(tmp_path, monkeypatch):
 def decodes(monkeypatch) -> list[bool]:
     """One entry per real decode of a GGUF's tensors (the variant it decoded)."""
     calls: list[bool] = []
-    real = gguf_loader._read_tensors
+    real = gguf_loader.read_tensors
 
     def counted(path, tensors, dense):
         calls.append(dense)
         return real(path, tensors, dense)
 
-    monkeypatch.setattr(gguf_loader, "_read_tensors", counted)
+    monkeypatch.setattr(gguf_loader, "read_tensors", counted)
     return calls
 
 

@@ -30,19 +30,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from mlx_engine.loading import mlx_lm_lazy, weight_cache
 from mlx_engine.loading.dequantize import dequantize_model
-from mlx_engine.loading.ggml_blocks import decode, to_8bit_groups_of_32
 from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_gguf
+from mlx_engine.loading.gguf_tensors import GROUP_SIZE, REQUANTIZED_BITS, quantization_of, read_tensors
 from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
 from mlx_engine.tokenization.tokenizer import Tokenizer
 
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf"]
-
-GROUP_SIZE = 32  # MLX's group size for every quantized GGUF tensor (the smallest MLX has)
-REQUANTIZED_BITS = 8  # Q6_K's and Q2_K's 16-weight groups, re-coded at 8 bits in groups of 32
 
 
 @dataclass(frozen=True)
@@ -177,12 +173,7 @@ def _mlx_weights(
         if mx.issubdtype(value.dtype, mx.floating):
             value = value.astype(dtype)
         if key.endswith(".scales"):
-            packed = weights[name.removesuffix("scales") + "weight"]
-            # a row of n weights packs into n*bits/32 uint32 words and has n/32 scales
-            quant[key.removesuffix(".scales")] = {
-                "group_size": GROUP_SIZE,
-                "bits": packed.shape[-1] // value.shape[-1],
-            }
+            quant[key.removesuffix(".scales")] = quantization_of(weights, name.removesuffix(".scales"))
         out[key] = value
     return out, quant
 
@@ -226,52 +217,6 @@ def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dty
     return f"quantized {'/'.join(map(str, bits))}-bit affine, group {GROUP_SIZE} (GGUF {source}{requantized})"
 
 
-_FLOAT_TYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-
-
-_CHUNK_WEIGHTS = 1 << 22  # quantized tensors are decoded this many weights (whole rows) at a time
-
-
-def _tensor_arrays(t: TensorInfo, data: np.ndarray, dense: bool) -> dict[str, mx.array]:
-    """One GGUF tensor as MLX arrays: ``{name: values}``, or for a quantized weight kept quantized
-    ``{name: packed, base.scales: ..., base.biases: ...}``."""
-    shape = tuple(reversed(t.shape))  # GGUF lists the innermost dimension first
-    if t.ggml_type in _FLOAT_TYPES:
-        values = mx.array(data.view(_FLOAT_TYPES[t.ggml_type]).reshape(shape))
-        return {t.name: values.view(mx.bfloat16) if t.ggml_type == "BF16" else values}
-    rows, cols = t.rows_cols
-    row_bytes = t.nbytes // rows
-    as_float = dense or len(shape) != 2 or not t.name.endswith(".weight")
-    parts: list[tuple[np.ndarray, ...]] = []
-    # rows decode independently: in chunks, the NumPy temporaries stay small for any tensor size
-    for r0 in range(0, rows, max(1, _CHUNK_WEIGHTS // cols)):
-        r1 = min(rows, r0 + max(1, _CHUNK_WEIGHTS // cols))
-        codes = decode(data[r0 * row_bytes : r1 * row_bytes], t.ggml_type, r1 - r0, cols)
-        if as_float:
-            parts.append((codes.to_float(),))
-            continue
-        if codes.group != GROUP_SIZE:  # Q2_K, Q6_K: 16-weight groups
-            codes = to_8bit_groups_of_32(codes)
-        parts.append((codes.pack(), codes.scales, codes.biases))
-    arrays = [mx.array(np.concatenate(p) if len(p) > 1 else p[0]) for p in zip(*parts, strict=True)]
-    if as_float:
-        return {t.name: arrays[0].reshape(shape)}
-    base = t.name.removesuffix(".weight")
-    return {t.name: arrays[0], f"{base}.scales": arrays[1], f"{base}.biases": arrays[2]}
-
-
-def _read_tensors(path: Path, tensors: list[TensorInfo], dense: bool) -> dict[str, mx.array]:
-    """Every tensor of ``path``, read from a memory map (``read_gguf`` checked their bounds)."""
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    weights: dict[str, mx.array] = {}
-    for t in tensors:
-        arrays = _tensor_arrays(t, raw[t.offset : t.offset + t.nbytes], dense)
-        # evaluated one tensor at a time: each tensor's decoding temporaries are freed before the next
-        mx.eval(list(arrays.values()))
-        weights.update(arrays)
-    return weights
-
-
 def load_gguf(
     path: str | Path, *, dense: bool, dtype: mx.Dtype = mx.float32
 ) -> tuple[nn.Module, Tokenizer, dict]:
@@ -291,7 +236,7 @@ def load_gguf(
     spec = SUPPORTED_ARCHITECTURES[arch]
     # decoded once per model, variant and loader version; later starts read the result back
     weights = weight_cache.load_or_build(
-        path, "dense" if dense else "quantized", lambda: _read_tensors(path, tensors, dense)
+        path, "dense" if dense else "quantized", lambda: read_tensors(path, tensors, dense)
     )
     if "token_embd.weight" not in weights:
         raise GGUFError(f"{path.name} has no token_embd.weight tensor")

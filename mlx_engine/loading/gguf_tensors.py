@@ -1,0 +1,73 @@
+"""Read a GGUF file's tensors as MLX arrays: float tensors as they are, quantized blocks decoded by
+``ggml_blocks`` into MLX's quantized layouts (or, ``dense``, into their exact float values).
+
+A quantized weight (2-D, or 3-D for a mixture of experts' stacked expert matrices) kept quantized
+becomes ``name.weight`` (packed uint32), ``name.scales`` and ``name.biases`` in MLX's affine layout,
+groups of 32 along each row; ``quantization_of`` says which ``nn.quantize`` parameters hold it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_engine.loading.ggml_blocks import decode, to_8bit_groups_of_32
+from mlx_engine.loading.gguf_file import TensorInfo
+
+GROUP_SIZE = 32  # MLX's group size for every quantized GGUF tensor (the smallest MLX has)
+REQUANTIZED_BITS = 8  # Q6_K's and Q2_K's 16-weight groups, re-coded at 8 bits in groups of 32
+
+_FLOAT_TYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+
+
+_CHUNK_WEIGHTS = 1 << 22  # quantized tensors are decoded this many weights (whole rows) at a time
+
+
+def _tensor_arrays(t: TensorInfo, data: np.ndarray, dense: bool) -> dict[str, mx.array]:
+    """One GGUF tensor as MLX arrays: ``{name: values}``, or for a quantized weight kept quantized
+    ``{name: packed, base.scales: ..., base.biases: ...}``."""
+    shape = tuple(reversed(t.shape))  # GGUF lists the innermost dimension first
+    if t.ggml_type in _FLOAT_TYPES:
+        values = mx.array(data.view(_FLOAT_TYPES[t.ggml_type]).reshape(shape))
+        return {t.name: values.view(mx.bfloat16) if t.ggml_type == "BF16" else values}
+    rows, cols = t.rows_cols
+    row_bytes = t.nbytes // rows
+    as_float = dense or len(shape) not in (2, 3) or not t.name.endswith(".weight")
+    parts: list[tuple[np.ndarray, ...]] = []
+    # rows decode independently: in chunks, the NumPy temporaries stay small for any tensor size
+    for r0 in range(0, rows, max(1, _CHUNK_WEIGHTS // cols)):
+        r1 = min(rows, r0 + max(1, _CHUNK_WEIGHTS // cols))
+        codes = decode(data[r0 * row_bytes : r1 * row_bytes], t.ggml_type, r1 - r0, cols)
+        if as_float:
+            parts.append((codes.to_float(),))
+            continue
+        if codes.group != GROUP_SIZE:  # Q2_K, Q6_K: 16-weight groups
+            codes = to_8bit_groups_of_32(codes)
+        parts.append((codes.pack(), codes.scales, codes.biases))
+    arrays = [mx.array(np.concatenate(p) if len(p) > 1 else p[0]) for p in zip(*parts, strict=True)]
+    if as_float:
+        return {t.name: arrays[0].reshape(shape)}
+    base, lead = t.name.removesuffix(".weight"), shape[:-1]  # (experts,) rows for a 3-D tensor
+    packed, scales, biases = (a.reshape(*lead, a.shape[-1]) for a in arrays)
+    return {t.name: packed, f"{base}.scales": scales, f"{base}.biases": biases}
+
+
+def read_tensors(path: Path, tensors: list[TensorInfo], dense: bool) -> dict[str, mx.array]:
+    """Every tensor of ``path``, read from a memory map (``read_gguf`` checked their bounds)."""
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict[str, mx.array] = {}
+    for t in tensors:
+        arrays = _tensor_arrays(t, raw[t.offset : t.offset + t.nbytes], dense)
+        # evaluated one tensor at a time: each tensor's decoding temporaries are freed before the next
+        mx.eval(list(arrays.values()))
+        weights.update(arrays)
+    return weights
+
+
+def quantization_of(weights: dict[str, mx.array], base: str) -> dict:
+    """``nn.quantize``'s parameters for the quantized tensor ``base`` (``base.weight`` packed,
+    ``base.scales``): a row of n weights packs into n*bits/32 uint32 words and has n/32 scales."""
+    packed, scales = weights[f"{base}.weight"], weights[f"{base}.scales"]
+    return {"group_size": GROUP_SIZE, "bits": packed.shape[-1] // scales.shape[-1]}
