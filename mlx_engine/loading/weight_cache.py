@@ -35,7 +35,7 @@ log = logging.getLogger("duet.loading")
 MIN_FILE_BYTES = 16 << 20
 DEFAULT_CAP_GB = 4.0
 # the code whose output is cached: a change to any of these files is a new cache key
-_SOURCES = ("gguf_loader.py", "ggml_blocks.py", "gguf_file.py", "weight_cache.py")
+_SOURCES = ("gguf_loader.py", "gguf_tensors.py", "ggml_blocks.py", "gguf_file.py", "weight_cache.py")
 
 Weights = dict[str, mx.array]
 
