@@ -36,7 +36,14 @@ def lm_head(model: nn.Module, h: mx.array) -> mx.array:
     cap = getattr(model.args, "final_logit_softcapping", None)
     if cap:
         out = mx.tanh(out / cap) * cap
+    scale = getattr(model.args, "logits_scaling", None)  # Granite divides its logits
+    if scale:
+        out = out / scale
     return out
+
+
+# mlx-lm models that apply an array mask to 5-D grouped-query scores themselves
+_FIVE_D_MASKS = {"gemma2"}
 
 
 class ModelRunner:
@@ -59,6 +66,7 @@ class ModelRunner:
             block_size=self.pool.block_size,
             exports=[r.export for r in rows if r.export is not None],
             route=self.attention,
+            array_mask_rank=5 if getattr(self.model, "model_type", None) in _FIVE_D_MASKS else 4,
         )
         caches = [PagedLayerCache(self.pool, i, layout) for i in range(self.pool.num_layers)]
         h = self.model.model(mx.array([r.tokens for r in rows], dtype=mx.int32), caches)

@@ -97,6 +97,9 @@ class BatchLayout:
     block_size: int
     exports: list[LayerExport] = field(default_factory=list)  # ranges to export per layer
     route: AttentionRoute = field(default_factory=AttentionRoute)
+    # dimensions of a mask asked for as an array: (B, 1, L, S), or (B, 1, 1, L, S) for models that
+    # apply it to (B, kv_heads, repeats, L, S) scores themselves (Gemma 2's grouped queries)
+    array_mask_rank: int = 4
 
     def __post_init__(self):
         bs, L = self.block_size, self.num_new
@@ -129,8 +132,11 @@ class BatchLayout:
                 return window
         raise LookupError("a mask this layout did not make")
 
-    def mask(self, window: int | None = None) -> mx.array | str | None:
-        if window is None and len(set(self.starts)) == 1:
+    def mask(self, window: int | None = None, as_array: bool = False) -> mx.array | str | None:
+        """The pass's attention mask for layers attending over ``window`` keys (None: all). Without
+        ``as_array`` a plain causal mask is MLX's "causal" (or None for one query per row); models
+        that apply the mask themselves (Gemma 2's soft-capped scores) ask for the boolean array."""
+        if window is None and len(set(self.starts)) == 1 and not as_array:
             # every row sees exactly keys [0, start + L): plain causal (or none for one query),
             # which lets MLX take its fast attention path
             return "causal" if self.num_new > 1 else None
@@ -139,7 +145,8 @@ class BatchLayout:
             if window is not None:
                 m = m & (self._k_pos > self._q_pos - window)
             self._masks[window] = m
-        return self._masks[window]
+        m = self._masks[window]
+        return m.reshape(m.shape[0], *[1] * (self.array_mask_rank - 3), *m.shape[2:]) if as_array else m
 
 
 # Every this many layers, the layers built so far start computing (``mx.async_eval`` of the layer's
@@ -175,7 +182,7 @@ class PagedLayerCache:
         return _gather(self.pool, self.layer, self.layout.read_slots, self.layout.route)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return self.layout.mask(window_size)
+        return self.layout.mask(window_size, as_array=return_array)
 
     def is_trimmable(self) -> bool:
         return False

@@ -25,7 +25,6 @@ Architectures: llama (also Mistral, SmolLM, TinyLlama...), qwen2, qwen3, gemma.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,6 +32,7 @@ import mlx.nn as nn
 
 from mlx_engine.loading import mlx_lm_lazy, weight_cache
 from mlx_engine.loading.dequantize import dequantize_model
+from mlx_engine.loading.gguf_archs import ARCHITECTURES, GGUFArch, Meta
 from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_gguf
 from mlx_engine.loading.gguf_tensors import GROUP_SIZE, REQUANTIZED_BITS, quantization_of, read_tensors
 from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
@@ -41,50 +41,30 @@ from mlx_engine.tokenization.tokenizer import Tokenizer
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf"]
 
 
-@dataclass(frozen=True)
-class _Arch:
-    module: str  # mlx_lm.models.<module>
-    permuted_qk: bool  # llama.cpp permuted Q/K rows for ggml's interleaved RoPE
-    norm_offset: float  # llama.cpp stored norm weights as w + offset
-
-
-SUPPORTED_ARCHITECTURES = {
-    "llama": _Arch("llama", permuted_qk=True, norm_offset=0.0),
-    "qwen2": _Arch("qwen2", permuted_qk=False, norm_offset=0.0),
-    "qwen3": _Arch("qwen3", permuted_qk=False, norm_offset=0.0),
-    "gemma": _Arch("gemma", permuted_qk=False, norm_offset=1.0),
-}
+SUPPORTED_ARCHITECTURES = ARCHITECTURES
 
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_IN_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)")
 _TOP_TENSOR = re.compile(r"(\w+)\.(weight|bias|scales|biases)")
+_BARE_PARAMETERS = {"attn_sinks"}  # a GGUF "<name>.weight" that is a plain mlx-lm array (no .weight)
+# tensors that configure the model rather than being parameters of it
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _py(value):
     return value.tolist() if isinstance(value, mx.array) else value
 
 
-def _mlx_name(name: str) -> str:
+def _mlx_name(name: str, spec: GGUFArch) -> str:
     if m := _BLOCK_TENSOR.fullmatch(name):
         layer, base, part = m.groups()
-        if base in _IN_BLOCK:
-            return f"model.layers.{layer}.{_IN_BLOCK[base]}.{part}"
+        if base in spec.names:
+            if base in _BARE_PARAMETERS:
+                return f"model.layers.{layer}.{spec.names[base]}"
+            return f"model.layers.{layer}.{spec.names[base]}.{part}"
     elif (m := _TOP_TENSOR.fullmatch(name)) and m.group(1) in _TOP_LEVEL:
         return f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}"
-    raise GGUFError(f"unexpected tensor {name!r} in the GGUF file (not part of the architectures we load)")
+    raise GGUFError(f"unexpected tensor {name!r} in the GGUF file (not part of a {spec.module} model)")
 
 
 def _unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
@@ -93,77 +73,91 @@ def _unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
     return x.reshape(n_heads, rows // n_heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _config(arch: str, md: dict, weights: dict[str, mx.array]) -> dict:
-    def get(key: str, default=None):
-        value = _py(md.get(f"{arch}.{key}", default))
-        if isinstance(value, list):
-            raise GGUFError(f"{arch}.{key} varies per layer in this file; only uniform layers are supported")
-        return value
+def _rows(weights: dict[str, mx.array], name: str) -> int:
+    return weights[name].shape[0] if name in weights else 0
 
-    if get("expert_count", 0):
-        raise GGUFError("mixture-of-experts GGUF models are not supported")
-    required = [
-        "context_length",
-        "embedding_length",
-        "block_count",
-        "feed_forward_length",
-        "attention.head_count",
-    ]
-    missing = [f"{arch}.{k}" for k in required if get(k) is None]
-    if missing:
-        raise GGUFError(f"the GGUF metadata lacks {', '.join(missing)}")
-    blocks = {int(m.group(1)) for name in weights if (m := _BLOCK_TENSOR.fullmatch(name))}
-    if get("block_count") != len(blocks) or blocks != set(range(len(blocks))):
-        raise GGUFError(
-            f"{arch}.block_count is {get('block_count')} but the file has tensors for {len(blocks)} blocks"
-        )
-    hidden, n_heads = get("embedding_length"), get("attention.head_count")
-    n_kv_heads = get("attention.head_count_kv") or n_heads
-    head_dim = get("attention.key_length") or hidden // max(n_heads, 1)
-    q_rows, k_rows = (
-        weights[f"blk.0.attn_{x}.weight"].shape[0] if f"blk.0.attn_{x}.weight" in weights else 0 for x in "qk"
-    )
-    if head_dim % 2 or (q_rows, k_rows) != (n_heads * head_dim, n_kv_heads * head_dim):
+
+def _check_attention_shape(
+    weights: dict[str, mx.array], n_heads: int, n_kv_heads: int, head_dim: int
+) -> None:
+    if "blk.0.attn_qkv.weight" in weights:  # fused (Phi-3): query rows, then key rows, then value rows
+        got, want = _rows(weights, "blk.0.attn_qkv.weight"), (n_heads + 2 * n_kv_heads) * head_dim
+        if got != want:
+            raise GGUFError(
+                f"the metadata's attention shape ({n_heads} query and {n_kv_heads} key/value heads of "
+                f"{head_dim}) does not match the tensors ({got} fused query/key/value rows)"
+            )
+        return
+    q_rows, k_rows = (_rows(weights, f"blk.0.attn_{x}.weight") for x in "qk")
+    if (q_rows, k_rows) != (n_heads * head_dim, n_kv_heads * head_dim):
         raise GGUFError(
             f"the metadata's attention shape ({n_heads} query and {n_kv_heads} key/value heads of {head_dim}) "
             f"does not match the tensors ({q_rows} query rows, {k_rows} key rows)"
         )
-    rope_dims = get("rope.dimension_count") or head_dim
-    if rope_dims != head_dim:
+
+
+def _config(arch: str, md: dict, weights: dict[str, mx.array]) -> dict:
+    """mlx-lm's config for the model: the keys every architecture has, then the family's own."""
+    spec, meta = SUPPORTED_ARCHITECTURES[arch], Meta(arch, md)
+    if meta.get("expert_count", 0) and "expert_count" not in spec.required:
+        raise GGUFError(f"a mixture-of-experts {arch} GGUF is not supported (its dense form is)")
+    meta.require("context_length", "embedding_length", "block_count", "attention.head_count", *spec.required)
+    if "expert_count" not in spec.required:
+        meta.require("feed_forward_length")
+    blocks = {int(m.group(1)) for name in weights if (m := _BLOCK_TENSOR.fullmatch(name))}
+    n_blocks = meta.get("block_count")
+    if n_blocks != len(blocks) or blocks != set(range(len(blocks))):
+        raise GGUFError(f"{arch}.block_count is {n_blocks} but the file has tensors for {len(blocks)} blocks")
+    hidden, n_heads = meta.get("embedding_length"), meta.get("attention.head_count")
+    n_kv_heads = meta.get("attention.head_count_kv") or n_heads
+    head_dim = meta.get("attention.key_length") or hidden // max(n_heads, 1)
+    if head_dim % 2:
+        raise GGUFError(f"odd attention head size {head_dim}")
+    _check_attention_shape(weights, n_heads, n_kv_heads, head_dim)
+    rope_dims = meta.get("rope.dimension_count") or head_dim
+    if rope_dims != head_dim and arch != "phi3":  # Phi-3's partial rotary is in its own config
         raise GGUFError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
-    scaling, rope_scaling = get("rope.scaling.type", "none"), None
+    scaling, rope_scaling = meta.get("rope.scaling.type", "none"), None
     if scaling == "linear":
-        rope_scaling = {"type": "linear", "factor": get("rope.scaling.factor")}
+        rope_scaling = {"type": "linear", "factor": meta.get("rope.scaling.factor")}
+    elif scaling == "yarn" and arch == "gpt-oss":
+        pass  # gpt-oss's config reads its YaRN parameters
     elif scaling not in ("none", None):
         raise GGUFError(
-            f"rope scaling {scaling!r} is not supported (supported: none, linear, llama3 rope_freqs)"
+            f"rope scaling {scaling!r} is not supported for {arch} (supported: none, linear, llama3 rope_freqs)"
         )
-    return {
-        "model_type": SUPPORTED_ARCHITECTURES[arch].module,
+    common = {
+        "model_type": spec.module,
         "hidden_size": hidden,
-        "num_hidden_layers": get("block_count"),
-        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": n_blocks,
+        "intermediate_size": meta.get("feed_forward_length"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": get("rope.freq_base", 10000.0),
+        "rms_norm_eps": meta.get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta.get("rope.freq_base", 10000.0),
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": get("context_length"),
+        "max_position_embeddings": meta.get("context_length"),
         "vocab_size": weights["token_embd.weight"].shape[0],
         "tie_word_embeddings": "output.weight" not in weights,
         "attention_bias": "blk.0.attn_q.bias" in weights,
     }
+    try:
+        return common | spec.config(meta, weights, common)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise GGUFError(f"cannot read the {arch} configuration from the GGUF metadata: {e}") from e
 
 
 def _mlx_weights(
-    weights: dict[str, mx.array], spec: _Arch, config: dict, dtype: mx.Dtype
+    weights: dict[str, mx.array], spec: GGUFArch, config: dict, dtype: mx.Dtype
 ) -> tuple[dict[str, mx.array], dict[str, dict]]:
     """GGUF tensors -> (mlx-lm parameters, per-layer quantization parameters for ``nn.quantize``)."""
     out: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
     for name, value in weights.items():
-        key = _mlx_name(name)
+        key = _mlx_name(name, spec)
+        if (m := _BLOCK_TENSOR.fullmatch(name)) and (fix := spec.reshape.get(f"{m.group(2)}.{m.group(3)}")):
+            value = fix(value)
         if spec.permuted_qk and (m := _BLOCK_TENSOR.fullmatch(name)) and m.group(2) in ("attn_q", "attn_k"):
             value = _unpermute_rows(
                 value, config["num_attention_heads" if m.group(2) == "attn_q" else "num_key_value_heads"]
@@ -247,7 +241,12 @@ def load_gguf(
     except (ValueError, TypeError, OverflowError) as e:
         raise GGUFError(f"{path.name}: cannot build a {arch} model from its metadata: {e}") from e
 
+    if config["tie_word_embeddings"] and "lm_head" in model and hasattr(model, "tie_word_embeddings"):
+        model.tie_word_embeddings = True  # gemma3_text: tied unless the file has an output tensor
+        model.pop("lm_head")
     rope_freqs = weights.pop("rope_freqs.weight", None)
+    for name in _CONFIG_TENSORS:
+        weights.pop(name, None)  # read into the config above
     try:
         mlx_weights, quant = _mlx_weights(weights, spec, config, dtype)
         nn.quantize(model, class_predicate=lambda p, _m: quant.get(p, False))
