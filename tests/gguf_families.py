@@ -43,7 +43,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                           "query_pre_attn_scalar": 16.0}),
     "gemma3": ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2, "rope_theta": 1e6,
                                "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 16.0}),
-    "phi3": ("phi3", {"tie_word_embeddings": False}),
+    "phi3": ("phi3", {"tie_word_embeddings": False, "vocab_size": len(TOKENS) + 1}),
     "qwen3moe": ("qwen3_moe", _EXPERTS | {"decoder_sparse_step": 1, "mlp_only_layers": [],
                                           "norm_topk_prob": True, "tie_word_embeddings": False}),
     "qwen2moe": ("qwen2_moe", _EXPERTS | {"shared_expert_intermediate_size": 64, "tie_word_embeddings": False}),
@@ -76,7 +76,7 @@ def _gguf_tensor_name(tmap: gguf.TensorNameMap, key: str, arch: str) -> str:
 
 
 def _write_metadata(writer: gguf.GGUFWriter, arch: str, c: dict) -> None:
-    writer.add_name(f"tiny-{arch}")
+    writer.add_name("tiny random model")  # not "phi3": llama.cpp special-cases that name
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
     writer.add_block_count(c["num_hidden_layers"])
@@ -99,7 +99,9 @@ def _write_metadata(writer: gguf.GGUFWriter, arch: str, c: dict) -> None:
     if "num_experts" in c or "num_local_experts" in c:
         writer.add_expert_count(c.get("num_experts") or c["num_local_experts"])
         writer.add_expert_used_count(c["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(c.get("moe_intermediate_size") or c["intermediate_size"])
+        writer.add_expert_feed_forward_length(
+            c["moe_intermediate_size"] if "num_experts" in c else c["intermediate_size"]
+        )
     if "shared_expert_intermediate_size" in c:
         writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     if arch == "granite":
@@ -109,18 +111,21 @@ def _write_metadata(writer: gguf.GGUFWriter, arch: str, c: dict) -> None:
         writer.add_logit_scale(c["logits_scaling"])
     if arch == "gpt-oss":
         writer.add_sliding_window(c["sliding_window"])
+    # llama.cpp looks Phi-3's end-of-turn token up by its text
+    tokens = TOKENS + ["<|end|>"] * (c["vocab_size"] - len(TOKENS))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in TOKENS])
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS or t == "<|end|>" else 1 for t in tokens])
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
 
 def default_qtype(name: str, shape: tuple[int, ...]) -> Q:
-    """F32 for vectors (norms, biases, sinks) and the router; Q8_0 for the other matrices."""
-    return Q.F32 if len(shape) < 2 or ".ffn_gate_inp" in name else Q.Q8_0
+    """Q8_0 for weight matrices, F32 for the rest (norms, biases, sinks) and for the routers, as
+    llama.cpp's quantizer leaves them."""
+    return Q.Q8_0 if len(shape) >= 2 and name.endswith(".weight") and ".ffn_gate_inp" not in name else Q.F32
 
 
 def write_family_gguf(path: Path, arch: str, *, quantized: bool = True, **overrides) -> nn.Module:

@@ -451,3 +451,32 @@ def write_tiny_gguf(
     model.update(tree_unflatten(decoded))
     mx.eval(model.parameters())
     return model
+
+
+def llama_cpp_quantize(src: Path, dst: Path, ftype_name: str) -> None:
+    """Quantize ``src`` to ``dst`` with llama.cpp's own quantizer (``llama_model_quantize`` through
+    llama-cpp-python; the caller skips where it is not installed). ``ftype_name``: e.g. "Q4_K_M",
+    "Q8_0", "MXFP4_MOE" (llama.cpp's ``LLAMA_FTYPE_MOSTLY_<name>``)."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+    params.allow_requantize = True
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    assert rc == 0, f"llama.cpp could not quantize {src.name} to {ftype_name}"
+
+
+def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits at every position of ``ids`` for the GGUF at ``path`` (float32 KV cache,
+    so only the weights' and activations' arithmetic differ from ours)."""
+    import llama_cpp
+
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=max(64, len(ids)), n_batch=max(64, len(ids)), logits_all=True,
+        verbose=False, n_threads=2, type_k=f32, type_v=f32,
+    )  # fmt: skip
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)])

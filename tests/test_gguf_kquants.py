@@ -23,7 +23,6 @@ and >= 95%). docs/gguf.md has the measurements.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 from collections import Counter
 from pathlib import Path
@@ -50,6 +49,8 @@ from tests.gguf_quantize import (
     dequantize,
     float32_twin,
     gguf_name,
+    llama_cpp_logits,
+    llama_cpp_quantize,
     q4_k_m_type,
     quantize,
     random_blocks,
@@ -438,15 +439,9 @@ def test_smollm2_q4_k_m(smollm2_q4_k_m):
 @pytest.mark.slow
 def test_llama_cpp_q4_k_m(tmp_path):
     """A Q4_K_M made by llama.cpp's own quantizer (only where llama-cpp-python is installed)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     path, twin = tmp_path / "llama-cpp-q4km.gguf", tmp_path / "llama-cpp-q4km-f32.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-    params.allow_requantize = True
-    rc = llama_cpp.llama_model_quantize(
-        str(bundled_model_path()).encode(), str(path).encode(), ctypes.byref(params)
-    )
-    assert rc == 0
+    llama_cpp_quantize(bundled_model_path(), path, "Q4_K_M")
     float32_twin(path, twin)
     model, tokenizer, _ = load_gguf(path, dense=True)
     reference, _, _ = load_gguf(twin, dense=True)
@@ -462,9 +457,7 @@ def test_llama_cpp_q4_k_m(tmp_path):
         "ids"
     ]
     ref_ids = ref_ids[:128]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(ref_ids)
-    theirs = np.array(llm.scores[: len(ref_ids)])
+    theirs = llama_cpp_logits(path, ref_ids)
     ours = np.array(model(mx.array([ref_ids]))[0])
     assert (theirs.argmax(-1) == ours.argmax(-1)).mean() >= 0.9
     assert np.abs(theirs - ours).mean() < 0.5
