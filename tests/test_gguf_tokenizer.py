@@ -238,3 +238,188 @@ def test_prepare_builds_what_a_first_request_would(metadata):
     assert {"_text_backend", "_control_text", "special_ids", "reply_format", "special_markers"} <= set(
         vars(fresh)
     )
+
+
+# --- the families' special tokens ------------------------------------------------------------------
+
+
+def _byte_level_family(pre: str, specials: list[str], **keys) -> dict:
+    """A byte-level vocabulary (letters, space and newline, one merge) with the family's special tokens
+    as control tokens after it; ``keys`` name ids by token text (``eos="<|return|>"``)."""
+    normal = [*"abcdefghijklmnopqrstuvwxyz", "Ġ", "Ċ", "ab"]
+    tokens = normal + specials
+    md = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * len(normal) + [3] * len(specials),
+        "tokenizer.ggml.merges": ["a b"],
+    }
+    md |= {f"tokenizer.ggml.{k}_token_id": tokens.index(v) for k, v in keys.items() if isinstance(v, str)}
+    md |= {f"tokenizer.ggml.{k}": v for k, v in keys.items() if not isinstance(v, str)}
+    return md
+
+
+def _ids(md: dict, *texts: str) -> set[int]:
+    return {md["tokenizer.ggml.tokens"].index(t) for t in texts}
+
+
+HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>"]
+HARMONY += ["<|return|>", "<|call|>", "<|constrain|>"]
+
+
+def test_gpt_oss_ends_at_return_and_call_not_end():
+    """gpt-oss (pre "gpt-4o", o200k_harmony): <|end|> closes the analysis message and the turn goes on;
+    <|return|> and <|call|> end it (llama.cpp drops <|end|> from its end-of-generation list there)."""
+    md = _byte_level_family("gpt-4o", HARMONY, eos="<|return|>", bos="<|startoftext|>")
+    tok = tokenizer_from_gguf(md)
+    assert tok.eos_token_ids == _ids(md, "<|return|>", "<|call|>", "<|endoftext|>")
+    assert not tok.add_bos_token
+    assert _ids(md, "<|channel|>", "<|message|>", "<|start|>", "<|end|>") <= tok.special_ids
+    ids = tok.encode("<|start|>ab<|channel|>", add_special_tokens=False)
+    assert ids == [HARMONY.index("<|start|>") + 29, 28, HARMONY.index("<|channel|>") + 29]
+
+
+@pytest.mark.parametrize(
+    ("pre", "specials", "eos", "ends"),
+    [
+        (
+            "qwen2",
+            ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            "<|im_end|>",
+            ["<|im_end|>", "<|endoftext|>"],
+        ),
+        (
+            "llama-bpe",
+            ["<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>"],
+            "<|eot_id|>",
+            ["<|eot_id|>", "<|eom_id|>"],
+        ),
+        ("tekken", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "</s>", ["</s>"]),  # Mistral Nemo/Small 3
+        (
+            "refact",
+            ["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"],
+            "<|end_of_text|>",
+            ["<|end_of_text|>"],
+        ),
+        ("dbrx", ["<|endoftext|>", "<|pad|>", "<|im_start|>"], "<|endoftext|>", ["<|endoftext|>"]),  # OLMo 2
+        (
+            "gpt-4o",
+            ["<|endoftext|>", "<|user|>", "<|end|>"],
+            "<|endoftext|>",
+            ["<|end|>", "<|endoftext|>"],
+        ),  # Phi-4-mini
+        (
+            "deepseek-r1-qwen",
+            ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
+            "<｜end▁of▁sentence｜>",
+            ["<｜end▁of▁sentence｜>"],
+        ),
+        (
+            "llama4",
+            ["<|begin_of_text|>", "<|eot|>", "<|eom|>", "<|end_of_text|>"],
+            "<|eot|>",
+            ["<|eot|>", "<|end_of_text|>"],
+        ),
+        ("glm4", ["<|endoftext|>", "[gMASK]", "<|user|>"], "<|endoftext|>", ["<|endoftext|>"]),
+    ],
+    ids=[
+        "qwen3",
+        "llama3",
+        "mistral-tekken",
+        "granite3",
+        "olmo2",
+        "phi4-mini",
+        "deepseek-r1",
+        "llama4",
+        "glm4",
+    ],
+)
+def test_family_end_of_turn_tokens(pre, specials, eos, ends):
+    md = _byte_level_family(pre, specials, eos=eos)
+    assert tokenizer_from_gguf(md).eos_token_ids == _ids(md, eos, *ends)
+
+
+def test_end_of_turn_tokens_are_control_tokens_whatever_their_type():
+    # a file that stores <|end|> as user-defined still ends a turn at it, and it is special (llama.cpp
+    # overrides the type)
+    md = _byte_level_family("gpt-4o", ["<|endoftext|>", "<|end|>"], eos="<|endoftext|>")
+    md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"][:-1], 4]
+    tok = tokenizer_from_gguf(md)
+    assert _ids(md, "<|end|>") <= tok.eos_token_ids & tok.special_ids
+
+
+GEMMA3_PIECES = ["▁", "h", "i", "▁hi", "é", "\n"]
+GEMMA3_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "  "]
+GEMMA3_TOKENS += [f"<0x{b:02X}>" for b in range(256)] + GEMMA3_PIECES
+
+
+def gemma3_metadata() -> dict:
+    """Gemma 3 as convert_hf_to_gguf.py writes it: SentencePiece pieces (``_set_vocab_sentencepiece``),
+    ``add_space_prefix`` false, <start_of_turn>/<end_of_turn> control tokens, byte fallback pieces."""
+    types = [3, 3, 3, 2, 3, 3, 4] + [6] * 256 + [1] * len(GEMMA3_PIECES)
+    return {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": GEMMA3_TOKENS,
+        "tokenizer.ggml.scores": [0.0] * len(GEMMA3_TOKENS),
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+    }
+
+
+def test_gemma3_sentencepiece_vocabulary():
+    md = gemma3_metadata()
+    tok = tokenizer_from_gguf(md)
+    idx = GEMMA3_TOKENS.index
+    assert tok.eos_token_ids == {idx("<eos>"), idx("<end_of_turn>")}
+    assert tok.add_bos_token and tok.bos_token == "<bos>"
+    ids = tok.encode("<start_of_turn>hi é\n<end_of_turn>")
+    assert ids == [idx(t) for t in ["<bos>", "<start_of_turn>", "h", "i", "▁", "é", "\n", "<end_of_turn>"]]
+    # a character outside the vocabulary falls back to its UTF-8 bytes, and decodes back
+    assert tok.encode("ü", add_special_tokens=False) == [idx("<0xC3>"), idx("<0xBC>")]
+    # the user-defined run of spaces is matched whole in the raw text
+    assert tok.encode("hi  hi", add_special_tokens=False) == [
+        idx("h"),
+        idx("i"),
+        idx("  "),
+        idx("h"),
+        idx("i"),
+    ]
+    for text in ["hi é\nü  hi", " hi"]:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_phi3_markers_swallow_the_newline_after_them():
+    """Phi-3 (SentencePiece): llama.cpp strips the whitespace after its special tokens, as Phi-3's
+    tokenizer.json does, and <|end|> and <|endoftext|> end a turn."""
+    specials = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    md = spm_metadata(
+        **{
+            "general.name": "Phi-3-mini-4k-instruct",
+            "tokenizer.ggml.tokens": SPM_TOKENS + specials,
+            "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))] + [0.0] * 4,
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES) + [3, 4, 4, 4],
+        }
+    )
+    tok = tokenizer_from_gguf(md)
+    user, end = len(SPM_TOKENS) + 1, len(SPM_TOKENS) + 3
+    ids = tok.encode("<|user|>\nhello<|end|>\n", add_special_tokens=False)
+    assert ids == [user, *spm_ids("▁hello"), end]
+    assert tok.eos_token_ids == {2, end, len(SPM_TOKENS)}
+    other = tokenizer_from_gguf(md | {"general.name": "Llama 2"})
+    assert other.encode("<|user|>\nhello", add_special_tokens=False)[:2] == [user, *spm_ids("▁")]
+
+
+def test_add_eos_token():
+    tok = tokenizer_from_gguf(spm_metadata(**{"tokenizer.ggml.add_eos_token": True}))
+    assert tok.encode("hello") == [1, *spm_ids("▁hello"), 2]
+    assert tok.encode("hello", add_special_tokens=False) == spm_ids("▁hello")
+    # a chat prompt is for the model to continue: no EOS after it
+    assert tok.encode_chat([{"role": "user", "content": "hello"}])[-1] != 2

@@ -142,10 +142,14 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool = False,
         extra_eos_ids: list[int] | tuple[int, ...] = (),
+        add_eos_token: bool = False,
     ):
         self.backend = backend
         self.bos_token = bos_token
         self.add_bos_token = add_bos_token
+        # Append EOS to a raw-text ``encode`` (a GGUF's tokenizer.ggml.add_eos_token, as llama.cpp
+        # does); chat prompts never get it: the model is to continue them, not see them ended.
+        self.add_eos_token = add_eos_token
         self.chat_template = chat_template
         ids = set(extra_eos_ids)
         for t in eos_tokens:
@@ -169,7 +173,11 @@ class Tokenizer:
         text, the way untrusted text must be read; model-specific non-control added tokens
         (``<think>``...) are still matched whole, as llama.cpp and transformers do."""
         backend = self.backend if parse_special else self._text_backend
-        return self._with_bos(_encode(backend, text).ids, add_special_tokens)
+        ids = self._with_bos(_encode(backend, text).ids, add_special_tokens)
+        eos_id = self.backend.token_to_id(self.eos_token) if self.eos_token else None
+        if add_special_tokens and self.add_eos_token and eos_id is not None and ids[-1:] != [eos_id]:
+            ids.append(eos_id)
+        return ids
 
     def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if (
