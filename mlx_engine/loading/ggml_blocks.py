@@ -3,10 +3,10 @@
 Every block type we load but MXFP4 is one of two affine forms over small groups of weights, with
 unsigned integer codes ``q``:
 
-- symmetric (Q4_0, Q5_0, Q8_0, Q6_K, and IQ4_NL, IQ4_XS, IQ2_XXS at 8 bits): ``w = scale * (q - zero)``
-  with a fixed ``zero`` (8, 16, 128, 32), and Q3_K, decoded straight to 8-bit codes in groups of 32
-  (see ``_q3_k``);
-- with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, and IQ3_XXS, IQ3_S, IQ1_S): ``w = scale * q + bias``.
+- symmetric (Q4_0, Q5_0, Q8_0, Q6_K; IQ4_NL, IQ4_XS, IQ2_XXS at 8 bits, IQ3_XXS at 6):
+  ``w = scale * (q - zero)`` with a fixed ``zero`` (8, 16, 128, 32, 31), and Q3_K, decoded straight
+  to 8-bit codes in groups of 32 (see ``_q3_k``);
+- with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K; IQ3_S at 4 bits, IQ1_S at 2): ``w = scale * q + bias``.
 
 The IQ types look values up in a codebook (IQ4: 16 int8 levels; IQ3/IQ2/IQ1: "grids" of 4 or 8
 values, with sign bits), but each 32-weight group is still one float step times small integers, so
