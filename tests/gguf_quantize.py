@@ -1,10 +1,13 @@
 """Write quantized GGUF files for tests, without llama.cpp or a network.
 
-- ``quantize(w, qtype)``: float32 rows -> valid ggml blocks of any type we load. Q2_K ... Q6_K are
-  written here with NumPy from llama.cpp's block layouts (simple round-to-nearest: the files only have
-  to be valid, not as good as llama-quantize's); the 32-weight types use the ``gguf`` package's own
-  quantizers. ``quantize`` checks every result with ``gguf``'s dequantizer, an implementation
-  independent of Duet's (mlx_engine/loading/ggml_blocks.py).
+- ``quantize(w, qtype)``: float32 rows -> valid ggml blocks of any type we load but the grid IQ types.
+  Q2_K ... Q6_K, IQ4_NL and IQ4_XS are written here with NumPy from llama.cpp's block layouts (simple
+  round-to-nearest / nearest codebook value: the files only have to be valid, not as good as
+  llama-quantize's); the 32-weight types and MXFP4 use the ``gguf`` package's own quantizers.
+  ``quantize`` checks every result with ``gguf``'s dequantizer, an implementation independent of
+  Duet's (mlx_engine/loading/ggml_blocks.py). The grid types (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S) have no
+  quantizer here: ``quantize_and_decode`` writes random valid blocks on the row's scale in their place
+  (``random_blocks_like``), for tiny models whose reference takes the values ``gguf`` decodes.
 - ``write_tiny_gguf(path, arch, ...)``: a tiny random model written as llama.cpp's converter writes it,
   with a chosen type per tensor kind.
 - ``q4_k_m_type``: the tensor type llama.cpp's Q4_K_M mix gives a llama tensor (llama.cpp's
@@ -38,7 +41,15 @@ _MAX_ERROR = {
     Q.Q2_K: 2 / 3 * 0.5 * 17 / 15 + 1 / 15,  # 4 levels over the range (up to 2x the largest |w|)
     Q.Q3_K: 1 / 4 + 1 / 30,  # 8 levels, +4 steps clipped to +3
     Q.Q4_K: 1 / 15 + 1 / 50, Q.Q5_K: 1 / 31 + 1 / 50, Q.Q6_K: 1.1 / 62,
+    # the widest gap between kvalues_iq4nl's levels (113 -> 127 at the end, 24 between 89 and 113)
+    # with the largest |w| of the block at -127 steps; IQ4_XS's 6-bit sub-scales, rounded up, add
+    # a 31st of a step; MXFP4: the scale is 2**floor(log2 max) / 4, so 6 x it clips the top
+    Q.IQ4_NL: 14 / 127, Q.IQ4_XS: 14 / 127 * (1 + 1 / 31), Q.MXFP4: 1 / 4,
 }  # fmt: skip
+GRID_TYPES = (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S)
+# the largest |level| of a grid type's weight, in units of its fp16 d (the largest sub-scale times the
+# largest grid value): random blocks with d = max|w| / this stay on the row's scale
+_GRID_REACH = {Q.IQ2_XXS: 15.5 / 4 * 43, Q.IQ3_XXS: 15.5 / 2 * 62, Q.IQ3_S: 31 * 15, Q.IQ1_S: 15 * 1.125}
 
 
 # ---- K-quants --------------------------------------------------------------------------------------
@@ -157,12 +168,63 @@ def _quantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1).astype(np.uint8)
 
 
+# ---- IQ4 -----------------------------------------------------------------------------------------
+
+IQ4_LEVELS = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)  # kvalues_iq4nl
+
+
+def _nearest_iq4(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Indices of the kvalues nearest ``x / step`` (step 0: the level nearest 0)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(step != 0, x / step, 0.0)
+    return np.abs(t[..., None] - IQ4_LEVELS).argmin(-1).astype(np.uint8)
+
+
+def _iq4_nibbles(q: np.ndarray) -> np.ndarray:
+    """32 four-bit indices -> ggml's 16 bytes: byte l holds weight l (low nibble) and l + 16 (high)."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _signed_extreme(x: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude of each row of the last axis, with its sign."""
+    return np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+
+
+def _quantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_NL: w = d * kvalue, d fp16, the block's largest |w| at kvalue -127 (as llama.cpp)."""
+    d = (-_signed_extreme(blocks) / 127).astype(np.float16)
+    q = _nearest_iq4(blocks, d.astype(np.float32)[:, None])
+    return np.concatenate([_f16_bytes(d), _iq4_nibbles(q)], axis=1).astype(np.uint8)
+
+
+def _quantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS: per 32-weight sub-block w = d * (ls - 32) * kvalue, ls 6-bit, d fp16; each sub-block's
+    own step (its largest |w| at -127) rounded away from zero to a multiple of d, so nothing clips."""
+    x = blocks.reshape(-1, 8, 32)
+    n = len(x)
+    own = -_signed_extreme(x) / 127  # (blocks, 8)
+    d = (np.abs(own).max(-1) / 31).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sub = np.where(d32 > 0, np.sign(own) * np.ceil(np.abs(own) / d32), 0).clip(-32, 31)
+    q = _nearest_iq4(x, (d32 * sub)[..., None])
+    ls = (sub + 32).astype(np.uint8)  # (blocks, 8)
+    scales_h = np.bitwise_or.reduce(
+        (ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16)), axis=1
+    )
+    scales_l = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)
+    parts = [_f16_bytes(d), scales_h.reshape(n, 1).view(np.uint8), scales_l, _iq4_nibbles(q).reshape(n, 128)]
+    return np.concatenate(parts, axis=1).astype(np.uint8)
+
+
 _K_QUANTIZERS: dict[Q, Callable[[np.ndarray], np.ndarray]] = {
     Q.Q2_K: _quantize_q2_k,
     Q.Q3_K: _quantize_q3_k,
     Q.Q4_K: _quantize_q4_k,
     Q.Q5_K: _quantize_q5_k,
     Q.Q6_K: _quantize_q6_k,
+    Q.IQ4_NL: _quantize_iq4_nl,
+    Q.IQ4_XS: _quantize_iq4_xs,
 }
 
 
@@ -183,6 +245,9 @@ def quantize_and_decode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray
     if qtype in (Q.F32, Q.F16, Q.BF16):
         raw = gguf.quants.quantize(w, qtype)
         return raw, dequantize(raw, qtype)
+    if qtype in GRID_TYPES:  # no quantizer: random valid blocks on the row's scale (see the docstring)
+        raw = random_blocks_like(w, qtype, np.random.default_rng(w.size))
+        return raw, dequantize(raw, qtype)
     if qtype in _K_QUANTIZERS:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         assert w.shape[-1] % block == 0, f"{qtype.name} needs rows of multiples of {block} weights"
@@ -200,18 +265,35 @@ def quantize_and_decode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray
 F16_FIELDS = {
     Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
     Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    Q.IQ4_NL: [0], Q.IQ4_XS: [0], Q.IQ2_XXS: [0], Q.IQ3_XXS: [0], Q.IQ3_S: [0], Q.IQ1_S: [0], Q.MXFP4: [],
 }  # fmt: skip
+E8M0_FIELDS = {Q.MXFP4: 0}  # byte offset of a block's E8M0 exponent (scale 2**(e - 127))
 
 
-def random_blocks(qtype: Q, rows: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(
+    qtype: Q, rows: int, blocks: int, rng: np.random.Generator, scale: float | np.ndarray = 0.01
+) -> np.ndarray:
     """Random bytes for every field (so every bit of every code and sub-scale is exercised), with
-    finite fp16 scales."""
+    finite fp16 scales (normal, ``scale`` their standard deviation; per row if an array of
+    (rows, 1)) and E8M0 exponents in [110, 135] (scales 2**-17 ... 2**8)."""
     weights, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
     for at in F16_FIELDS[qtype]:
-        scale = (rng.standard_normal((rows, blocks)) * 0.01).astype(np.float16)
-        raw[..., at : at + 2] = scale[..., None].view(np.uint8)
+        d = (rng.standard_normal((rows, blocks)) * scale).astype(np.float16)
+        raw[..., at : at + 2] = d[..., None].view(np.uint8)
+    if qtype in E8M0_FIELDS:
+        raw[..., E8M0_FIELDS[qtype]] = rng.integers(110, 136, (rows, blocks))
     return raw.reshape(rows, blocks * size)
+
+
+def random_blocks_like(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks of a grid IQ type for the rows of ``w`` (..., cols), their fp16 ``d`` about
+    max|w| / the type's reach, so the decoded rows have about ``w``'s scale (not its values)."""
+    rows = int(np.prod(w.shape[:-1]))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    scale = np.abs(w.reshape(rows, -1)).max(-1, keepdims=True) / _GRID_REACH[qtype]
+    raw = random_blocks(qtype, rows, w.shape[-1] // block, rng, scale)
+    return raw.reshape(*w.shape[:-1], -1)
 
 
 # ---- llama.cpp's Q4_K_M mix ---------------------------------------------------------------------------

@@ -73,10 +73,13 @@ MLX_BITS = {
 RECODED = {Q.Q2_K: 2, Q.Q6_K: 6}  # 16-weight groups, re-coded at 8 bits in groups of 32: their own bits
 
 
+IQ_TYPES = [Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S]  # test_gguf_iquants.py
+
+
 def test_every_supported_quant_type_has_a_decoder():
     quantized = {name for name, block, _ in SUPPORTED_TYPES.values() if block > 1}
-    assert quantized == set(BLOCK_TYPES) == {t.name for t in QUANT_TYPES}
-    for t in QUANT_TYPES:
+    assert quantized == set(BLOCK_TYPES) == {t.name for t in QUANT_TYPES + IQ_TYPES}
+    for t in QUANT_TYPES + IQ_TYPES:
         assert (BLOCK_TYPES[t.name].weights, BLOCK_TYPES[t.name].nbytes) == gguf.GGML_QUANT_SIZES[t]
 
 
@@ -356,7 +359,7 @@ def _write_one_tensor(path: Path, qtype: Q, rows: int = 8) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_1, Q.IQ2_XXS, Q.IQ4_XS, Q.TQ1_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_1, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_M, Q.TQ1_0], ids=lambda t: t.name)
 def test_unsupported_type_is_named(tmp_path, qtype):
     path = tmp_path / "model.gguf"
     _write_one_tensor(path, qtype)

@@ -295,16 +295,17 @@ def test_unknown_architecture(tmp_path):
 def test_unsupported_tensor_type(tmp_path):
     path = tmp_path / "iq2.gguf"
     writer = gguf.GGUFWriter(str(path), arch="llama")
-    bytes_per_row = 256 // 256 * gguf.GGML_QUANT_SIZES[Q.IQ2_XXS][1]
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((8, bytes_per_row), np.uint8), raw_dtype=Q.IQ2_XXS)
+    bytes_per_row = 256 // 256 * gguf.GGML_QUANT_SIZES[Q.IQ2_XS][1]
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((8, bytes_per_row), np.uint8), raw_dtype=Q.IQ2_XS)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
         GGUFError,
-        match=r"IQ2_XXS \(1 tensors, e\.g\. blk\.0\.attn_q\.weight\).*"
-        r"Supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K",
+        match=r"IQ2_XS \(1 tensors, e\.g\. blk\.0\.attn_q\.weight\).*"
+        r"Supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "
+        r"IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S \(",
     ):
         load_gguf(path, dense=True)
 

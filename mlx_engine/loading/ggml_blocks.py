@@ -1,11 +1,18 @@
 """Decode ggml's quantized blocks (the tensor data of a GGUF file) with NumPy.
 
-Every block type we load is one of two affine forms over small groups of weights, with unsigned
-integer codes ``q``:
+Every block type we load but MXFP4 is one of two affine forms over small groups of weights, with
+unsigned integer codes ``q``:
 
-- symmetric (Q4_0, Q5_0, Q8_0, Q6_K): ``w = scale * (q - zero)`` with a fixed ``zero`` (8, 16, 128, 32),
-  and Q3_K, decoded straight to 8-bit codes in groups of 32 (see ``_q3_k``);
-- with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K): ``w = scale * q + bias``.
+- symmetric (Q4_0, Q5_0, Q8_0, Q6_K; IQ4_NL, IQ4_XS, IQ2_XXS at 8 bits, IQ3_XXS at 6):
+  ``w = scale * (q - zero)`` with a fixed ``zero`` (8, 16, 128, 32, 31), and Q3_K, decoded straight
+  to 8-bit codes in groups of 32 (see ``_q3_k``);
+- with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K; IQ3_S at 4 bits, IQ1_S at 2): ``w = scale * q + bias``.
+
+The IQ types look values up in a codebook (IQ4: 16 int8 levels; IQ3/IQ2/IQ1: "grids" of 4 or 8
+values, with sign bits), but each 32-weight group is still one float step times small integers, so
+they are held as affine codes exactly (``_iq4_nl`` ... ``_iq1_s`` say how many bits each needs).
+MXFP4 is not affine: 4-bit E2M1 floats with a power-of-two scale per 32 weights, decoded to
+``Fp4Codes``, which MLX's own ``mxfp4`` mode holds as they are.
 
 ``decode()`` unpacks a tensor's bytes into ``Codes``: the codes, one scale and bias per group, the bit
 width and group size. ``Codes.to_float()`` gives the values llama.cpp computes, bit for bit (every
@@ -16,12 +23,15 @@ width. MLX's group size starts at 32, so the types decoded in groups of 32 (all 
 map to MLX exactly: ``mx.dequantize`` of the packed form gives the same float32 values. Q2_K and Q6_K
 have 16-weight groups; ``to_8bit_groups_of_32`` re-codes them for MLX (Q6_K exactly where it can).
 
-Block layouts: llama.cpp's ``ggml/src/ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``); K-quants
-pack 256 weights in a super-block with an fp16 ``d`` (and ``dmin``) and 6-bit or int8 sub-scales.
+Block layouts: llama.cpp's ``ggml/src/ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``,
+``block_iq4_nl`` ... ``block_mxfp4``); K-quants and the grid IQ types pack 256 weights in a
+super-block with an fp16 ``d`` (and ``dmin``) and small sub-scales. The IQ grids and sign table are
+taken from the ``gguf`` package at run time (``_grid``), not copied here.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +64,41 @@ class Codes:
     def pack(self) -> np.ndarray:
         """The codes in MLX's packed layout: uint32 (rows, cols * bits // 32)."""
         return pack_codes(self.q, self.bits)
+
+
+# E2M1 (fp4) values doubled, by code: bit 3 is the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6
+# (ggml's kvalues_mxfp4; doubled, so a scale 2**(e - 127) becomes ggml's 2**(e - 128))
+_FP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+
+
+@dataclass(frozen=True)
+class Fp4Codes:
+    """An MXFP4 tensor of ``rows`` x ``cols`` weights: E2M1 codes with one E8M0 exponent per 32.
+
+    Weight ``i`` is ``fp4(q[i]) * 2**(e - 127)`` for its group's exponent byte ``e``. MLX's ``mxfp4``
+    mode holds exactly this (its scales are the same E8M0 bytes, uint8), so ``pack()`` only reorders
+    the codes into MLX's sequential nibbles. One exception: MLX reads ``e = 255`` as NaN (the MX
+    spec's meaning), ggml as 2**127; ggml's quantizer never writes it (``all_finite_exponents``)."""
+
+    q: np.ndarray  # uint8 (rows, cols), each code < 16
+    exponents: np.ndarray  # uint8 (rows, cols // 32)
+    bits = 4
+    group = 32
+
+    def to_float(self) -> np.ndarray:
+        """The float32 weights (rows, cols), computed as ggml does: ``kvalue[q] * 2**(e - 128)``."""
+        rows, cols = self.q.shape
+        half = np.ldexp(np.float32(1), self.exponents.astype(np.int32) - 128).astype(np.float32)
+        w = _FP4_DOUBLED[self.q].reshape(rows, cols // 32, 32) * half[..., None]
+        return w.reshape(rows, cols)
+
+    def pack(self) -> np.ndarray:
+        """The codes in MLX's mxfp4 layout: uint32 (rows, cols // 8), element ``i`` at bits 4i."""
+        return pack_codes(self.q, 4)
+
+    def all_finite_exponents(self) -> bool:
+        """Whether MLX's mxfp4 mode reads every exponent as ggml does (none is 255)."""
+        return not bool((self.exponents == 255).any())
 
 
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
@@ -212,12 +257,138 @@ def _q6_k(b: np.ndarray) -> Codes:
     return Codes(q, _per_row(scales), _per_row(-32 * scales), 6, 16, 32)
 
 
+# kvalues_iq4nl, the 16 int8 levels of IQ4_NL and IQ4_XS, as 8-bit codes level + 128
+_IQ4_CODES = (
+    np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
+).astype(np.uint8)
+
+
+def _iq4_nl(b: np.ndarray) -> Codes:
+    """IQ4_NL, 18 bytes: fp16 d, 16 bytes of 4-bit indices into kvalues_iq4nl (ggml's nibble order):
+    ``w = d * kvalue``. The levels span 241 of 256 8-bit codes, so ``q = kvalue + 128`` on the step
+    ``d`` is exact (4.5 bits a weight become 8: the price until a codebook kernel exists)."""
+    d = _f16(b[..., 0:2])
+    return Codes(_IQ4_CODES[_nibbles(b[..., 2:18])], d, -128 * d, 8, 32, 128)
+
+
+def _iq4_xs(b: np.ndarray) -> Codes:
+    """IQ4_XS, 136 bytes: fp16 d, scales_h (uint16: bits 2j, 2j + 1 are the top 2 bits of sub-block
+    j's scale), scales_l[4] (low nibble: sub-block 2i, high: 2i + 1), qs[128] (16 bytes per 32-weight
+    sub-block, as IQ4_NL): ``w = d * (ls - 32) * kvalue`` with a 6-bit ``ls``. As IQ4_NL, 8-bit codes
+    ``kvalue + 128`` on the step ``d * (ls - 32)`` (at most 16 significant bits) are exact."""
+    lead = b.shape[:-1]
+    high = (
+        np.ascontiguousarray(b[..., 2:4]).view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)
+    ) & np.uint16(3)
+    low = np.stack([b[..., 4:8] & np.uint8(0x0F), b[..., 4:8] >> np.uint8(4)], axis=-1).reshape(*lead, 8)
+    ls = (low | (high.astype(np.uint8) << np.uint8(4))).astype(np.float32) - np.float32(32)
+    step = _f16(b[..., 0:2])[..., None] * ls
+    q = _IQ4_CODES[_nibbles(b[..., 8:136].reshape(*lead, 8, 16))].reshape(*lead, QK_K)
+    return Codes(q, _per_row(step), _per_row(-128 * step), 8, 32, 128)
+
+
+def _mxfp4(b: np.ndarray) -> Fp4Codes:
+    """MXFP4, 17 bytes: the E8M0 exponent byte, then 16 bytes of E2M1 codes (ggml's nibble order)."""
+    return Fp4Codes(_nibbles(b[..., 1:17]), np.ascontiguousarray(b[..., 0]))
+
+
+@functools.cache
+def _grid(type_name: str) -> np.ndarray:
+    """ggml's lattice codebook of an IQ type (iq2xxs_grid, iq3xxs_grid, iq3s_grid, iq1s_grid), from the
+    ``gguf`` package's copy, as int16 (entries, values per entry)."""
+    from gguf import quants
+
+    table = getattr(quants, type_name)
+    table.init_grid()
+    return np.rint(table.grid).astype(np.int16).reshape(table.grid_shape)
+
+
+@functools.cache
+def _ksign_bits() -> np.ndarray:
+    """ggml's ksigns_iq2xs as flags: 7-bit index -> 8 uint8, 1 where the weight is negative (the eighth
+    sign makes the number of negatives even)."""
+    from gguf.quants import IQ2_XXS
+
+    signs = np.frombuffer(IQ2_XXS.ksigns, np.uint8)
+    return (signs[:, None] >> np.arange(8, dtype=np.uint8)) & np.uint8(1)
+
+
+_SIGN_SHIFTS = np.array([0, 7, 14, 21], np.uint32)  # four 7-bit sign indices in a uint32
+
+
+def _signed(grid_values: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    return np.where(negative.astype(bool), -grid_values, grid_values)
+
+
+def _iq2_xxs(b: np.ndarray) -> Codes:
+    """IQ2_XXS, 66 bytes: fp16 d, then per 32 weights two uint32: four grid indices (one byte each,
+    8 weights of iq2xxs_grid: values 8, 25, 43) and four 7-bit sign indices with a 4-bit ``ls`` on
+    top: ``w = d * (0.5 + ls) / 4 * g * sign``. The levels ``g * sign`` lie in [-43, 43]: 8-bit codes
+    ``level + 128`` on the step ``d * (0.5 + ls) / 4`` (16 significant bits) are exact."""
+    lead = b.shape[:-1]
+    qs = b[..., 2:66].reshape(*lead, 8, 8)
+    aux = np.ascontiguousarray(qs[..., 4:8]).view("<u4")[..., 0]  # (..., 8)
+    negative = _ksign_bits()[(aux[..., None] >> _SIGN_SHIFTS) & np.uint32(0x7F)]  # (..., 8, 4, 8)
+    levels = _signed(_grid("IQ2_XXS")[qs[..., 0:4]], negative)
+    ls = (aux >> np.uint32(28)).astype(np.float32)
+    step = _f16(b[..., 0:2])[..., None] * (np.float32(0.5) + ls) * np.float32(0.25)
+    q = (levels + 128).astype(np.uint8).reshape(*lead, QK_K)
+    return Codes(q, _per_row(step), _per_row(-128 * step), 8, 32, 128)
+
+
+def _iq3_xxs(b: np.ndarray) -> Codes:
+    """IQ3_XXS, 98 bytes: fp16 d, qs[64] (grid indices, 4 weights each of iq3xxs_grid: values 4, 12,
+    ..., 52, 62), then per 32 weights a uint32 of four 7-bit sign indices and a 4-bit ``ls`` on top:
+    ``w = d * (0.5 + ls) / 2 * g * sign``. Every level is even, ``g * sign / 2`` in [-31, 31]: 6-bit
+    codes ``level / 2 + 31`` on the step ``d * (0.5 + ls)`` are exact."""
+    lead = b.shape[:-1]
+    grid = _grid("IQ3_XXS")[b[..., 2:66]].reshape(*lead, 8, 4, 8)
+    aux = np.ascontiguousarray(b[..., 66:98]).view("<u4")  # (..., 8)
+    negative = _ksign_bits()[(aux[..., None] >> _SIGN_SHIFTS) & np.uint32(0x7F)]
+    q = (_signed(grid, negative) // 2 + 31).astype(np.uint8).reshape(*lead, QK_K)
+    step = _f16(b[..., 0:2])[..., None] * (np.float32(0.5) + (aux >> np.uint32(28)).astype(np.float32))
+    return Codes(q, _per_row(step), _per_row(-31 * step), 6, 32, 31)
+
+
+def _iq3_s(b: np.ndarray) -> Codes:
+    """IQ3_S, 110 bytes: fp16 d, qs[64] (low 8 bits of 9-bit indices into iq3s_grid, 4 weights each:
+    values 1, 3, ..., 15), qh[8] (bit i of byte m: the 9th bit of index 8m + i), signs[32] (bit i of
+    byte m: weight 8m + i is negative), scales[4] (a 4-bit ``sc`` per 32 weights, low nibble first):
+    ``w = d * (1 + 2 sc) * g * sign``. The levels are the 16 odd numbers in [-15, 15]: 4-bit codes
+    ``(level + 15) / 2`` on the step ``2 d (1 + 2 sc)`` with bias ``-15 d (1 + 2 sc)`` are exact."""
+    lead = b.shape[:-1]
+    bit = np.arange(8, dtype=np.uint8)
+    ninth = ((b[..., 66:74, None] >> bit) & np.uint8(1)).reshape(*lead, 64).astype(np.uint16)
+    grid = _grid("IQ3_S")[b[..., 2:66].astype(np.uint16) | (ninth << np.uint16(8))].reshape(*lead, QK_K)
+    negative = ((b[..., 74:106, None] >> bit) & np.uint8(1)).reshape(*lead, QK_K)
+    q = ((_signed(grid, negative) + 15) // 2).astype(np.uint8)
+    sc = np.stack([b[..., 106:110] & np.uint8(0x0F), b[..., 106:110] >> np.uint8(4)], axis=-1)
+    db = _f16(b[..., 0:2])[..., None] * (1 + 2 * sc.reshape(*lead, 8)).astype(np.float32)
+    return Codes(q, _per_row(2 * db), _per_row(-15 * db), 4, 32, None)
+
+
+def _iq1_s(b: np.ndarray) -> Codes:
+    """IQ1_S, 50 bytes: fp16 d, qs[32] (low 8 bits of 11-bit indices into iq1s_grid, 8 weights each:
+    values -1, 0, 1), then a uint16 per 32 weights (bits 3k..3k + 2: the top bits of index k; bits
+    12-14: ``sc``; bit 15: the sign of ``delta``): ``w = d (2 sc + 1) (g + delta)``, delta = +-1/8.
+    Per group that is 2-bit codes ``g + 1`` on the step ``d (2 sc + 1)`` with bias
+    ``d (2 sc + 1) (delta - 1)``, exact (the step has 15 significant bits, ``delta - 1`` 4)."""
+    lead = b.shape[:-1]
+    qh = np.ascontiguousarray(b[..., 34:50]).view("<u2")  # (..., 8)
+    top = (qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & np.uint16(7)  # (..., 8, 4)
+    grid = _grid("IQ1_S")[b[..., 2:34].reshape(*lead, 8, 4).astype(np.uint16) | (top << np.uint16(8))]
+    step = _f16(b[..., 0:2])[..., None] * (2 * ((qh >> np.uint16(12)) & np.uint16(7)) + 1).astype(np.float32)
+    delta = np.where(qh & np.uint16(0x8000), np.float32(-0.125), np.float32(0.125))
+    q = (grid + 1).astype(np.uint8).reshape(*lead, QK_K)
+    return Codes(q, _per_row(step), _per_row(step * (delta - np.float32(1))), 2, 32, None)
+
+
 @dataclass(frozen=True)
 class BlockType:
     name: str
     weights: int  # per block
     nbytes: int  # per block
-    decode: Callable[[np.ndarray], Codes]  # (rows, blocks, nbytes) uint8 -> Codes with (rows, blocks, ...)
+    decode: Callable[[np.ndarray], Codes | Fp4Codes]  # (rows, blocks, nbytes) uint8 -> (rows, blocks, ...)
 
 
 BLOCK_TYPES: dict[str, BlockType] = {
@@ -233,16 +404,25 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("Q4_K", QK_K, 144, _q4_k),
         BlockType("Q5_K", QK_K, 176, _q5_k),
         BlockType("Q6_K", QK_K, 210, _q6_k),
+        BlockType("IQ4_NL", 32, 18, _iq4_nl),
+        BlockType("IQ4_XS", QK_K, 136, _iq4_xs),
+        BlockType("MXFP4", 32, 17, _mxfp4),
+        BlockType("IQ2_XXS", QK_K, 66, _iq2_xxs),
+        BlockType("IQ3_XXS", QK_K, 98, _iq3_xxs),
+        BlockType("IQ3_S", QK_K, 110, _iq3_s),
+        BlockType("IQ1_S", QK_K, 50, _iq1_s),
     )
 }
 
 
-def decode(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Codes:
+def decode(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Codes | Fp4Codes:
     """Unpack the bytes of a ``rows`` x ``cols`` tensor of block type ``type_name`` (``cols`` a
     multiple of the block's weights; the caller checked the byte count)."""
     t = BLOCK_TYPES[type_name]
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // t.weights, t.nbytes)
     c = t.decode(blocks)
+    if isinstance(c, Fp4Codes):
+        return Fp4Codes(np.ascontiguousarray(c.q).reshape(rows, cols), c.exponents.reshape(rows, -1))
     return Codes(
         np.ascontiguousarray(c.q).reshape(rows, cols),
         _per_row(c.scales),

@@ -38,12 +38,19 @@ SUPPORTED_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
+    39: ("MXFP4", 32, 17),
+    16: ("IQ2_XXS", 256, 66),
+    18: ("IQ3_XXS", 256, 98),
+    21: ("IQ3_S", 256, 110),
+    19: ("IQ1_S", 256, 50),
 }
+# refused by name. IQ2_XS, IQ2_S and IQ1_M have a scale per 16 weights that one affine step per 32
+# cannot hold exactly (docs/gguf.md)
 _OTHER_TYPE_NAMES = {
-    9: "Q8_1", 15: "Q8_K",
-    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
-    35: "TQ2_0", 39: "MXFP4",
+    9: "Q8_1", 15: "Q8_K", 17: "IQ2_XS", 22: "IQ2_S", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+    29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4", 41: "Q1_0",
 }  # fmt: skip
 
 # metadata value types -> little-endian NumPy dtype (8: string and 9: array are variable)

@@ -3,7 +3,9 @@
 
 A quantized weight (2-D, or 3-D for a mixture of experts' stacked expert matrices) kept quantized
 becomes ``name.weight`` (packed uint32), ``name.scales`` and ``name.biases`` in MLX's affine layout,
-groups of 32 along each row; ``quantization_of`` says which ``nn.quantize`` parameters hold it.
+groups of 32 along each row; an MXFP4 one becomes ``name.weight`` and ``name.scales`` (uint8 E8M0
+exponents, no biases) in MLX's ``mxfp4`` mode. ``quantization_of`` says which ``nn.quantize``
+parameters hold it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_engine.loading.ggml_blocks import decode, to_8bit_groups_of_32
+from mlx_engine.errors import GGUFError
+from mlx_engine.loading.ggml_blocks import Codes, Fp4Codes, decode, to_8bit_groups_of_32
 from mlx_engine.loading.gguf_file import TensorInfo
 
 GROUP_SIZE = 32  # MLX's group size for every quantized GGUF tensor (the smallest MLX has)
@@ -25,9 +28,24 @@ _FLOAT_TYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 _CHUNK_WEIGHTS = 1 << 22  # quantized tensors are decoded this many weights (whole rows) at a time
 
 
+def _quantized_parts(t: TensorInfo, codes: Codes | Fp4Codes) -> tuple[np.ndarray, ...]:
+    """MLX's quantized form of some decoded rows: (packed, scales, biases) for the affine types,
+    (packed, uint8 exponents) for MXFP4."""
+    if isinstance(codes, Fp4Codes):
+        if not codes.all_finite_exponents():
+            raise GGUFError(
+                f"tensor {t.name!r} has an MXFP4 block with exponent byte 255 (NaN in MLX's mxfp4 mode, "
+                "2**127 in ggml's); load the model with dense weights"
+            )
+        return codes.pack(), codes.exponents
+    if codes.group != GROUP_SIZE:  # Q2_K, Q6_K: 16-weight groups
+        codes = to_8bit_groups_of_32(codes)
+    return codes.pack(), codes.scales, codes.biases
+
+
 def _tensor_arrays(t: TensorInfo, data: np.ndarray, dense: bool) -> dict[str, mx.array]:
     """One GGUF tensor as MLX arrays: ``{name: values}``, or for a quantized weight kept quantized
-    ``{name: packed, base.scales: ..., base.biases: ...}``."""
+    ``{name: packed, base.scales: ..., base.biases: ...}`` (MXFP4: no biases)."""
     shape = tuple(reversed(t.shape))  # GGUF lists the innermost dimension first
     if t.ggml_type in _FLOAT_TYPES:
         values = mx.array(data.view(_FLOAT_TYPES[t.ggml_type]).reshape(shape))
@@ -43,15 +61,16 @@ def _tensor_arrays(t: TensorInfo, data: np.ndarray, dense: bool) -> dict[str, mx
         if as_float:
             parts.append((codes.to_float(),))
             continue
-        if codes.group != GROUP_SIZE:  # Q2_K, Q6_K: 16-weight groups
-            codes = to_8bit_groups_of_32(codes)
-        parts.append((codes.pack(), codes.scales, codes.biases))
+        parts.append(_quantized_parts(t, codes))
     arrays = [mx.array(np.concatenate(p) if len(p) > 1 else p[0]) for p in zip(*parts, strict=True)]
     if as_float:
         return {t.name: arrays[0].reshape(shape)}
     base, lead = t.name.removesuffix(".weight"), shape[:-1]  # (experts,) rows for a 3-D tensor
-    packed, scales, biases = (a.reshape(*lead, a.shape[-1]) for a in arrays)
-    return {t.name: packed, f"{base}.scales": scales, f"{base}.biases": biases}
+    packed, scales, *biases = (a.reshape(*lead, a.shape[-1]) for a in arrays)
+    out = {t.name: packed, f"{base}.scales": scales}
+    if biases:
+        out[f"{base}.biases"] = biases[0]
+    return out
 
 
 def read_tensors(path: Path, tensors: list[TensorInfo], dense: bool) -> dict[str, mx.array]:
@@ -66,8 +85,14 @@ def read_tensors(path: Path, tensors: list[TensorInfo], dense: bool) -> dict[str
     return weights
 
 
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}  # nn.quantize's parameters for an MXFP4 tensor
+
+
 def quantization_of(weights: dict[str, mx.array], base: str) -> dict:
     """``nn.quantize``'s parameters for the quantized tensor ``base`` (``base.weight`` packed,
-    ``base.scales``): a row of n weights packs into n*bits/32 uint32 words and has n/32 scales."""
+    ``base.scales``): affine, a row of n weights packs into n*bits/32 uint32 words and has n/32
+    float scales; MXFP4 (uint8 exponents for scales, no biases), MLX's ``mxfp4`` mode."""
     packed, scales = weights[f"{base}.weight"], weights[f"{base}.scales"]
+    if scales.dtype == mx.uint8:
+        return dict(MXFP4)
     return {"group_size": GROUP_SIZE, "bits": packed.shape[-1] // scales.shape[-1]}

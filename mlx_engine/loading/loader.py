@@ -21,6 +21,7 @@ from mlx_engine.backend import backend_name
 from mlx_engine.errors import ModelLoadError
 from mlx_engine.loading.resolve import ModelSource, resolve_model
 from mlx_engine.loading.weight_policy import keep_quantized
+from mlx_engine.mlx_tree import flat_parameters
 from mlx_engine.tokenization.tokenizer import Tokenizer
 
 WEIGHT_FORMATS = ("auto", "dense", "quantized")
@@ -65,8 +66,13 @@ def _attention_shape(model: nn.Module) -> tuple[int, int, int]:
 
 
 def _activation_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype the model computes in: its embedding's (affine scales or dense weight), else, for
+    an embedding without float parameters (mxfp4: uint8 scales), the first float parameter's."""
     emb = model.model.embed_tokens
-    return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
+    for a in (emb.get("scales"), emb.weight):
+        if a is not None and mx.issubdtype(a.dtype, mx.floating):
+            return a.dtype
+    return next(v.dtype for _, v in flat_parameters(model) if mx.issubdtype(v.dtype, mx.floating))
 
 
 def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") -> LoadedModel:
