@@ -25,13 +25,14 @@ import pytest
 
 from mlx_engine.loading.gguf_loader import load_gguf
 from tests.gguf_families import FAMILIES, write_family_gguf
-from tests.gguf_quantize import TINY_IDS, float32_twin, llama_cpp_logits, llama_cpp_quantize
+from tests.gguf_quantize import TOKENS, float32_twin, llama_cpp_logits, llama_cpp_quantize
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp")
 
 ARCHS = sorted(FAMILIES)
-IDS = TINY_IDS[0].tolist()
+# 64 positions, so the top-1 agreement is a fraction of many (the tiny models' margins are small)
+IDS = [1, *np.random.default_rng(5).integers(3, len(TOKENS), 63).tolist()]
 # rows of 256 weights, so llama.cpp's K-quant mix applies (hidden, FFN and experts)
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "moe_intermediate_size": 256,
         "shared_expert_intermediate_size": 256}  # fmt: skip
@@ -58,26 +59,37 @@ def test_float_file_matches_llama_cpp(tmp_path, arch):
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
-# (relative RMS to llama.cpp, top-1 agreement) per file type: 4-bit weights make the tiny random
-# models' logits more sensitive to llama.cpp's 8-bit activations (measured up to 12% and 79%)
-LLAMA_CPP_BOUNDS = {"Q8_0": (0.10, 0.85), "Q4_0": (0.10, 0.85), "Q4_K_M": (0.15, 0.75)}
+# (relative RMS to llama.cpp, top-1 agreement over 64 positions) per file type. Measured (every
+# family): Q8_0 1.4-6.0% and >= 89%; 4-bit types on the narrow models 1.4-14% and >= 86%; on the
+# 256-wide ones (K-quant and IQ4_XS mixes, MXFP4 experts) 2.2-17.5% and >= 77%, more layers of
+# 8-bit activation rounding adding up. A mis-mapped tensor gives ~100% and chance agreement.
+LLAMA_CPP_BOUNDS = {
+    "Q8_0": (0.10, 0.85), "Q4_0": (0.20, 0.80), "IQ4_NL": (0.20, 0.80),
+    "Q4_K_M": (0.20, 0.75), "IQ4_XS": (0.20, 0.75), "MXFP4_MOE": (0.20, 0.75),
+}  # fmt: skip
+# llama.cpp's quantizer needs rows of 256 weights for these to apply as named
+NEEDS_WIDE = {"Q4_K_M", "IQ4_XS", "MXFP4_MOE"}
 
 
 @pytest.mark.parametrize("ftype", sorted(LLAMA_CPP_BOUNDS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_quantized_file_matches_llama_cpp(tmp_path: Path, arch, ftype):
     src, path, twin = (tmp_path / f"{arch}-{x}.gguf" for x in ("f32", ftype, "twin"))
-    write_family_gguf(src, arch, quantized=False, **(WIDE if ftype == "Q4_K_M" else {}))
+    if ftype == "MXFP4_MOE" and arch not in ("gpt-oss", "qwen3moe"):
+        pytest.skip("MXFP4 is the experts' format (gpt-oss)")
+    write_family_gguf(src, arch, quantized=False, **(WIDE if ftype in NEEDS_WIDE else {}))
     llama_cpp_quantize(src, path, ftype)
     float32_twin(path, twin)
     ours = _logits(load_gguf(path, dense=False)[0])
     exact = _logits(load_gguf(twin, dense=True)[0])
     theirs = llama_cpp_logits(path, IDS)
-    if ftype == "Q4_K_M":  # its Q6_K tensors are re-coded at 8 bits, within 1/8 of a step (docs/gguf.md)
+    if ftype in ("Q4_K_M", "IQ4_XS"):  # their Q6_K tensors are re-coded at 8 bits, within 1/8 of a step
         # still, we compute the file's values more exactly than llama.cpp does
         assert _relative_rms(ours, exact) <= _relative_rms(theirs, exact)
     else:
         assert np.abs(ours - exact).max() <= 1e-4 * max(1.0, np.abs(exact).max())
     rms, top1 = LLAMA_CPP_BOUNDS[ftype]
     assert _relative_rms(ours, theirs) <= rms, _relative_rms(ours, theirs)
-    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= top1
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).mean()
+    print(f"{arch} {ftype}: relative RMS {_relative_rms(ours, theirs):.3f}, top-1 {agree:.2f}")
+    assert agree >= top1

@@ -194,21 +194,21 @@ def _apply_rope_freqs(model: nn.Module, factors: mx.array, head_dim: int, base: 
 
 
 def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dtype: mx.Dtype) -> str:
-    matrix_types = sorted({t.ggml_type for t in tensors if len(t.shape) == 2})
+    """E.g. "quantized 4/8-bit affine, group 32 (GGUF Q4_K/Q6_K/Q8_0; Q6_K re-quantized to 8-bit)", or
+    "... affine + mxfp4 ..." where MXFP4 tensors (gpt-oss's experts) stay in MLX's mxfp4 mode."""
+    matrix_types = sorted({t.ggml_type for t in tensors if len(t.shape) in (2, 3)})
     source = "/".join(matrix_types)
     dtype_name = str(dtype).removeprefix("mlx.core.")
-    bits = sorted(
-        {
-            m.bits
-            for _, m in model.named_modules()
-            if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
-        }
-    )
-    if dense or not bits:
+    # QuantizedLinear/Embedding and mlx-lm's QuantizedSwitchLinear (stacked experts) alike
+    layers = [m for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")]
+    bits = sorted({m.bits for m in layers if getattr(m, "mode", "affine") == "affine"})
+    mxfp4 = any(getattr(m, "mode", "affine") == "mxfp4" for m in layers)
+    if dense or not layers:
         return f"dense {dtype_name} (from GGUF {source})"
+    kinds = ([f"{'/'.join(map(str, bits))}-bit affine"] if bits else []) + (["mxfp4"] if mxfp4 else [])
     recoded = "/".join(t for t in ("Q2_K", "Q6_K") if t in matrix_types)
     requantized = f"; {recoded} re-quantized to {REQUANTIZED_BITS}-bit" if recoded else ""
-    return f"quantized {'/'.join(map(str, bits))}-bit affine, group {GROUP_SIZE} (GGUF {source}{requantized})"
+    return f"quantized {' + '.join(kinds)}, group {GROUP_SIZE} (GGUF {source}{requantized})"
 
 
 def load_gguf(
