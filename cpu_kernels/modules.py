@@ -6,7 +6,9 @@
 MLX's), and every ``nn.RMSNorm`` into a :class:`CPURMSNorm` (one op instead of MLX's ~8-op CPU
 fallback) and every ``nn.RoPE`` into a :class:`CPURoPE` (one op instead of ~25), and every mlx-lm MLP
 that is exactly ``down_proj(swiglu(gate_proj(x), up_proj(x)))`` into a subclass whose activation is
-the ``swiglu`` kernel (vectorised instead of a scalar exp per element), only when the extension is
+the ``swiglu`` kernel (vectorised instead of a scalar exp per element), and every mlx-lm
+``QuantizedSwitchLinear`` (the experts of a mixture-of-experts layer) of a supported format into a
+``CPUQuantizedSwitchLinear`` whose product is the ``gather_qmm`` kernel, only when the extension is
 built. Only the class changes: parameters, names and ``nn.quantize``'s bookkeeping stay as they are,
 so mlx-lm's model code and weight loading see the same modules.
 """
@@ -18,6 +20,8 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
+from cpu_kernels.gather_qmm import SPEC as GATHER_SPEC
+from cpu_kernels.gather_qmm import gather_qmm
 from cpu_kernels.norm import rms_norm
 from cpu_kernels.qmm import SPEC, dequantize_rows, quantized_matmul
 from cpu_kernels.rope import rope
@@ -95,6 +99,59 @@ def _swiglu_mlp(cls: type) -> type | None:
     return _SWIGLU_MLPS[cls]
 
 
+# mlx-lm's QuantizedSwitchLinear -> its subclass CPUQuantizedSwitchLinear. Made on first use from the
+# class the model's own modules are (mlx-lm is not imported here: importing it pulls in transformers).
+_SWITCH_LINEARS: dict[type, type] = {}
+
+
+def _switch_linear(cls: type) -> type | None:
+    """The kernel's subclass of ``cls`` when ``cls`` is exactly mlx-lm's ``QuantizedSwitchLinear``."""
+    module = sys.modules.get("mlx_lm.models.switch_layers")
+    if module is None or cls is not getattr(module, "QuantizedSwitchLinear", None):
+        return None
+    if cls not in _SWITCH_LINEARS:
+
+        def __call__(
+            self: nn.Module, x: mx.array, indices: mx.array, sorted_indices: bool = False
+        ) -> mx.array:
+            """mlx-lm's ``QuantizedSwitchLinear.__call__`` with the product through the kernel (the
+            extension straight away for float x, as ``use_cpu_kernels`` checked the format)."""
+            ext = extension()
+            if ext is not None and x.dtype in FLOATS and x.ndim >= 2:
+                y = ext.gather_quantized_matmul(
+                    x, self["weight"], self["scales"], self["biases"], indices, self.group_size, self.bits
+                )
+            else:
+                y = gather_qmm(
+                    x,
+                    self["weight"],
+                    self["scales"],
+                    self.get("biases"),
+                    rhs_indices=indices,
+                    transpose=True,
+                    group_size=self.group_size,
+                    bits=self.bits,
+                    mode=self.mode,
+                    sorted_indices=sorted_indices,
+                )
+            if "bias" in self:
+                y = y + mx.expand_dims(self["bias"][indices], -2)
+            return y
+
+        _SWITCH_LINEARS[cls] = type("CPUQuantizedSwitchLinear", (cls,), {"__call__": __call__})
+    return _SWITCH_LINEARS[cls]
+
+
+def _switch_supported(layer: nn.Module) -> bool:
+    return (
+        layer.mode == "affine"
+        and layer.get("biases") is not None
+        and getattr(layer, "global_scale", None) is None
+        and layer["weight"].ndim == 3
+        and GATHER_SPEC.supports(bits=layer.bits, group_size=layer.group_size, dtype=layer["scales"].dtype)
+    )
+
+
 def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
     return (
         layer.mode == "affine"
@@ -104,8 +161,8 @@ def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
 
 
 def use_cpu_kernels(model: nn.Module) -> int:
-    """Switch the model's supported quantized layers, its RMSNorms, RoPEs and SwiGLU MLPs to the CPU
-    kernels (in place); returns how many layers were switched."""
+    """Switch the model's supported quantized layers (expert stacks included), its RMSNorms, RoPEs and
+    SwiGLU MLPs to the CPU kernels (in place); returns how many layers were switched."""
     switched = 0
     norms = available()
     for _, layer in model.named_modules():
@@ -121,6 +178,12 @@ def use_cpu_kernels(model: nn.Module) -> int:
         if mlp is not None:
             layer.__class__ = mlp
             switched += 1
+            continue
+        switch = _switch_linear(type(layer)) if norms else None
+        if switch is not None:
+            if _switch_supported(layer):
+                layer.__class__ = switch
+                switched += 1
             continue
         if type(layer) is nn.QuantizedLinear and _supported(layer):
             layer.__class__ = CPUQuantizedLinear

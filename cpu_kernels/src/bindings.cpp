@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 
+#include "gather_qmm.h"
 #include "paged_attention.h"
 #include "pool.h"
 #include "qmm.h"
@@ -28,6 +29,20 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "x @ dequantize(w, scales, biases).T for MLX's affine layout (w packed as mx.quantize packs it).");
+  m.def(
+      "gather_quantized_matmul",
+      &duet_cpu::gather_quantized_matmul,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "indices"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x[b, m] @ dequantize(w[indices[b]]).T for stacked affine experts (mx.gather_qmm with rhs_indices, "
+      "transpose=True); x (..., M, K), indices broadcasting with x's batch dims, out (batch, M, N).");
   m.def(
       "dequantize",
       &duet_cpu::dequantize,

@@ -1,5 +1,7 @@
 #include "qmm.h"
 
+#include "qmm_shared.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -15,10 +17,7 @@ namespace duet_cpu {
 
 namespace {
 
-using RowsFn = void (*)(const QmmArgs&, int, int);
 using DequantFn = void (*)(const QmmArgs&, int, int, float*);
-
-using QuantizeXFn = void (*)(const float*, int, int, int8_t*, float*);
 
 struct Variant {
   const char* name;
@@ -81,38 +80,33 @@ SwigluFn swiglu_fn() {
   return variant().swiglu;
 }
 
-namespace {
+RowsFn qmm_rows_fn() {
+  return variant().fn;
+}
+
+QuantizeXFn quantize_x_fn() {
+  return variant().quantize_x;
+}
 
 bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
-template <typename T>
-float as_float(const void* p, size_t i) {
-  return static_cast<float>(static_cast<const T*>(p)[i]);
-}
-
 float load_float(const void* p, size_t i, mx::Dtype t) {
   if (t == mx::float32) {
-    return as_float<float>(p, i);
+    return static_cast<const float*>(p)[i];
   }
   if (t == mx::float16) {
-    return as_float<mx::float16_t>(p, i);
+    return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
   }
-  return as_float<mx::bfloat16_t>(p, i);
+  return static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[i]);
 }
 
-// A row-major copy of a's bytes when a is not row contiguous (rare: parameters and activations are).
-struct Dense {
-  const void* data;
-  std::vector<uint8_t> copy;
-};
-
-Dense dense_bytes(const mx::array& a) {
+DenseBytes dense_bytes(const mx::array& a) {
   if (a.flags().row_contiguous) {
     return {a.data<void>(), {}};
   }
-  Dense d{nullptr, std::vector<uint8_t>(a.nbytes())};
+  DenseBytes d{nullptr, std::vector<uint8_t>(a.nbytes())};
   const size_t item = a.itemsize();
   const auto offsets = element_offsets(a);
   const auto* src = static_cast<const uint8_t*>(a.data<void>());
@@ -123,13 +117,6 @@ Dense dense_bytes(const mx::array& a) {
   return d;
 }
 
-// Up to this many rows of x take the integer kernel (qmm_rows with QmmArgs::xq): its three byte
-// dot products per value cost about a float multiply-add's once more rows share the unpacking (one
-// 49152 x 576 matrix, one thread: 4-bit 1 row 2.5 -> 1.6 ms, 2 rows 2.9 -> 2.6 ms, 3 rows even).
-constexpr int kIntegerRows = 2;
-
-// Splits N rows into tasks that each read at least ~16 KB of weights (8 KB for several rows of x),
-// up to 4 per thread: the pool's threads claim them in turn, so a late or slow thread costs little.
 int task_count(size_t weight_bytes, int M, int threads) {
   if (threads <= 1) {
     return 1;
@@ -138,6 +125,28 @@ int task_count(size_t weight_bytes, int M, int threads) {
   const size_t wanted = std::max<size_t>(1, weight_bytes / per_task);
   return int(std::min<size_t>(wanted, size_t(threads) * 4));
 }
+
+void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum) {
+  for (int k = 0; k < K; ++k) {
+    const float v = load_float(x, size_t(int64_t(first) + step * k), t);
+    if (bits == 4) {
+      const int base = k & ~31;
+      const int j = k & 31;
+      row[base + (j & 1) * 16 + (j >> 1)] = v;
+    } else {
+      row[k] = v;
+    }
+  }
+  for (int g = 0; g < K / group_size; ++g) {
+    float s = 0.0f;
+    for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
+      s += row[k];
+    }
+    xsum[g] = s;
+  }
+}
+
+namespace {
 
 void run_qmm(
     const mx::array& x,
@@ -156,33 +165,16 @@ void run_qmm(
   }
 
   // x in float32, 4-bit runs of 32 permuted to (evens, odds) to match the nibble unpacking.
-  const Dense xd = dense_bytes(x);
+  const DenseBytes xd = dense_bytes(x);
   std::vector<float> xf(size_t(M) * K);
   std::vector<float> xsum(size_t(M) * G);
   for (int m = 0; m < M; ++m) {
-    float* row = xf.data() + size_t(m) * K;
-    for (int k = 0; k < K; ++k) {
-      const float v = load_float(xd.data, size_t(m) * K + k, x.dtype());
-      if (bits == 4) {
-        const int base = k & ~31;
-        const int j = k & 31;
-        row[base + (j & 1) * 16 + (j >> 1)] = v;
-      } else {
-        row[k] = v;
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      float s = 0.0f;
-      for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
-        s += row[k];
-      }
-      xsum[size_t(m) * G + g] = s;
-    }
+    prepare_x_row(xd.data, x.dtype(), size_t(m) * K, 1, K, group_size, bits, xf.data() + size_t(m) * K, xsum.data() + size_t(m) * G);
   }
 
-  const Dense wd = dense_bytes(w);
-  const Dense sd = dense_bytes(scales);
-  const Dense bd = dense_bytes(biases);
+  const DenseBytes wd = dense_bytes(w);
+  const DenseBytes sd = dense_bytes(scales);
+  const DenseBytes bd = dense_bytes(biases);
   std::vector<float> yf;
   float* y = nullptr;
   if (out.dtype() == mx::float32) {
@@ -288,9 +280,9 @@ void run_dequant(
   if (N == 0 || K == 0) {
     return;
   }
-  const Dense wd = dense_bytes(w);
-  const Dense sd = dense_bytes(scales);
-  const Dense bd = dense_bytes(biases);
+  const DenseBytes wd = dense_bytes(w);
+  const DenseBytes sd = dense_bytes(scales);
+  const DenseBytes bd = dense_bytes(biases);
   QmmArgs a{
       nullptr,
       nullptr,

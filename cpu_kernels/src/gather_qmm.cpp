@@ -1,0 +1,362 @@
+// The gather over experts: every (batch row, x row) pair is multiplied by its expert's matrix with
+// the quantized matmul's row kernel (kernels_impl.inc, the variant qmm.cpp chose).
+//
+// The pairs are sorted by expert (a counting sort, stable), and each expert's x rows are copied into
+// one contiguous block, so an expert's weights are read once per call for all the pairs that chose
+// it: a tile of the kernel holds up to 8 rows of x in registers while the unpacked weights pass.
+// The pool's tasks split (expert, 8-row block of N) units evenly by their cost: a block's weight
+// reading plus its rows of x. x rows are converted (and, for one or two rows on an expert, quantized
+// for the integer kernel) once per distinct input row, not once per pair: gate and up see each
+// token's row once for its k experts.
+#include "gather_qmm.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "dispatch.h"
+#include "kernels.h"
+#include "pool.h"
+#include "qmm_shared.h"
+
+namespace duet_cpu {
+
+namespace {
+
+// The element offset in a of each index of the batch shape `batch` (row-major), a's leading
+// a.ndim() - trailing dims broadcast against it (NumPy's rules: aligned on the right, size 1 repeats).
+std::vector<int64_t> batch_offsets(const mx::Shape& batch, const mx::array& a, int trailing) {
+  const int nd = int(batch.size());
+  const int lead = a.ndim() - trailing;
+  std::vector<int64_t> stride(nd, 0);
+  for (int d = 0; d < nd; ++d) {
+    const int j = d - (nd - lead);
+    if (j >= 0 && a.shape(j) != 1) {
+      stride[d] = a.strides()[j];
+    }
+  }
+  size_t count = 1;
+  for (int d = 0; d < nd; ++d) {
+    count *= size_t(batch[d]);
+  }
+  std::vector<int64_t> out(count);
+  std::vector<int> idx(nd, 0);
+  int64_t off = 0;
+  for (size_t r = 0; r < count; ++r) {
+    out[r] = off;
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < batch[d]) {
+        off += stride[d];
+        break;
+      }
+      off -= stride[d] * (batch[d] - 1);
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+// The batch shape of the product: x's dims but its last two, broadcast with the indices' shape.
+mx::Shape batch_shape(const mx::array& x, const mx::array& indices) {
+  const mx::Shape xbatch(x.shape().begin(), x.shape().end() - 2);
+  return mx::broadcast_shapes(xbatch, indices.shape());
+}
+
+// One expert's share of the call: its weights and the block of sorted pairs [p0, p0 + count).
+struct Active {
+  int expert;
+  int p0;
+  int count;
+  int64_t cost0; // the cost of every unit before this expert's first
+};
+
+void run_gather(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    const mx::array& indices,
+    mx::array& out,
+    int group_size,
+    int bits) {
+  const int E = w.shape(0);
+  const int N = w.shape(1);
+  const int K = x.shape(-1);
+  const int M = x.shape(-2);
+  const int G = K / group_size;
+  const size_t P = out.size() / std::max<size_t>(1, size_t(N)); // (batch row, x row) pairs
+  if (P == 0 || N == 0) {
+    return;
+  }
+
+  // Distinct rows of x (broadcasting repeats one row for the k experts of a token).
+  const mx::Shape batch(out.shape().begin(), out.shape().end() - 2);
+  const std::vector<int64_t> xbatch = batch_offsets(batch, x, 2);
+  std::vector<int64_t> offsets(P);
+  for (size_t p = 0; p < P; ++p) {
+    offsets[p] = xbatch[p / M] + int64_t(p % M) * x.strides()[x.ndim() - 2];
+  }
+  const int64_t kstep = x.strides().back();
+  std::unordered_map<int64_t, int> row_of;
+  std::vector<int> source(P);
+  std::vector<int64_t> unique;
+  for (size_t p = 0; p < P; ++p) {
+    auto [it, fresh] = row_of.try_emplace(offsets[p], int(unique.size()));
+    if (fresh) {
+      unique.push_back(offsets[p]);
+    }
+    source[p] = it->second;
+  }
+  const int U = int(unique.size());
+  std::vector<float> xf(size_t(U) * K);
+  std::vector<float> xs(size_t(U) * G);
+  const void* xdata = x.data<void>();
+  for (int u = 0; u < U; ++u) {
+    prepare_x_row(xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, bits, xf.data() + size_t(u) * K, xs.data() + size_t(u) * G);
+  }
+
+  // Pairs sorted by expert, stable; an index outside [0, E) leaves its rows zero.
+  std::vector<uint32_t> expert_of_row(P / M);
+  {
+    const std::vector<int64_t> at = batch_offsets(batch, indices, 0);
+    const uint32_t* src = indices.data<uint32_t>();
+    for (size_t r = 0; r < at.size(); ++r) {
+      expert_of_row[r] = src[at[r]];
+    }
+  }
+  std::vector<int> count(E + 1, 0);
+  for (size_t p = 0; p < P; ++p) {
+    const uint32_t e = expert_of_row[p / M];
+    ++count[e < uint32_t(E) ? e : E];
+  }
+  std::vector<int> start(E + 1, 0);
+  for (int e = 1; e <= E; ++e) {
+    start[e] = start[e - 1] + count[e - 1];
+  }
+  const int sorted = start[E]; // pairs with a valid expert
+  std::vector<int> order(P);
+  {
+    std::vector<int> next(start);
+    for (size_t p = 0; p < P; ++p) {
+      const uint32_t e = expert_of_row[p / M];
+      order[next[e < uint32_t(E) ? e : E]++] = int(p);
+    }
+  }
+
+  // Each expert's rows of x (and group sums) side by side, as the kernel reads one matrix's x.
+  std::vector<float> xsorted(size_t(sorted) * K);
+  std::vector<float> gsorted(size_t(sorted) * G);
+  for (int q = 0; q < sorted; ++q) {
+    const int u = source[order[q]];
+    std::memcpy(xsorted.data() + size_t(q) * K, xf.data() + size_t(u) * K, sizeof(float) * K);
+    std::memcpy(gsorted.data() + size_t(q) * G, xs.data() + size_t(u) * G, sizeof(float) * G);
+  }
+
+  // An expert with one or two rows takes the integer kernel where the CPU has one, as
+  // quantized_matmul does for one or two rows; each distinct row is quantized once.
+  const QuantizeXFn quantize = quantize_x_fn();
+  const bool integer = quantize != nullptr && K % (bits == 4 ? 64 : 32) == 0;
+  std::vector<int8_t> xq;
+  std::vector<float> xunit;
+  if (integer) {
+    std::vector<int> done(U, -1); // the sorted row holding row u's bytes, once quantized
+    for (int e = 0; e < E; ++e) {
+      if (count[e] == 0 || count[e] > kIntegerRows) {
+        continue;
+      }
+      if (xq.empty()) {
+        xq.resize(size_t(3) * K * sorted);
+        xunit.resize(size_t(K) / 8 * sorted);
+      }
+      for (int q = start[e]; q < start[e] + count[e]; ++q) {
+        const int u = source[order[q]];
+        int8_t* dq = xq.data() + size_t(3) * K * q;
+        float* du = xunit.data() + size_t(K) / 8 * q;
+        if (done[u] < 0) {
+          quantize(xf.data() + size_t(u) * K, K, bits, dq, du);
+          done[u] = q;
+        } else {
+          std::memcpy(dq, xq.data() + size_t(3) * K * done[u], size_t(3) * K);
+          std::memcpy(du, xunit.data() + size_t(K) / 8 * done[u], sizeof(float) * (K / 8));
+        }
+      }
+    }
+  }
+
+  // Units: (active expert, block of 8 output rows), each costing its weights (~4 rows of x's
+  // multiply-adds for the unpacking) plus one per row of x.
+  const int blocks = (N + 7) / 8;
+  std::vector<Active> active;
+  int64_t total = 0;
+  int most = 0;
+  for (int e = 0; e < E; ++e) {
+    if (count[e] > 0) {
+      active.push_back({e, start[e], count[e], total});
+      total += int64_t(blocks) * (4 + count[e]);
+      most = std::max(most, count[e]);
+    }
+  }
+
+  const DenseBytes wd = dense_bytes(w);
+  const DenseBytes sd = dense_bytes(scales);
+  const DenseBytes bd = dense_bytes(biases);
+  const size_t row_bytes = size_t(K) * bits / 8;
+  const size_t sbytes = scales.itemsize();
+  std::vector<float> y(size_t(sorted) * N);
+  const RowsFn fn = qmm_rows_fn();
+  auto args_for = [&](const Active& act) {
+    QmmArgs a{
+        xsorted.data() + size_t(act.p0) * K,
+        gsorted.data() + size_t(act.p0) * G,
+        static_cast<const uint8_t*>(wd.data) + size_t(act.expert) * N * row_bytes,
+        static_cast<const uint8_t*>(sd.data) + size_t(act.expert) * N * G * sbytes,
+        static_cast<const uint8_t*>(bd.data) + size_t(act.expert) * N * G * sbytes,
+        y.data() + size_t(act.p0) * N,
+        act.count,
+        N,
+        K,
+        group_size,
+        bits,
+        scale_type(scales.dtype())};
+    if (integer && act.count <= kIntegerRows) {
+      a.xq = xq.data() + size_t(3) * K * act.p0;
+      a.xunit = xunit.data() + size_t(K) / 8 * act.p0;
+    }
+    return a;
+  };
+
+  auto pool = shared_pool();
+  const size_t weight_bytes = active.size() * size_t(N) * (row_bytes + 2 * G * sbytes);
+  const int tasks = std::min<int64_t>(task_count(weight_bytes, most, pool->size()), std::max<int64_t>(1, total));
+  // Task t runs the units whose cost starts in [total * t / tasks, total * (t + 1) / tasks): the first
+  // block j of an expert with cost0 + j * c >= total * t / tasks.
+  auto first_block = [&](const Active& act, int t) {
+    const int64_t c = 4 + act.count;
+    const int64_t need = total * t - act.cost0 * tasks; // (cost0 + j c) tasks >= total t
+    if (need <= 0) {
+      return 0;
+    }
+    return int(std::min<int64_t>(blocks, (need + c * tasks - 1) / (c * tasks)));
+  };
+  auto run_task = [&](int t) {
+    for (const Active& act : active) {
+      const int j0 = first_block(act, t);
+      const int j1 = first_block(act, t + 1);
+      if (j0 < j1) {
+        fn(args_for(act), j0 * 8, std::min(N, j1 * 8));
+      }
+    }
+  };
+  if (tasks <= 1) {
+    for (const Active& act : active) {
+      fn(args_for(act), 0, N);
+    }
+  } else {
+    pool->run(tasks, run_task);
+  }
+
+  // Back to the pairs' order, in the output dtype; rows of an out-of-range expert are zero.
+  std::vector<int> slot(P, -1);
+  for (int q = 0; q < sorted; ++q) {
+    slot[order[q]] = q;
+  }
+  with_float_type(out.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    T* o = out.data<T>();
+    for (size_t p = 0; p < P; ++p) {
+      T* row = o + p * N;
+      if (slot[p] < 0) {
+        std::fill(row, row + N, T(0.0f));
+        continue;
+      }
+      const float* src = y.data() + size_t(slot[p]) * N;
+      for (int n = 0; n < N; ++n) {
+        row[n] = static_cast<T>(src[n]);
+      }
+    }
+  });
+}
+
+} // namespace
+
+mx::array gather_quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    const mx::array& indices,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 3) {
+    throw std::invalid_argument("w must be a 3-D uint32 array (experts, N, K * bits / 32)");
+  }
+  if (!supported_float(scales.dtype()) || biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument("scales and biases must share one float dtype");
+  }
+  if (x.ndim() < 2 || !supported_float(x.dtype())) {
+    throw std::invalid_argument("x must be float32, float16 or bfloat16 (..., M, K)");
+  }
+  if (!mx::issubdtype(indices.dtype(), mx::integer)) {
+    throw std::invalid_argument("indices must be integers");
+  }
+  const int K = x.shape(-1);
+  if (int64_t(w.shape(2)) * 32 != int64_t(K) * bits) {
+    throw std::invalid_argument(
+        "x has K=" + std::to_string(K) + " but w packs " + std::to_string(int64_t(w.shape(2)) * 32 / bits) +
+        " values per row");
+  }
+  if (K % group_size != 0) {
+    throw std::invalid_argument("K must be a multiple of group_size");
+  }
+  const mx::Shape sshape = {w.shape(0), w.shape(1), K / group_size};
+  if (scales.shape() != sshape || biases.shape() != sshape) {
+    throw std::invalid_argument("scales and biases must be (experts, N, K / group_size)");
+  }
+  // Broadcasting happens in eval_cpu, not through broadcast ops: those fix their shapes, and
+  // mx.compile(shapeless=True) could not reuse the graph for another number of tokens.
+  const auto stream = mx::to_stream(s, mx::Device::cpu);
+  mx::Shape out_shape = batch_shape(x, indices);
+  out_shape.push_back(x.shape(-2));
+  out_shape.push_back(w.shape(1));
+  return mx::array(
+      out_shape,
+      mx::promote_types(x.dtype(), scales.dtype()),
+      std::make_shared<GatherQuantizedMatmulCPU>(stream, group_size, bits),
+      {x, w, scales, biases, mx::astype(indices, mx::uint32, stream)});
+}
+
+void GatherQuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  dispatch_cpu(stream(), inputs, out, [x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3],
+                                       indices = inputs[4], out, group_size = group_size_, bits = bits_]() mutable {
+    run_gather(x, w, scales, biases, indices, out, group_size, bits);
+  });
+}
+
+void GatherQuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DuetGatherQuantizedMatmulCPU runs on the CPU stream only");
+}
+
+bool GatherQuantizedMatmulCPU::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatherQuantizedMatmulCPU&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> GatherQuantizedMatmulCPU::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = batch_shape(inputs[0], inputs[4]);
+  shape.push_back(inputs[0].shape(-2));
+  shape.push_back(inputs[1].shape(1));
+  return {shape};
+}
+
+} // namespace duet_cpu

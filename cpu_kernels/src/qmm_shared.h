@@ -1,0 +1,50 @@
+// What the quantized matmul (qmm.cpp) shares with the gather over experts (gather_qmm.cpp): the chosen
+// variant's row kernel, the preparation of x's rows for it, reading inputs of any strides and the
+// split into pool tasks. Defined in qmm.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+#include "mlx/array.h"
+
+namespace mx = mlx::core;
+
+namespace duet_cpu {
+
+// Up to this many rows of x take the integer kernel (qmm_rows with QmmArgs::xq): its three byte
+// dot products per value cost about a float multiply-add's once more rows share the unpacking (one
+// 49152 x 576 matrix, one thread: 4-bit 1 row 2.5 -> 1.6 ms, 2 rows 2.9 -> 2.6 ms, 3 rows even).
+constexpr int kIntegerRows = 2;
+
+// The best (or forced) variant's row kernel, and its quantize_x (null where there is no integer
+// kernel: the x rows then stay float).
+using RowsFn = void (*)(const QmmArgs&, int, int);
+using QuantizeXFn = void (*)(const float*, int, int, int8_t*, float*);
+RowsFn qmm_rows_fn();
+QuantizeXFn quantize_x_fn();
+
+bool supported_float(mx::Dtype t);
+float load_float(const void* p, size_t i, mx::Dtype t);
+
+// A row-major copy of a's bytes when a is not row contiguous (rare: parameters and activations are).
+struct DenseBytes {
+  const void* data;
+  std::vector<uint8_t> copy;
+};
+DenseBytes dense_bytes(const mx::array& a);
+
+// Splits work over weight_bytes into tasks that each read at least ~16 KB of weights (8 KB when
+// M > 1 rows of x share them), up to 4 per thread: the pool's threads claim them in turn, so a late
+// or slow thread costs little.
+int task_count(size_t weight_bytes, int M, int threads);
+
+// One row of x (K values of dtype t at elements first, first + step, ...) as the kernel reads it:
+// float32, each 4-bit run of 32 permuted to (evens, odds) to match the nibble unpacking, and its
+// K / group_size group sums.
+void prepare_x_row(
+    const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum);
+
+} // namespace duet_cpu
