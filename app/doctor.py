@@ -393,6 +393,40 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def model_file_section(report: Report, spec: str) -> None:
+    """``duet doctor MODEL``: will this model load, and how will it be held? Read from the file's
+    header (a GGUF) or config (a model directory), no weights loaded."""
+    from mlx_engine.errors import ModelLoadError, ModelNotFoundError
+    from mlx_engine.loading.gguf_check import check_gguf
+    from mlx_engine.loading.preflight import check_model
+
+    section: dict[str, Any] = {"spec": spec}
+    report.sections["model"] = section
+    try:
+        src = check_model(spec)
+    except (ModelNotFoundError, ModelLoadError) as e:  # GGUFError is a ModelLoadError
+        section["loads"] = False
+        report.problems.append(str(e))
+        return
+    section["path"] = str(src.path)
+    if src.kind != "gguf":
+        section.update(loads=True, format="MLX safetensors directory")
+        return
+    check = check_gguf(src.path)
+    details = check.as_dict()
+    details.pop("path")
+    details["held_as"] = {k: v for k, v in details["held_as"].items() if k not in ("F32", "F16", "BF16")}
+    if not check.loads:
+        report.problems.append(f"{src.path.name} will not load: {check.reason}")
+    for key in ("parameters", "active_parameters"):
+        if details.get(key):
+            n = details[key]
+            details[key] = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    for key in ("file_gb", "memory_gb"):
+        details[key] = round(details[key], 2)
+    section.update({k: v for k, v in details.items() if v not in (None, {}, 0, 0.0)} | {"loads": check.loads})
+
+
 def format_report(report: Report) -> str:
     lines = []
     for name, section in report.sections.items():
@@ -412,6 +446,14 @@ def add_doctor_parser(sub: Any) -> None:
         "one line on stderr and the exit code is 1. Peers are browsed for only on --interface "
         "addresses.",
     )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="instead, check this model (a GGUF file, a model directory or a cached HF repo id): "
+        "whether it will load and why not, its architecture, tensor types and memory, without loading it",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (problems included)")
     p.add_argument(
         "--interface",
@@ -427,7 +469,11 @@ def add_doctor_parser(sub: Any) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    report = run_checks(args.interface, args.timeout)
+    if args.model is not None:
+        report = Report()
+        model_file_section(report, args.model)
+    else:
+        report = run_checks(args.interface, args.timeout)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     for problem in report.problems:
         print(f"duet doctor: problem: {problem}", file=sys.stderr)

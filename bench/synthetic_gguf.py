@@ -54,7 +54,10 @@ SHAPES = {
 
 def _tensors(s: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
     """name -> numpy shape (outer dimension first), as llama.cpp's converter writes them."""
-    t: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, s.hidden), "output_norm.weight": (s.hidden,)}
+    t: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (vocab, s.hidden),
+        "output_norm.weight": (s.hidden,),
+    }
     t["output.weight"] = (vocab, s.hidden)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     for i in range(s.layers):

@@ -25,7 +25,9 @@ Architectures: llama (also Mistral, SmolLM, TinyLlama...), qwen2, qwen3, gemma.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,7 +50,7 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)")
 _TOP_TENSOR = re.compile(r"(\w+)\.(weight|bias|scales|biases)")
 _BARE_PARAMETERS = {"attn_sinks"}  # a GGUF "<name>.weight" that is a plain mlx-lm array (no .weight)
 # tensors that configure the model rather than being parameters of it
-_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _py(value):
@@ -73,13 +75,11 @@ def _unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
     return x.reshape(n_heads, rows // n_heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _rows(weights: dict[str, mx.array], name: str) -> int:
+def _rows(weights: Mapping[str, Any], name: str) -> int:
     return weights[name].shape[0] if name in weights else 0
 
 
-def _check_attention_shape(
-    weights: dict[str, mx.array], n_heads: int, n_kv_heads: int, head_dim: int
-) -> None:
+def _check_attention_shape(weights: Mapping[str, Any], n_heads: int, n_kv_heads: int, head_dim: int) -> None:
     if "blk.0.attn_qkv.weight" in weights:  # fused (Phi-3): query rows, then key rows, then value rows
         got, want = _rows(weights, "blk.0.attn_qkv.weight"), (n_heads + 2 * n_kv_heads) * head_dim
         if got != want:
@@ -96,7 +96,7 @@ def _check_attention_shape(
         )
 
 
-def _config(arch: str, md: dict, weights: dict[str, mx.array]) -> dict:
+def _config(arch: str, md: dict, weights: Mapping[str, Any]) -> dict:
     """mlx-lm's config for the model: the keys every architecture has, then the family's own."""
     spec, meta = SUPPORTED_ARCHITECTURES[arch], Meta(arch, md)
     if meta.get("expert_count", 0) and "expert_count" not in spec.required:
@@ -211,6 +211,48 @@ def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dty
     return f"quantized {' + '.join(kinds)}, group {GROUP_SIZE} (GGUF {source}{requantized})"
 
 
+def architecture(file_name: str, md: dict) -> str:
+    """The file's ``general.architecture``, if we load it (else a ``GGUFError`` naming the ones we do)."""
+    arch = _py(md.get("general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"unsupported GGUF architecture {arch!r} in {file_name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def build_model(
+    file_name: str, arch: str, md: dict, weights: Mapping[str, Any]
+) -> tuple[GGUFArch, dict, nn.Module]:
+    """The family's mlx-lm model for the file, its parameters not loaded yet (lazy, nothing allocated):
+    (architecture spec, mlx-lm config, model). ``weights`` maps tensor names to anything with the
+    tensor's ``.shape`` (rows first), and to the values of the few tensors the config reads
+    (``CONFIG_TENSORS``)."""
+    spec = SUPPORTED_ARCHITECTURES[arch]
+    if "token_embd.weight" not in weights:
+        raise GGUFError(f"{file_name} has no token_embd.weight tensor")
+    config = _config(arch, md, weights)
+    models = mlx_lm_lazy.import_module(f"models.{spec.module}")  # not mlx_lm/__init__: seconds of imports
+    try:
+        model = models.Model(models.ModelArgs.from_dict(config))
+    except (ValueError, TypeError, OverflowError) as e:
+        raise GGUFError(f"{file_name}: cannot build a {arch} model from its metadata: {e}") from e
+    if config["tie_word_embeddings"] and "lm_head" in model and hasattr(model, "tie_word_embeddings"):
+        model.tie_word_embeddings = True  # gemma3_text: tied unless the file has an output tensor
+        model.pop("lm_head")
+    return spec, config, model
+
+
+def py_value(value: Any) -> Any:
+    """A metadata value as plain Python (``mx.load`` gives arrays for numbers)."""
+    return _py(value)
+
+
+def parameter_name(name: str, spec: GGUFArch) -> str:
+    """The mlx-lm parameter a GGUF tensor becomes (``GGUFError`` for a tensor the family lacks)."""
+    return _mlx_name(name, spec)
+
+
 def load_gguf(
     path: str | Path, *, dense: bool, dtype: mx.Dtype = mx.float32
 ) -> tuple[nn.Module, Tokenizer, dict]:
@@ -222,30 +264,14 @@ def load_gguf(
     path = Path(path)
     contents = read_gguf(path)
     tensors, md = contents.tensors, contents.metadata
-    arch = _py(md.get("general.architecture"))
-    if arch not in SUPPORTED_ARCHITECTURES:  # before any tensor is decoded
-        raise GGUFError(
-            f"unsupported GGUF architecture {arch!r} in {path.name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    spec = SUPPORTED_ARCHITECTURES[arch]
+    arch = architecture(path.name, md)  # before any tensor is decoded
     # decoded once per model, variant and loader version; later starts read the result back
     weights = weight_cache.load_or_build(
         path, "dense" if dense else "quantized", lambda: read_tensors(path, tensors, dense)
     )
-    if "token_embd.weight" not in weights:
-        raise GGUFError(f"{path.name} has no token_embd.weight tensor")
-    config = _config(arch, md, weights)
-    models = mlx_lm_lazy.import_module(f"models.{spec.module}")  # not mlx_lm/__init__: seconds of imports
-    try:
-        model = models.Model(models.ModelArgs.from_dict(config))
-    except (ValueError, TypeError, OverflowError) as e:
-        raise GGUFError(f"{path.name}: cannot build a {arch} model from its metadata: {e}") from e
-
-    if config["tie_word_embeddings"] and "lm_head" in model and hasattr(model, "tie_word_embeddings"):
-        model.tie_word_embeddings = True  # gemma3_text: tied unless the file has an output tensor
-        model.pop("lm_head")
+    spec, config, model = build_model(path.name, arch, md, weights)
     rope_freqs = weights.pop("rope_freqs.weight", None)
-    for name in _CONFIG_TENSORS:
+    for name in CONFIG_TENSORS:
         weights.pop(name, None)  # read into the config above
     try:
         mlx_weights, quant = _mlx_weights(weights, spec, config, dtype)
