@@ -51,14 +51,23 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "granite": ("granite", {"logits_scaling": 4.0, "attention_multiplier": 0.2, "embedding_multiplier": 6.0,
                             "residual_multiplier": 0.5, "attention_bias": False, "mlp_bias": False,
                             "tie_word_embeddings": True}),
+    "granitemoe": ("granitemoe", {"logits_scaling": 4.0, "attention_multiplier": 0.2,
+                                  "embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_bias": False,
+                                  "num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": True}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "num_key_value_heads": 4,
+                        "tie_word_embeddings": False}),
     "gpt-oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                             "layer_types": ["sliding_attention", "full_attention"]}),
 }  # fmt: skip
 _GGUF_ARCH = {
     "gemma2": MODEL_ARCH.GEMMA2, "gemma3": MODEL_ARCH.GEMMA3, "phi3": MODEL_ARCH.PHI3,
     "qwen3moe": MODEL_ARCH.QWEN3MOE, "qwen2moe": MODEL_ARCH.QWEN2MOE, "olmo2": MODEL_ARCH.OLMO2,
-    "granite": MODEL_ARCH.GRANITE, "gpt-oss": MODEL_ARCH.GPT_OSS,
+    "granite": MODEL_ARCH.GRANITE, "gpt-oss": MODEL_ARCH.GPT_OSS, "granitemoe": MODEL_ARCH.GRANITE_MOE,
+    "olmoe": MODEL_ARCH.OLMOE,
 }  # fmt: skip
+
+
+MOE_FAMILIES = {"qwen3moe", "qwen2moe", "gpt-oss", "granitemoe", "olmoe"}
 
 
 def family_config(arch: str, **overrides) -> dict:
@@ -68,6 +77,7 @@ def family_config(arch: str, **overrides) -> dict:
 
 def _gguf_tensor_name(tmap: gguf.TensorNameMap, key: str, arch: str) -> str:
     # mlx-lm keeps stacked experts under switch_mlp; Hugging Face's stacked name is mlp.experts
+    key = key.replace(".block_sparse_moe.switch_mlp.", ".mlp.experts.")  # Granite MoE's, split
     name = tmap.get_name(key.replace(".switch_mlp.", ".experts."), try_suffixes=(".weight", ".bias"))
     assert name is not None, f"gguf-py maps no {arch} tensor to {key}"
     if arch == "gpt-oss" and name.endswith("attn_sinks"):
@@ -99,12 +109,13 @@ def _write_metadata(writer: gguf.GGUFWriter, arch: str, c: dict) -> None:
     if "num_experts" in c or "num_local_experts" in c:
         writer.add_expert_count(c.get("num_experts") or c["num_local_experts"])
         writer.add_expert_used_count(c["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(
-            c["moe_intermediate_size"] if "num_experts" in c else c["intermediate_size"]
+        width = (
+            "moe_intermediate_size" if c["model_type"] in ("qwen3_moe", "qwen2_moe") else "intermediate_size"
         )
-    if "shared_expert_intermediate_size" in c:
+        writer.add_expert_feed_forward_length(c[width])
+    if c["model_type"] == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
-    if arch == "granite":
+    if arch.startswith("granite"):
         writer.add_attention_scale(c["attention_multiplier"])
         writer.add_embedding_scale(c["embedding_multiplier"])
         writer.add_residual_scale(c["residual_multiplier"])
@@ -150,7 +161,7 @@ def write_family_gguf(path: Path, arch: str, *, quantized: bool = True, **overri
         if qtype != Q.F32:
             stored, w = quantize_and_decode(w, qtype)  # row by row: commutes with the permutation
             decoded.append((key, mx.array(w)))
-        if arch == "granite" and name.split(".")[-2] in ("attn_q", "attn_k"):
+        if arch.startswith("granite") and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
             stored = llama_cpp_permute(stored, heads)
         writer.add_tensor(name, stored, raw_dtype=None if qtype == Q.F32 else qtype)

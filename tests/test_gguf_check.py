@@ -18,7 +18,7 @@ from mlx_engine.errors import GGUFError
 from mlx_engine.loading.gguf_check import HELD_BITS, check_gguf
 from mlx_engine.loading.gguf_loader import load_gguf
 from mlx_engine.loading.resolve import bundled_model_path
-from tests.gguf_families import FAMILIES, write_family_gguf
+from tests.gguf_families import FAMILIES, MOE_FAMILIES, write_family_gguf
 from tests.gguf_quantize import write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -50,7 +50,7 @@ def test_every_family_is_checked_against_the_model_it_builds(tmp_path, arch):
     model, _, _ = load_gguf(path, dense=True)
     assert check.parameters == _parameters(model)
     assert check.model_class == f"mlx_lm.models.{FAMILIES[arch][0]}"
-    if arch in ("qwen3moe", "qwen2moe", "gpt-oss"):
+    if arch in MOE_FAMILIES:
         # 4 experts, 2 used: half the experts' weights are read per token
         experts = sum(
             v.size for k, v in tree_flatten(model.parameters()) if ".switch_mlp." in k or ".experts." in k

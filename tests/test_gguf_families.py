@@ -16,12 +16,12 @@ from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.loading.gguf_loader import load_gguf
 from mlx_engine.loading.loader import load_model
 from mlx_engine.model_runner import lm_head
-from tests.gguf_families import FAMILIES, write_family_gguf
+from tests.gguf_families import FAMILIES, MOE_FAMILIES, write_family_gguf
 from tests.gguf_quantize import TINY_IDS, TOKENS
 from tests.test_engine_tiny import assert_no_leaks, reference_greedy, req, run_all
 
 ARCHS = sorted(FAMILIES)
-MOE = {"qwen3moe", "qwen2moe", "gpt-oss"}
+MOE = MOE_FAMILIES
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -48,7 +48,9 @@ def test_quantized_file_keeps_its_weights_quantized(tmp_path, arch):
     assert info["weight_format"] == f"quantized 8-bit affine, group 32 (GGUF {'F32/' if moe else ''}Q8_0)"
     quantized = [p for p, m in model.named_modules() if hasattr(m, "bits")]
     plain = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and not hasattr(m, "bits")]
-    assert plain == [p for p in plain if p.endswith((".gate", ".router", ".shared_expert_gate"))], plain
+    assert plain == [
+        p for p in plain if p.endswith((".gate", ".router", ".router.layer", ".shared_expert_gate"))
+    ], plain
     # stacked experts stay quantized: MLX's gather_qmm (or the CPU kernel) reads them packed
     assert moe == any(p.endswith(("switch_mlp.up_proj", "experts.up_proj")) for p in quantized), quantized
     diff = mx.abs(model(TINY_IDS) - want).max().item()

@@ -61,11 +61,12 @@ def test_float_file_matches_llama_cpp(tmp_path, arch):
 
 # (relative RMS to llama.cpp, top-1 agreement over 64 positions) per file type. Measured (every
 # family): Q8_0 1.4-6.0% and >= 89%; 4-bit types on the narrow models 1.4-14% and >= 86%; on the
-# 256-wide ones (K-quant and IQ4_XS mixes, MXFP4 experts) 2.2-17.5% and >= 77%, more layers of
-# 8-bit activation rounding adding up. A mis-mapped tensor gives ~100% and chance agreement.
+# 256-wide ones (K-quant and IQ4_XS mixes, MXFP4 experts) 2.2-27% and >= 77%, more layers of 8-bit
+# activation rounding adding up (the 27%: Granite MoE, whose logits spread least; there llama.cpp
+# is 29% from the file's exact values and Duet 14%). A mis-mapped tensor gives ~100% and chance.
 LLAMA_CPP_BOUNDS = {
     "Q8_0": (0.10, 0.85), "Q4_0": (0.20, 0.80), "IQ4_NL": (0.20, 0.80),
-    "Q4_K_M": (0.20, 0.75), "IQ4_XS": (0.20, 0.75), "MXFP4_MOE": (0.20, 0.75),
+    "Q4_K_M": (0.30, 0.75), "IQ4_XS": (0.30, 0.75), "MXFP4_MOE": (0.30, 0.75),
 }  # fmt: skip
 # llama.cpp's quantizer needs rows of 256 weights for these to apply as named
 NEEDS_WIDE = {"Q4_K_M", "IQ4_XS", "MXFP4_MOE"}

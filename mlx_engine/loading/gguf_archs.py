@@ -193,6 +193,22 @@ def _granite(meta: Meta, weights: Weights, common: Config) -> Config:
     }
 
 
+def _granitemoe(meta: Meta, weights: Weights, common: Config) -> Config:
+    return _granite(meta, weights, common) | {
+        "num_local_experts": meta.get("expert_count"),
+        "num_experts_per_tok": meta.get("expert_used_count"),
+        "intermediate_size": meta.get("expert_feed_forward_length") or common["intermediate_size"],
+    }
+
+
+def _olmoe(meta: Meta, weights: Weights, common: Config) -> Config:
+    # llama.cpp's olmoe does not renormalise the chosen experts' weights (OLMoE's norm_topk_prob)
+    out = _experts(meta, common) | {"norm_topk_prob": bool(meta.get("expert_weights_norm", False))}
+    out.pop("moe_intermediate_size")  # OLMoE's experts are intermediate_size wide
+    out["intermediate_size"] = meta.get("expert_feed_forward_length") or common["intermediate_size"]
+    return out
+
+
 def _gpt_oss(meta: Meta, weights: Weights, common: Config) -> Config:
     n_layers = common["num_hidden_layers"]
     out: Config = {
@@ -260,6 +276,26 @@ ARCHITECTURES: dict[str, GGUFArch] = {
         _olmo2,
     ),
     "granite": GGUFArch("granite", LLAMA_NAMES, _granite, permuted_qk=True),
+    "granitemoe": GGUFArch(
+        "granitemoe",
+        _ATTENTION
+        | _PRE_NORMS
+        | {
+            "ffn_gate_inp": "block_sparse_moe.router.layer",
+            "ffn_gate_exps": "block_sparse_moe.switch_mlp.gate_proj",
+            "ffn_up_exps": "block_sparse_moe.switch_mlp.up_proj",
+            "ffn_down_exps": "block_sparse_moe.switch_mlp.down_proj",
+        },
+        _granitemoe,
+        permuted_qk=True,
+        required=("expert_count", "expert_used_count"),
+    ),
+    "olmoe": GGUFArch(
+        "olmoe",
+        _ATTENTION | _PRE_NORMS | _SWITCH_EXPERTS,
+        _olmoe,
+        required=("expert_count", "expert_used_count"),
+    ),
     "gpt-oss": GGUFArch(
         "gpt_oss",
         _ATTENTION
