@@ -10,6 +10,7 @@ written with ``GGUFWriter``'s own methods. So a loader that maps a family wrongl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -139,9 +140,17 @@ def default_qtype(name: str, shape: tuple[int, ...]) -> Q:
     return Q.Q8_0 if len(shape) >= 2 and name.endswith(".weight") and ".ffn_gate_inp" not in name else Q.F32
 
 
-def write_family_gguf(path: Path, arch: str, *, quantized: bool = True, **overrides) -> nn.Module:
+def write_family_gguf(
+    path: Path,
+    arch: str,
+    *,
+    quantized: bool = True,
+    qtype_of: Callable[[str, tuple[int, ...]], Q] = default_qtype,
+    **overrides,
+) -> nn.Module:
     """Write a tiny random ``arch`` GGUF at ``path``; returns the mlx-lm model (its weights the values
-    the file's blocks decode to, by gguf-py's own dequantizer) the loaded file must reproduce."""
+    the file's blocks decode to, by gguf-py's own dequantizer) the loaded file must reproduce.
+    ``qtype_of(name, shape)`` picks each tensor's type when ``quantized``."""
     config = family_config(arch, **overrides)
     model = tiny_model(config["model_type"], config)
     if arch == "gemma3":  # Gemma 3 GGUFs tie the output layer to the embeddings (no output tensor)
@@ -156,7 +165,7 @@ def write_family_gguf(path: Path, arch: str, *, quantized: bool = True, **overri
         w = np.array(value, dtype=np.float32)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1.0  # llama.cpp stores Gemma's norms with the +1 folded in
-        qtype = default_qtype(name, w.shape) if quantized else Q.F32
+        qtype = qtype_of(name, w.shape) if quantized else Q.F32
         stored = w
         if qtype != Q.F32:
             stored, w = quantize_and_decode(w, qtype)  # row by row: commutes with the permutation

@@ -16,7 +16,7 @@ from mlx_engine.engine import Engine, EngineConfig
 from mlx_engine.loading.gguf_loader import load_gguf
 from mlx_engine.loading.loader import load_model
 from mlx_engine.model_runner import lm_head
-from tests.gguf_families import FAMILIES, MOE_FAMILIES, write_family_gguf
+from tests.gguf_families import FAMILIES, MOE_FAMILIES, Q, default_qtype, write_family_gguf
 from tests.gguf_quantize import TINY_IDS, TOKENS
 from tests.test_engine_tiny import assert_no_leaks, reference_greedy, req, run_all
 
@@ -68,7 +68,7 @@ def test_the_engines_output_layer_is_the_models(tmp_path, arch):
     assert diff < 1e-5, diff
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "qwen3moe", "gpt-oss", "granite"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_engine_decodes_the_familys_tokens(tmp_path, arch):
     """Through load_model (the CPU kernels, the paged KV cache with its sliding windows and sinks)
     batched greedy decoding gives mlx-lm's own loop's tokens on the same file."""
@@ -80,6 +80,30 @@ def test_engine_decodes_the_familys_tokens(tmp_path, arch):
     engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, kv_dtype="float32"))
     try:
         assert asyncio.run(run_all(engine, [req(p, 8) for p in ps])) == expected
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_gpt_oss_with_mxfp4_experts_decodes_in_the_engine(tmp_path):
+    """gpt-oss as published: experts in MXFP4 (kept in MLX's mxfp4 mode, MLX's own gather_qmm on the
+    CPU), the rest Q8_0; the engine's greedy tokens are mlx-lm's own loop's on the same file."""
+    path = tmp_path / "gpt-oss-mxfp4.gguf"
+
+    def mxfp4_experts(name: str, shape: tuple[int, ...]) -> Q:
+        return Q.MXFP4 if "_exps.weight" in name else default_qtype(name, shape)
+
+    expected = write_family_gguf(path, "gpt-oss", qtype_of=mxfp4_experts)
+    model, _, info = load_gguf(path, dense=False)
+    assert "mxfp4" in info["weight_format"] and "MXFP4" in info["weight_format"], info["weight_format"]
+    assert model.model.layers[0].mlp.experts.up_proj.mode == "mxfp4"
+    assert mx.abs(model(TINY_IDS) - expected(TINY_IDS)).max().item() < 1e-3
+    loaded = load_model(str(path), weights="quantized")
+    ps = [[1, *range(40, 40 + n)] for n in (5, 17)]
+    want = [reference_greedy(model, p, 8, vocab=len(TOKENS)) for p in ps]
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, kv_dtype="float32"))
+    try:
+        assert asyncio.run(run_all(engine, [req(p, 8) for p in ps])) == want
         assert_no_leaks(engine)
     finally:
         engine.shutdown()
