@@ -20,25 +20,21 @@ import numpy as np
 from gguf.constants import MODEL_ARCH
 from mlx.utils import tree_flatten, tree_unflatten
 
-from tests.gguf_quantize import MERGES, SPECIALS, TOKENS, llama_cpp_permute, quantize_and_decode, tiny_model
+from tests.gguf_quantize import (
+    MERGES,
+    SPECIALS,
+    TOKENS,
+    llama_cpp_permute,
+    quantize_and_decode,
+    tiny_config,
+    tiny_model,
+)
 
 Q = gguf.GGMLQuantizationType
 
-_BASE = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 96,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": len(TOKENS),
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 256,
-}
 _EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
-# GGUF architecture -> (mlx-lm module, the family's tiny config beyond _BASE)
+# GGUF architecture -> (mlx-lm module, the family's tiny config beyond gguf_quantize's tiny_config)
 FAMILIES: dict[str, tuple[str, dict]] = {
     "gemma2": ("gemma2", {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                           "query_pre_attn_scalar": 16.0}),
@@ -73,7 +69,7 @@ MOE_FAMILIES = {"qwen3moe", "qwen2moe", "gpt-oss", "granitemoe", "olmoe"}
 
 def family_config(arch: str, **overrides) -> dict:
     module, extra = FAMILIES[arch]
-    return {"model_type": module} | _BASE | extra | overrides
+    return tiny_config(module) | extra | overrides
 
 
 def _gguf_tensor_name(tmap: gguf.TensorNameMap, key: str, arch: str) -> str:

@@ -36,9 +36,9 @@ def kv_token_bytes(loaded, dtype: mx.Dtype | None = None) -> int:
     return loaded.num_layers * per_layer
 
 
-def reference_greedy(model, prompt: list[int], n: int, vocab: int = TINY_TOKENS) -> list[int]:
+def reference_greedy(model, prompt: list[int], n: int, vocab: int | None = TINY_TOKENS) -> list[int]:
     """mlx-lm's generate_step with its own KV cache: the independent reference, choosing among the
-    tokenizer's ``vocab`` ids (the tiny models' output layers have a few rows past it)."""
+    tokenizer's ``vocab`` ids (the tiny models' output layers have a few rows past it; None: all)."""
     from mlx_lm.generate import generate_step
 
     out = []

@@ -21,6 +21,19 @@ from tests.gguf_quantize import TINY_IDS, TOKENS
 from tests.test_engine_tiny import assert_no_leaks, reference_greedy, req, run_all
 
 ARCHS = sorted(FAMILIES)
+
+
+def engine_greedy(loaded, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The engine's greedy tokens for ``prompts``, batched; no KV block may leak."""
+    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, kv_dtype="float32"))
+    try:
+        out = asyncio.run(run_all(engine, [req(p, n) for p in prompts]))
+        assert_no_leaks(engine)
+        return out
+    finally:
+        engine.shutdown()
+
+
 MOE = MOE_FAMILIES
 
 
@@ -77,12 +90,7 @@ def test_engine_decodes_the_familys_tokens(tmp_path, arch):
     loaded = load_model(str(path), weights="quantized")
     ps = [[1, *range(40, 40 + n)] for n in (3, 11, 19)]  # past gemma3/gpt-oss's window of 8
     expected = [reference_greedy(load_gguf(path, dense=False)[0], p, 8, vocab=len(TOKENS)) for p in ps]
-    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, kv_dtype="float32"))
-    try:
-        assert asyncio.run(run_all(engine, [req(p, 8) for p in ps])) == expected
-        assert_no_leaks(engine)
-    finally:
-        engine.shutdown()
+    assert engine_greedy(loaded, ps, 8) == expected
 
 
 def test_gpt_oss_with_mxfp4_experts_decodes_in_the_engine(tmp_path):
@@ -101,9 +109,4 @@ def test_gpt_oss_with_mxfp4_experts_decodes_in_the_engine(tmp_path):
     loaded = load_model(str(path), weights="quantized")
     ps = [[1, *range(40, 40 + n)] for n in (5, 17)]
     want = [reference_greedy(model, p, 8, vocab=len(TOKENS)) for p in ps]
-    engine = Engine(loaded, EngineConfig(cache_gb=0.01, block_size=16, kv_dtype="float32"))
-    try:
-        assert asyncio.run(run_all(engine, [req(p, 8) for p in ps])) == want
-        assert_no_leaks(engine)
-    finally:
-        engine.shutdown()
+    assert engine_greedy(loaded, ps, 8) == want

@@ -31,6 +31,7 @@ from mlx_engine.loading.gguf_tensors import _tensor_arrays, quantization_of
 from mlx_engine.loading.loader import load_model
 from mlx_engine.loading.preflight import check_model
 from tests.gguf_quantize import TINY_IDS, Q, dequantize, quantize, random_blocks, write_tiny_gguf
+from tests.test_engine_tiny import reference_greedy
 from tests.test_gguf_kquants import ENGINE_PROMPTS, K_CONFIG, _engine_greedy
 
 
@@ -251,19 +252,9 @@ def test_tiny_iquant_through_the_engine(tiny_iquant):
     """With this backend's default weight format (CPU: quantized through cpu_kernels where they
     support the layer's format, MLX's own quantized_matmul for mxfp4 and 2-bit layers), the engine's
     paged, batched path gives mlx-lm's own greedy tokens on the same model."""
-    from mlx_lm.generate import generate_step
-
     path, qtype, _ = tiny_iquant
     loaded = load_model(str(path))
-    want = [
-        [
-            int(t)
-            for t, _ in generate_step(
-                mx.array(p), loaded.model, max_tokens=12, sampler=lambda x: mx.argmax(x, -1)
-            )
-        ]
-        for p in ENGINE_PROMPTS
-    ]
+    want = [reference_greedy(loaded.model, p, 12, vocab=None) for p in ENGINE_PROMPTS]
     assert _engine_greedy(loaded) == want
     assert loaded.dtype == mx.float32  # the activations' dtype, even with an mxfp4 (uint8-scaled) embedding
     q_proj = loaded.model.model.layers[0].self_attn.q_proj
