@@ -14,20 +14,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gguf
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from gguf.constants import MODEL_ARCH
-from mlx.utils import tree_flatten, tree_unflatten
 
 from tests.gguf_quantize import (
     MERGES,
     SPECIALS,
     TOKENS,
     llama_cpp_permute,
-    quantize_and_decode,
     tiny_config,
     tiny_model,
+    write_model_tensors,
 )
 
 Q = gguf.GGMLQuantizationType
@@ -155,25 +153,21 @@ def write_family_gguf(
     tmap = gguf.get_tensor_name_map(_GGUF_ARCH[arch], config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch=arch)
     _write_metadata(writer, arch, config)
-    decoded = []
-    for key, value in tree_flatten(model.parameters()):
-        name = _gguf_tensor_name(tmap, key, arch)
-        w = np.array(value, dtype=np.float32)
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
-            w = w + 1.0  # llama.cpp stores Gemma's norms with the +1 folded in
-        qtype = qtype_of(name, w.shape) if quantized else Q.F32
-        stored = w
-        if qtype != Q.F32:
-            stored, w = quantize_and_decode(w, qtype)  # row by row: commutes with the permutation
-            decoded.append((key, mx.array(w)))
+
+    def permuted(name: str, stored: np.ndarray) -> np.ndarray:
         if arch.startswith("granite") and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
-            stored = llama_cpp_permute(stored, heads)
-        writer.add_tensor(name, stored, raw_dtype=None if qtype == Q.F32 else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    model.update(tree_unflatten(decoded))
-    mx.eval(model.parameters())
-    return model
+            return llama_cpp_permute(stored, heads)
+        return stored
+
+    return write_model_tensors(
+        writer,
+        model,
+        name_of=lambda key: _gguf_tensor_name(tmap, key, arch),
+        qtype_of=qtype_of if quantized else lambda _name, _shape: Q.F32,
+        # llama.cpp stores Gemma's norms with the +1 folded in
+        stored_values=lambda name, w: (
+            w + 1.0 if arch.startswith("gemma") and name.endswith("norm.weight") else w
+        ),
+        stored_layout=permuted,
+    )

@@ -510,26 +510,50 @@ def write_tiny_gguf(
             return qtypes(name)
         return (qtypes or {}).get(name.split(".")[-2], Q.F32)
 
-    decoded = []
-    for key, value in tree_flatten(model.parameters()):
-        name = gguf_name(key)
-        w = np.array(value, dtype=np.float32)
-        if arch == "gemma" and name.endswith("norm.weight"):
-            w = w + 1.0  # llama.cpp stores Gemma's norms with the +1 folded in
-        qtype = type_of(name)
-        stored = w
-        if qtype != Q.F32:
-            # quantization works row by row, so it commutes with the row permutation below
-            stored, w = quantize_and_decode(w, qtype)
-            decoded.append((key, mx.array(w)))
+    def permuted(name: str, stored: np.ndarray) -> np.ndarray:
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
-            stored = llama_cpp_permute(stored, heads)
-        writer.add_tensor(name, stored, raw_dtype=None if qtype == Q.F32 else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return llama_cpp_permute(stored, heads)
+        return stored
+
+    return write_model_tensors(
+        writer,
+        model,
+        name_of=gguf_name,
+        qtype_of=lambda name, _shape: type_of(name),
+        stored_values=lambda name, w: w + 1.0 if arch == "gemma" and name.endswith("norm.weight") else w,
+        stored_layout=permuted,
+    )
+
+
+def write_model_tensors(
+    writer: gguf.GGUFWriter,
+    model: nn.Module,
+    *,
+    name_of: Callable[[str], str],
+    qtype_of: Callable[[str, tuple[int, ...]], Q],
+    stored_values: Callable[[str, np.ndarray], np.ndarray],
+    stored_layout: Callable[[str, np.ndarray], np.ndarray],
+) -> nn.Module:
+    """Add ``model``'s parameters to ``writer`` as llama.cpp's converter would and write the file:
+    each under ``name_of(key)``, its values changed as the converter changes them
+    (``stored_values``: Gemma's norms + 1), quantized to ``qtype_of(name, shape)``, then laid out as
+    ggml wants (``stored_layout``: llama's Q/K permutation; quantization works row by row, so it
+    commutes with row permutations). Returns ``model`` with the values the file decodes to."""
+    decoded = []
+    for key, value in tree_flatten(model.parameters()):
+        name = name_of(key)
+        w = stored_values(name, np.array(value, dtype=np.float32))
+        qtype = qtype_of(name, w.shape)
+        stored = w
+        if qtype != Q.F32:
+            stored, w = quantize_and_decode(w, qtype)
+            decoded.append((key, mx.array(w)))
+        writer.add_tensor(name, stored_layout(name, stored), raw_dtype=None if qtype == Q.F32 else qtype)
+    _finish(writer)
+    model.update(tree_unflatten(decoded))
+    mx.eval(model.parameters())
+    return model
     model.update(tree_unflatten(decoded))
     mx.eval(model.parameters())
     return model

@@ -113,10 +113,10 @@ def test_decoder_matches_gguf(qtype, rows, blocks):
     np.testing.assert_allclose(np.array(got), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [*QUANT_TYPES, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4], ids=lambda t: t.name)
 def test_quantizer_edge_rows(qtype):
     """Rows that are all zero, constant, or one outlier among tiny values still decode (d = 0 and
-    clipped codes) to what gguf's dequantizer gives."""
+    clipped codes) to what gguf's dequantizer gives (the test quantizers of tests/gguf_quantize.py)."""
     cols = gguf.GGML_QUANT_SIZES[qtype][0] * 2
     w = np.zeros((4, cols), np.float32)
     w[1] = 0.25
