@@ -15,14 +15,12 @@ from pathlib import Path
 
 import gguf
 import mlx.nn as nn
-import numpy as np
 from gguf.constants import MODEL_ARCH
 
 from tests.gguf_quantize import (
     MERGES,
     SPECIALS,
     TOKENS,
-    llama_cpp_permute,
     tiny_config,
     tiny_model,
     write_model_tensors,
@@ -154,12 +152,6 @@ def write_family_gguf(
     writer = gguf.GGUFWriter(str(path), arch=arch)
     _write_metadata(writer, arch, config)
 
-    def permuted(name: str, stored: np.ndarray) -> np.ndarray:
-        if arch.startswith("granite") and name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
-            return llama_cpp_permute(stored, heads)
-        return stored
-
     return write_model_tensors(
         writer,
         model,
@@ -169,5 +161,7 @@ def write_family_gguf(
         stored_values=lambda name, w: (
             w + 1.0 if arch.startswith("gemma") and name.endswith("norm.weight") else w
         ),
-        stored_layout=permuted,
+        permuted_heads=(config["num_attention_heads"], config["num_key_value_heads"])
+        if arch.startswith("granite")
+        else None,
     )

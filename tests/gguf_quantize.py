@@ -510,19 +510,15 @@ def write_tiny_gguf(
             return qtypes(name)
         return (qtypes or {}).get(name.split(".")[-2], Q.F32)
 
-    def permuted(name: str, stored: np.ndarray) -> np.ndarray:
-        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
-            return llama_cpp_permute(stored, heads)
-        return stored
-
     return write_model_tensors(
         writer,
         model,
         name_of=gguf_name,
         qtype_of=lambda name, _shape: type_of(name),
         stored_values=lambda name, w: w + 1.0 if arch == "gemma" and name.endswith("norm.weight") else w,
-        stored_layout=permuted,
+        permuted_heads=(config["num_attention_heads"], config["num_key_value_heads"])
+        if arch == "llama"
+        else None,
     )
 
 
@@ -533,13 +529,13 @@ def write_model_tensors(
     name_of: Callable[[str], str],
     qtype_of: Callable[[str, tuple[int, ...]], Q],
     stored_values: Callable[[str, np.ndarray], np.ndarray],
-    stored_layout: Callable[[str, np.ndarray], np.ndarray],
+    permuted_heads: tuple[int, int] | None,
 ) -> nn.Module:
     """Add ``model``'s parameters to ``writer`` as llama.cpp's converter would and write the file:
     each under ``name_of(key)``, its values changed as the converter changes them
-    (``stored_values``: Gemma's norms + 1), quantized to ``qtype_of(name, shape)``, then laid out as
-    ggml wants (``stored_layout``: llama's Q/K permutation; quantization works row by row, so it
-    commutes with row permutations). Returns ``model`` with the values the file decodes to."""
+    (``stored_values``: Gemma's norms + 1), quantized to ``qtype_of(name, shape)``, then Q and K rows
+    permuted for ggml's RoPE when ``permuted_heads`` (query, key/value heads) says so, as for llama
+    (quantization works row by row, so it commutes with the permutation). Returns ``model`` with the values the file decodes to."""
     decoded = []
     for key, value in tree_flatten(model.parameters()):
         name = name_of(key)
@@ -549,7 +545,9 @@ def write_model_tensors(
         if qtype != Q.F32:
             stored, w = quantize_and_decode(w, qtype)
             decoded.append((key, mx.array(w)))
-        writer.add_tensor(name, stored_layout(name, stored), raw_dtype=None if qtype == Q.F32 else qtype)
+        if permuted_heads and name.split(".")[-2] in ("attn_q", "attn_k"):
+            stored = llama_cpp_permute(stored, permuted_heads[0 if ".attn_q." in name else 1])
+        writer.add_tensor(name, stored, raw_dtype=None if qtype == Q.F32 else qtype)
     _finish(writer)
     model.update(tree_unflatten(decoded))
     mx.eval(model.parameters())
