@@ -130,7 +130,9 @@ def quantize(src: Path, dst: Path, quant: str) -> None:
 
 
 def decode_bytes(path: Path) -> dict[str, float]:
-    """Bytes in the file's weight tensors, and what one batch-1 decode step reads of them."""
+    """Bytes in the file's weight tensors, and what one batch-1 decode step reads of them: as the
+    file holds them (llama.cpp reads these) and as Duet holds them (``gguf_check.held_bytes``)."""
+    from mlx_engine.loading.gguf_check import held_bytes
     from mlx_engine.loading.gguf_file import read_gguf
 
     contents = read_gguf(path)
@@ -138,15 +140,16 @@ def decode_bytes(path: Path) -> dict[str, float]:
     arch = str(md["general.architecture"])
     experts = int(md.get(f"{arch}.expert_count", 0) or 0)
     used = int(md.get(f"{arch}.expert_used_count", 0) or 0)
-    total = expert = 0
-    for t in contents.tensors:
-        total += t.nbytes
-        if "_exps." in t.name:
-            expert += t.nbytes
-    embed = next(t.nbytes for t in contents.tensors if t.name == "token_embd.weight")
-    # the embedding is a lookup (one row), everything else is read whole, experts k of E
-    active = total - embed - expert + (expert * used / experts if experts else 0)
-    return {"file_gb": total / 1e9, "active_gb_per_token": active / 1e9}
+    out = {"file_gb": sum(t.nbytes for t in contents.tensors) / 1e9}
+    for label, size in (("file", lambda t: t.nbytes), ("duet", held_bytes)):
+        active = 0.0
+        for t in contents.tensors:
+            if t.name == "token_embd.weight":
+                continue  # a lookup: one row per token
+            share = used / experts if experts and "_exps." in t.name else 1.0
+            active += size(t) * share
+        out[f"{label}_active_gb_per_token"] = active / 1e9
+    return out
 
 
 def build(shape: str, quant: str) -> Path:

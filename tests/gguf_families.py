@@ -117,6 +117,10 @@ def _write_metadata(writer: gguf.GGUFWriter, arch: str, c: dict) -> None:
         writer.add_sliding_window(c["sliding_window"])
     # llama.cpp looks Phi-3's end-of-turn token up by its text
     tokens = TOKENS + ["<|end|>"] * (c["vocab_size"] - len(TOKENS))
+    if (scaling := c.get("rope_scaling")) and scaling.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)

@@ -110,3 +110,17 @@ def test_gpt_oss_with_mxfp4_experts_decodes_in_the_engine(tmp_path):
     ps = [[1, *range(40, 40 + n)] for n in (5, 17)]
     want = [reference_greedy(model, p, 8, vocab=len(TOKENS)) for p in ps]
     assert engine_greedy(loaded, ps, 8) == want
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "olmo2"])
+def test_yarn_rope_scaling_is_mlx_lms(tmp_path, arch):
+    """A YaRN file (rope.scaling.type yarn: Qwen3's 128K files, gpt-oss) gets mlx-lm's YaRN RoPE in
+    every layer, as mlx-lm's own class builds it from the same config (checked against llama.cpp
+    in tests/test_gguf_families_llama_cpp.py)."""
+    path = tmp_path / f"{arch}-yarn.gguf"
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    expected = write_family_gguf(path, arch, quantized=False, rope_scaling=yarn)
+    model, _, _ = load_gguf(path, dense=True)
+    assert type(model.model.layers[0].self_attn.rope).__name__ == "YarnRoPE"
+    ids = mx.array([[1, *range(40, 100)]])  # past the original 16 positions
+    assert mx.abs(model(ids) - expected(ids)).max().item() < 1e-4

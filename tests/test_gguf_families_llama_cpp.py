@@ -72,6 +72,22 @@ LLAMA_CPP_BOUNDS = {
 NEEDS_WIDE = {"Q4_K_M", "IQ4_XS", "MXFP4_MOE"}
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmo2", "gpt-oss"])
+def test_yarn_rope_scaling_matches_llama_cpp(tmp_path, arch):
+    """YaRN (Qwen3's and Qwen2.5's 128K files, gpt-oss): a file trained for 16 positions, scaled 4x,
+    read at 64 positions, so three quarters of them are past the original context."""
+    path = tmp_path / f"{arch}-yarn.gguf"
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    write_family_gguf(path, arch, quantized=False, rope_scaling=yarn)
+    plain = tmp_path / f"{arch}.gguf"
+    write_family_gguf(plain, arch, quantized=False)
+    theirs = llama_cpp_logits(path, IDS)
+    ours = _logits(load_gguf(path, dense=True)[0])
+    assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max(), np.abs(ours - theirs).max()
+    # and the scaling is really applied: without it the logits differ
+    assert np.abs(_logits(load_gguf(plain, dense=True)[0]) - ours).max() > 1e-2
+
+
 @pytest.mark.parametrize("ftype", sorted(LLAMA_CPP_BOUNDS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_quantized_file_matches_llama_cpp(tmp_path: Path, arch, ftype):

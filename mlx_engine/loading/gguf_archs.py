@@ -219,14 +219,6 @@ def _gpt_oss(meta: Meta, weights: Weights, common: Config) -> Config:
         # llama.cpp: even layers slide, odd layers are global (HF's layer_types, not in the metadata)
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)],
     }
-    if meta.get("rope.scaling.type") == "yarn":
-        out["rope_scaling"] = {
-            "rope_type": "yarn",
-            "factor": meta.get("rope.scaling.factor"),
-            "original_max_position_embeddings": meta.get("rope.scaling.original_context_length"),
-            "beta_fast": meta.get("rope.scaling.yarn_beta_fast", 32.0),
-            "beta_slow": meta.get("rope.scaling.yarn_beta_slow", 1.0),
-        }
     return out
 
 

@@ -68,7 +68,8 @@ def _logical_shape(t: TensorInfo) -> tuple[int, ...]:
     return tuple(reversed(t.shape))
 
 
-def _held_bytes(t: TensorInfo) -> float:
+def held_bytes(t: TensorInfo) -> float:
+    """Bytes the tensor takes as Duet holds it with weights kept quantized."""
     n = 1
     for d in t.shape:
         n *= d
@@ -142,7 +143,7 @@ def check_gguf(path: str | Path) -> GGUFCheck:
         report.tensor_types = dict(Counter(t.ggml_type for t in tensors))
         report.held_as = {k: _held_as(k) for k in sorted(report.tensor_types)}
         report.file_gb = sum(t.nbytes for t in tensors) / 1e9
-        report.memory_gb = sum(_held_bytes(t) for t in tensors) / 1e9
+        report.memory_gb = sum(held_bytes(t) for t in tensors) / 1e9
         arch = gguf_loader.architecture(path.name, md)
         _check_parameters(path, arch, md, tensors, report)
         from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf

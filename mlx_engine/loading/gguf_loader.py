@@ -49,6 +49,20 @@ _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)")
 _TOP_TENSOR = re.compile(r"(\w+)\.(weight|bias|scales|biases)")
 _BARE_PARAMETERS = {"attn_sinks"}  # a GGUF "<name>.weight" that is a plain mlx-lm array (no .weight)
+# families whose attention calls ``self.rope(x, offset=...)``: YaRN goes in as mlx-lm's YarnRoPE
+# (Qwen2.5/Qwen3 128K files, gpt-oss); Gemma 3 scales only its global layers, Phi-3 has LongRoPE
+_YARN_ARCHS = {
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "qwen2moe",
+    "olmo2",
+    "olmoe",
+    "granite",
+    "granitemoe",
+    "gpt-oss",
+}
 # tensors that configure the model rather than being parameters of it
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -120,11 +134,18 @@ def _config(arch: str, md: dict, weights: Mapping[str, Any]) -> dict:
     scaling, rope_scaling = meta.get("rope.scaling.type", "none"), None
     if scaling == "linear":
         rope_scaling = {"type": "linear", "factor": meta.get("rope.scaling.factor")}
-    elif scaling == "yarn" and arch == "gpt-oss":
-        pass  # gpt-oss's config reads its YaRN parameters
+    elif scaling == "yarn" and arch in _YARN_ARCHS:
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": meta.get("rope.scaling.factor"),
+            "original_max_position_embeddings": meta.get("rope.scaling.original_context_length"),
+            "beta_fast": meta.get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": meta.get("rope.scaling.yarn_beta_slow", 1.0),
+        }
     elif scaling not in ("none", None):
         raise GGUFError(
-            f"rope scaling {scaling!r} is not supported for {arch} (supported: none, linear, llama3 rope_freqs)"
+            f"rope scaling {scaling!r} is not supported for {arch} (supported: none, linear, llama3 "
+            f"rope_freqs; yarn for {', '.join(sorted(_YARN_ARCHS))})"
         )
     common = {
         "model_type": spec.module,
@@ -191,6 +212,20 @@ def _apply_rope_freqs(model: nn.Module, factors: mx.array, head_dim: int, base: 
     periods = base ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim) * factors.astype(mx.float32)
     for layer in model.layers:
         layer.self_attn.rope = _ScaledRoPE(head_dim, periods)
+
+
+def _apply_yarn(model: nn.Module, config: dict) -> None:
+    """Every layer's RoPE as mlx-lm's YaRN (some of mlx-lm's classes, e.g. qwen3_moe, ignore
+    ``rope_scaling`` and build a plain RoPE; for those that read it this is the same module)."""
+    rope_utils = mlx_lm_lazy.import_module("models.rope_utils")
+    for layer in model.layers:
+        layer.self_attn.rope = rope_utils.initialize_rope(
+            config["head_dim"],
+            config["rope_theta"],
+            False,
+            config["rope_scaling"],
+            config["max_position_embeddings"],
+        )
 
 
 def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dtype: mx.Dtype) -> str:
@@ -285,6 +320,8 @@ def load_gguf(
         ) from e
     if rope_freqs is not None:
         _apply_rope_freqs(model, rope_freqs, config["head_dim"], config["rope_theta"])
+    if (config.get("rope_scaling") or {}).get("rope_type") == "yarn":
+        _apply_yarn(model, config)
     if dense:
         dequantize_model(model, dtype)
     model.eval()
