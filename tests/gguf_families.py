@@ -49,6 +49,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                   "num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": True}),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "num_key_value_heads": 4,
                         "tie_word_embeddings": False}),
+    "mistral3": ("ministral3", {"tie_word_embeddings": False, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0, "llama_4_scaling_beta": 0.1}}),
     "gpt-oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                             "layer_types": ["sliding_attention", "full_attention"]}),
 }  # fmt: skip
@@ -56,7 +59,7 @@ _GGUF_ARCH = {
     "gemma2": MODEL_ARCH.GEMMA2, "gemma3": MODEL_ARCH.GEMMA3, "phi3": MODEL_ARCH.PHI3,
     "qwen3moe": MODEL_ARCH.QWEN3MOE, "qwen2moe": MODEL_ARCH.QWEN2MOE, "olmo2": MODEL_ARCH.OLMO2,
     "granite": MODEL_ARCH.GRANITE, "gpt-oss": MODEL_ARCH.GPT_OSS, "granitemoe": MODEL_ARCH.GRANITE_MOE,
-    "olmoe": MODEL_ARCH.OLMOE,
+    "olmoe": MODEL_ARCH.OLMOE, "mistral3": MODEL_ARCH.MISTRAL3,
 }  # fmt: skip
 
 
@@ -121,6 +124,14 @@ def _write_metadata(writer: gguf.GGUFWriter, arch: str, c: dict) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    if params := c.get("rope_parameters"):  # Ministral 3's YaRN and query scaling
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(params["factor"])
+        writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        if params["mscale_all_dim"]:
+            writer.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
+        writer.add_attn_temperature_scale(params["llama_4_scaling_beta"])
+        writer.add_attn_temperature_length(params["original_max_position_embeddings"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
@@ -166,6 +177,6 @@ def write_family_gguf(
             w + 1.0 if arch.startswith("gemma") and name.endswith("norm.weight") else w
         ),
         permuted_heads=(config["num_attention_heads"], config["num_key_value_heads"])
-        if arch.startswith("granite")
+        if arch.startswith("granite") or arch == "mistral3"
         else None,
     )

@@ -124,3 +124,7 @@ def test_yarn_rope_scaling_is_mlx_lms(tmp_path, arch):
     assert type(model.model.layers[0].self_attn.rope).__name__ == "YarnRoPE"
     ids = mx.array([[1, *range(40, 100)]])  # past the original 16 positions
     assert mx.abs(model(ids) - expected(ids)).max().item() < 1e-4
+    # and in the engine (YaRN's frequencies are computed at load, not on the engine's thread)
+    ps = [[1, *range(40, 40 + n)] for n in (9, 30)]
+    want = [reference_greedy(model, p, 6, vocab=len(TOKENS)) for p in ps]
+    assert engine_greedy(load_model(str(path), weights="quantized"), ps, 6) == want

@@ -222,6 +222,33 @@ def _gpt_oss(meta: Meta, weights: Weights, common: Config) -> Config:
     return out
 
 
+def _mistral3(meta: Meta, weights: Weights, common: Config) -> Config:
+    """Ministral 3: llama's body, YaRN, and Llama 4's query scaling by position
+    (``1 + beta * log(1 + floor(pos / length))``, 1 below ``length``) in mlx-lm's ``rope_parameters``."""
+    params: Config = {"rope_theta": common["rope_theta"], "rope_type": "default"}
+    length = meta.get("attention.temperature_length")
+    if meta.get("rope.scaling.type") == "yarn":
+        original = meta.get("rope.scaling.original_context_length")
+        if length and original and length != original:
+            raise GGUFError(
+                f"mistral3's YaRN context ({original}) and query-scaling length ({length}) differ; "
+                "mlx-lm's ministral3 takes one original_max_position_embeddings"
+            )
+        length = length or original
+        params |= {
+            "rope_type": "yarn",
+            "factor": meta.get("rope.scaling.factor"),
+            "beta_fast": meta.get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": meta.get("rope.scaling.yarn_beta_slow", 1.0),
+            "mscale": 1.0,
+            # llama.cpp's converter writes 0.1 * mscale_all_dim
+            "mscale_all_dim": meta.get("rope.scaling.yarn_log_multiplier", 0.0) / 0.1,
+        }
+    params["original_max_position_embeddings"] = length or common["max_position_embeddings"]
+    params["llama_4_scaling_beta"] = meta.get("attention.temperature_scale", 0.0)
+    return {"rope_parameters": params, "rope_scaling": None}
+
+
 def _as_row(x: mx.array) -> mx.array:
     return x.reshape(1, -1)
 
@@ -230,6 +257,7 @@ _MOE_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
 
 ARCHITECTURES: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", LLAMA_NAMES, permuted_qk=True),
+    "mistral3": GGUFArch("ministral3", LLAMA_NAMES, _mistral3, permuted_qk=True),
     "qwen2": GGUFArch("qwen2", LLAMA_NAMES),
     "qwen3": GGUFArch("qwen3", LLAMA_NAMES),
     "gemma": GGUFArch("gemma", LLAMA_NAMES, norm_offset=1.0),

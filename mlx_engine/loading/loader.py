@@ -92,6 +92,7 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
             from cpu_kernels.modules import use_cpu_kernels
 
             use_cpu_kernels(model)  # quantized layers run through the CPU kernels (weight_policy.py)
+    _evaluate_constants(model)
     layers, kv, hd = _attention_shape(model)
     return LoadedModel(
         model=model,
@@ -107,6 +108,16 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
         dtype=_activation_dtype(model),
         load_seconds=time.perf_counter() - t0,
     )
+
+
+def _evaluate_constants(model: nn.Module) -> None:
+    """Evaluate the arrays modules keep outside their parameters (YaRN's and LongRoPE's frequencies,
+    ``_freqs``). Built lazily on the loading thread, they would otherwise first be computed inside a
+    forward pass on the engine's thread, whose MLX streams differ ("no Stream(cpu, 0) in current
+    thread")."""
+    # mlx's Module keeps array attributes as dict items; ``parameters()`` leaves out "_"-named ones
+    constants = [v for _, m in model.named_modules() for v in m.values() if isinstance(v, mx.array)]
+    mx.eval(constants)
 
 
 def _input_major_weights(model: nn.Module) -> None:
