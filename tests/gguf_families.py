@@ -15,6 +15,7 @@ from pathlib import Path
 
 import gguf
 import mlx.nn as nn
+import numpy as np
 from gguf.constants import MODEL_ARCH
 
 from tests.gguf_quantize import (
@@ -124,6 +125,14 @@ def _write_metadata(writer: gguf.GGUFWriter, arch: str, c: dict) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    if (scaling := c.get("rope_scaling")) and scaling.get("type") == "longrope":  # Phi-3.5's LongRoPE
+        writer.add_rope_scaling_orig_ctx_len(c["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
+        ratio = c["max_position_embeddings"] / c["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(
+            float(np.sqrt(1 + np.log(ratio) / np.log(c["original_max_position_embeddings"])))
+        )
     if params := c.get("rope_parameters"):  # Ministral 3's YaRN and query scaling
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(params["factor"])

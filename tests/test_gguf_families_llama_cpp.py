@@ -88,6 +88,24 @@ def test_yarn_rope_scaling_matches_llama_cpp(tmp_path, arch):
     assert np.abs(_logits(load_gguf(plain, dense=True)[0]) - ours).max() > 1e-2
 
 
+def test_phi3_longrope_matches_llama_cpp(tmp_path):
+    """Phi-3.5-mini's LongRoPE (rope_factors_long/short): llama.cpp takes the long factors when its
+    context is past the original one (here 64 > 16), as mlx-lm's SuScaledRoPE always does."""
+    path = tmp_path / "phi3-longrope.gguf"
+    rng = np.random.default_rng(3)
+    longrope = {
+        "type": "longrope",
+        "long_factor": (1 + 3 * rng.random(8)).tolist(),
+        "short_factor": (1 + 0.1 * rng.random(8)).tolist(),
+    }
+    config = {"rope_scaling": longrope, "original_max_position_embeddings": 16}
+    expected = write_family_gguf(path, "phi3", quantized=False, **config)
+    theirs = llama_cpp_logits(path, IDS)
+    ours = _logits(load_gguf(path, dense=True)[0])
+    assert np.abs(ours - _logits(expected)).max() <= 1e-4
+    assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max(), np.abs(ours - theirs).max()
+
+
 @pytest.mark.parametrize("ftype", sorted(LLAMA_CPP_BOUNDS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_quantized_file_matches_llama_cpp(tmp_path: Path, arch, ftype):
