@@ -2,6 +2,5 @@
 #define DUET_ISA avx2
 #define DUET_MAX_MB 4
 #include "kernels_impl.inc"
-#include "int8_impl.inc"
 #include "attention_impl.inc"
 #include "swiglu_impl.inc"

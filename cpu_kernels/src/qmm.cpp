@@ -159,18 +159,61 @@ void quantize_row_q8(Q8QuantizeFn q8, const float* row, int K, int group_size, i
   }
 }
 
-void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum) {
-  for (int k = 0; k < K; ++k) {
-    const float v = load_float(x, size_t(int64_t(first) + step * k), t);
-    if (bits == 4) {
-      const int base = k & ~31;
-      const int j = k & 31;
-      row[base + (j & 1) * 16 + (j >> 1)] = v;
-    } else {
-      row[k] = v;
+namespace {
+
+// x's K values (dtype t, elements first, first + step, ...) as float32 into out: one typed loop per
+// dtype, not a dtype test per element.
+template <typename T>
+void widen_row(const void* x, size_t first, int64_t step, int K, float* out) {
+  const T* p = static_cast<const T*>(x) + first;
+  if (step == 1) {
+    for (int k = 0; k < K; ++k) {
+      out[k] = static_cast<float>(p[k]);
+    }
+  } else {
+    for (int k = 0; k < K; ++k) {
+      out[k] = static_cast<float>(p[int64_t(k) * step]);
     }
   }
-  for (int g = 0; g < K / group_size; ++g) {
+}
+
+} // namespace
+
+void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum) {
+  // into row directly, or (4-bit) into a copy that is then permuted into row
+  std::vector<float> plain(bits == 4 ? size_t(K) : 0);
+  float* dst = bits == 4 ? plain.data() : row;
+  if (t == mx::float32) {
+    widen_row<float>(x, first, step, K, dst);
+  } else if (t == mx::float16) {
+    widen_row<mx::float16_t>(x, first, step, K, dst);
+  } else {
+    widen_row<mx::bfloat16_t>(x, first, step, K, dst);
+  }
+  if (bits == 4) {
+    for (int base = 0; base < K; base += 32) {
+      for (int i = 0; i < 16; ++i) {
+        row[base + i] = dst[base + 2 * i];
+        row[base + 16 + i] = dst[base + 2 * i + 1];
+      }
+    }
+  }
+  // Each group summed in element order of row, as always (the float kernels' results depend on it),
+  // but eight groups side by side: one group's chain of dependent adds alone is latency-bound.
+  const int G = K / group_size;
+  int g0 = 0;
+  for (; g0 + 8 <= G; g0 += 8) {
+    float s[8] = {};
+    for (int k = 0; k < group_size; ++k) {
+      for (int j = 0; j < 8; ++j) {
+        s[j] += row[(g0 + j) * group_size + k];
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      xsum[g0 + j] = s[j];
+    }
+  }
+  for (int g = g0; g < G; ++g) {
     float s = 0.0f;
     for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
       s += row[k];
