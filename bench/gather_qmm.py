@@ -1,7 +1,7 @@
 """A mixture-of-experts layer's experts on the CPU: Duet's gather kernel vs MLX's ``gather_qmm``.
 
     LD_PRELOAD="$(.venv/bin/python -m mlx_engine.blas --preload)" \
-        .venv/bin/python bench/gather_qmm.py [--tokens 1,8] [--threads 1,2] [--runs 15]
+        .venv/bin/python bench/gather_qmm.py [--tokens 1,8] [--threads 1,2] [--runs 15] [--math exact,int8]
 
 One layer's gate + up + down, called as the model calls them: mlx-lm's ``SwitchGLU`` (4-bit affine
 weights in groups of 32; scales, biases and activations bfloat16, as an MLX checkpoint has them, and
@@ -16,6 +16,8 @@ For every shape, token count and kernel thread count it prints the median wall t
 two paths alternate, run after run) and the expert weight bytes actually read per second: the
 packed words, scales and biases of every distinct expert the tokens chose, for the three matrices.
 MLX's CPU ops run on one thread whatever ``--threads`` sets; the kernel's pool takes that many.
+``--math exact,int8`` times the kernel under each ``cpu_math`` (``spec.set_cpu_math``), a row each;
+``--skip-mlx`` leaves out ``mx.gather_qmm`` (slow).
 """
 
 from __future__ import annotations
@@ -81,33 +83,35 @@ def measure(
     threads: int,
     runs: int,
     dtype: mx.Dtype,
+    maths: list[str],
+    skip_mlx: bool,
 ) -> dict[str, float]:
+    """Median seconds per call of mx.gather_qmm ("mlx") and of the kernel under each cpu_math, the
+    paths in turn (rotated run after run), and the median bytes read ("bytes")."""
     _, hidden, _, experts, active = shape
     per_expert = expert_bytes(glu)
     rng = np.random.default_rng(tokens * 100 + threads)
     spec.set_threads(threads)
     x = (mx.random.normal((tokens, hidden)) * 0.5).astype(dtype)
-    times: dict[str, list[float]] = {"mlx": [], "ours": []}
+    paths = ([] if skip_mlx else [("mlx", glu, None)]) + [(m, ours, m) for m in maths]
+    times: dict[str, list[float]] = {label: [] for label, _, _ in paths}
     read: list[int] = []
     for run in range(runs + 2):  # two warm-up runs
         idx = routing(rng, tokens, experts, active)
         mx.eval(idx)
-        for label, module in (("mlx", glu), ("ours", ours)) if run % 2 else (("ours", ours), ("mlx", glu)):
+        for label, module, math in paths[run % len(paths) :] + paths[: run % len(paths)]:
+            if math is not None:
+                spec.set_cpu_math(math)
             t0 = time.perf_counter()
             mx.eval(module(x, idx))
             if run >= 2:
                 times[label].append(time.perf_counter() - t0)
         if run >= 2:
             read.append(len(set(np.array(idx).ravel().tolist())) * per_expert)
-    mlx_s, ours_s = statistics.median(times["mlx"]), statistics.median(times["ours"])
-    nbytes = statistics.median(read)
-    return {
-        "mlx_ms": mlx_s * 1e3,
-        "ours_ms": ours_s * 1e3,
-        "mlx_gbs": nbytes / mlx_s / 1e9,
-        "ours_gbs": nbytes / ours_s / 1e9,
-        "mb": nbytes / 1e6,
-    }
+    spec.set_cpu_math()
+    out = {label: statistics.median(t) for label, t in times.items()}
+    out["bytes"] = statistics.median(read)
+    return out
 
 
 def main() -> int:
@@ -116,28 +120,34 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--dtypes", default="bfloat16,float32", help="weights' (scales, biases) and x's dtype")
+    ap.add_argument("--math", default="exact", help="the kernel's cpu_math values to time: exact,int8")
+    ap.add_argument("--skip-mlx", action="store_true", help="leave out mx.gather_qmm (slow)")
     args = ap.parse_args()
+    maths = args.math.split(",")
     if spec.extension() is None:
         print(f"cpu_kernels unavailable: {spec.unavailable_reason()}", file=sys.stderr)
         return 1
     print(f"kernel isa: {spec.extension().isa()}, mlx {mx.__version__}, {args.runs} runs, medians")
     print(
-        "| shape | dtype | tokens | threads | MB read | mx.gather_qmm ms | GB/s | kernel ms | GB/s | speed-up |"
+        "| shape | dtype | tokens | threads | cpu_math | MB read | mx.gather_qmm ms | GB/s | kernel ms | GB/s "
+        "| speed-up |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in SHAPES:
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(mx, dtype_name)
             glu, ours = build(*shape[1:4], dtype)
             for tokens in (int(t) for t in args.tokens.split(",")):
                 for threads in (int(t) for t in args.threads.split(",")):
-                    r = measure(glu, ours, shape, tokens, threads, args.runs, dtype)
-                    print(
-                        f"| {shape[0]} | {dtype_name} | {tokens} | {threads} | {r['mb']:.1f} | {r['mlx_ms']:.2f} "
-                        f"| {r['mlx_gbs']:.2f} | {r['ours_ms']:.2f} | {r['ours_gbs']:.1f} "
-                        f"| {r['mlx_ms'] / r['ours_ms']:.1f}x |",
-                        flush=True,
-                    )
+                    r = measure(glu, ours, shape, tokens, threads, args.runs, dtype, maths, args.skip_mlx)
+                    mlx_s = r.get("mlx", float("nan"))
+                    for math in maths:
+                        print(
+                            f"| {shape[0]} | {dtype_name} | {tokens} | {threads} | {math} | {r['bytes'] / 1e6:.1f} "
+                            f"| {mlx_s * 1e3:.2f} | {r['bytes'] / mlx_s / 1e9:.2f} | {r[math] * 1e3:.2f} "
+                            f"| {r['bytes'] / r[math] / 1e9:.1f} | {mlx_s / r[math]:.1f}x |",
+                            flush=True,
+                        )
             del glu, ours
     spec.set_threads()
     return 0

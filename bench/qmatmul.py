@@ -3,6 +3,7 @@
     LD_PRELOAD="$(.venv/bin/python -m mlx_engine.blas --preload)" \
         .venv/bin/python bench/qmatmul.py [--threads 1] [--rows 1,4,16] [--bits 4,8] [--repeats 7]
     ... bench/qmatmul.py --model-decode [--runs 5] [--threads 1]
+    ... bench/qmatmul.py --gbps [--threads-list 1,2] [--math exact,int8] [--rows 1] [--bits 4]
 
 ``--paths`` also times the two native paths ``quantized_matmul`` chooses between by the number of rows
 of x (the fused kernel, and the dequantize kernel + MLX's GEMM): the measurement behind
@@ -12,6 +13,13 @@ of x (the fused kernel, and the dequantize kernel + MLX's GEMM): the measurement
 batch 1, 64-token prompt, 128 tokens) with its weights dense float32 through BLAS (the path without
 the kernels) and kept quantized through the kernels, runs interleaved; median tok/s by wall clock and
 by process CPU time, the resident weight bytes, and whether the greedy tokens agree.
+
+``--gbps`` measures the weight bytes read per second from DRAM at Llama-3.2-1B's shapes (q/o_proj 2048 x
+2048, gate/up 8192 x 2048, down 2048 x 8192; 4-bit in groups of 32 with float32 scales and biases, as
+Duet's GGUF loader makes them) for each ``cpu_math`` and thread count: every call reads another copy
+of the matrix (copies enough to pass ~128 MB, 4x the L3 here), and 32 calls go into one ``mx.eval``
+(a lone ``mx.eval`` costs ~0.1 ms here, as much as a 2048 x 2048 product); wall time, median of
+``--repeats`` batches.
 
 Shapes are the bundled model's (SmolLM2-135M: hidden 576, MLP 1536, KV 192, vocab 49152) and one
 Llama-3.2-1B MLP matrix. For each shape, bit width and number of rows of x it prints the median time
@@ -115,6 +123,57 @@ def model_decode(runs: int, tokens: int = 128) -> None:
     print(f"\ngreedy {tokens}-token replies identical in {agree}/{runs} runs")
 
 
+GBPS_SHAPES = (("q/o_proj", 2048, 2048), ("gate/up", 8192, 2048), ("down", 2048, 8192))
+
+
+def gbps(threads: list[int], maths: list[str], rows: list[int], bits_list: list[int], repeats: int) -> None:
+    """Weight bytes per second at Llama-3.2-1B's shapes, every call on a cold copy (module doc)."""
+    import mlx.core as mx
+
+    from cpu_kernels import spec
+
+    ext = spec.extension()
+    assert ext is not None
+    print(
+        "| matrix | N x K | bits | rows | threads | " + " | ".join(f"{m} us | {m} GB/s" for m in maths) + " |"
+    )
+    print("|---|---|---|---|---|" + "---|---|" * len(maths))
+    for name, n, k in GBPS_SHAPES:
+        for bits in bits_list:
+            copies = []
+            while sum(a.nbytes for c in copies for a in c) < 128e6:
+                w = mx.random.normal((n, k)) * 0.05
+                copies.append(mx.quantize(w, group_size=32, bits=bits))
+                mx.eval(*copies[-1])
+            nbytes = sum(a.nbytes for a in copies[0])
+            for m in rows:
+                x = mx.random.normal((m, k))
+                mx.eval(x)
+                for t in threads:
+                    spec.set_threads(t)
+                    cells = []
+                    for math in maths:
+                        int8 = math == "int8"
+                        samples = []
+                        for r in range(repeats + 1):  # one warm-up batch
+                            outs = [
+                                ext.quantized_matmul(
+                                    x, *copies[(r * 32 + i) % len(copies)], 32, bits, int8=int8
+                                )
+                                for i in range(32)
+                            ]
+                            t0 = time.perf_counter()
+                            mx.eval(outs)
+                            if r:
+                                samples.append((time.perf_counter() - t0) / 32)
+                        sec = statistics.median(samples)
+                        cells.append(f"{sec * 1e6:.0f} | {nbytes / sec / 1e9:.1f}")
+                    print(
+                        f"| {name} | {n} x {k} | {bits} | {m} | {t} | " + " | ".join(cells) + " |", flush=True
+                    )
+    spec.set_threads()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -129,6 +188,11 @@ def main() -> None:
     ap.add_argument("--paths", action="store_true", help="also time the fused kernel and dequantize+GEMM")
     ap.add_argument("--model-decode", action="store_true", help="whole-model decode, dense vs kernels")
     ap.add_argument("--runs", type=int, default=5, help="--model-decode runs")
+    ap.add_argument(
+        "--gbps", action="store_true", help="DRAM GB/s at Llama-1B shapes per cpu_math and threads"
+    )
+    ap.add_argument("--threads-list", default="1,2", help="--gbps: kernel thread counts")
+    ap.add_argument("--math", default="exact,int8", help="--gbps: cpu_math values")
     args = ap.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
 
@@ -143,6 +207,18 @@ def main() -> None:
         sys.exit(f"the CPU kernels are not built: {spec.unavailable_reason()}")
     spec.set_threads(args.threads)
     ext.set_isa(args.isa)
+    if args.gbps:
+        print(
+            f"# kernel isa={ext.isa()} group=32 float32 scales, cold weights, wall clock, mlx={mx.__version__}"
+        )
+        gbps(
+            [int(t) for t in args.threads_list.split(",")],
+            args.math.split(","),
+            [int(r) for r in args.rows.split(",")],
+            [int(b) for b in args.bits.split(",")],
+            args.repeats,
+        )
+        return
     if args.model_decode:
         print(
             f"# bundled model, kernel isa={ext.isa()} threads={args.threads}, {args.runs} runs, mlx={mx.__version__}"

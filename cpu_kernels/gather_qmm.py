@@ -14,6 +14,7 @@ MLX's CPU ``gather_qmm`` reads the experts' weights at ~0.6 GB/s (one dequantize
 (token, slot), each on its own); the kernel (``src/gather_qmm.cpp``) sorts the pairs by expert and
 runs the quantized matmul's row kernel once per chosen expert over all of its rows, so an expert's
 weights are read once per call however many tokens chose it (docs/kernels.md has the numbers).
+``spec.set_cpu_math("int8")`` quantizes x to int8 per 32 values there too (the int8 kernel).
 Bits 4, 5, 6 and 8, group sizes 32, 64 and 128, x float32/float16/bfloat16; anything else
 (``mode`` other than affine, e.g. gpt-oss's mxfp4, no biases, ``transpose=False``, ``lhs_indices``,
 a global scale) goes to ``mx.gather_qmm``.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import KernelSpec, resolve_backend, run
+from cpu_kernels.spec import KernelSpec, int8_math, resolve_backend, run
 
 SPEC = KernelSpec("gather_quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
 
@@ -78,7 +79,7 @@ def gather_qmm(
         else "reference"
     )
     if chosen == "native":
-        return run(SPEC, x, w, scales, biases, rhs_indices, group_size, bits)
+        return run(SPEC, x, w, scales, biases, rhs_indices, group_size, bits, int8=int8_math())
     return reference(
         x, w, scales, biases, lhs_indices, rhs_indices, transpose, group_size, bits, mode, sorted_indices
     )

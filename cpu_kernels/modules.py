@@ -25,7 +25,7 @@ from cpu_kernels.gather_qmm import gather_qmm
 from cpu_kernels.norm import rms_norm
 from cpu_kernels.qmm import SPEC, dequantize_rows, quantized_matmul
 from cpu_kernels.rope import rope
-from cpu_kernels.spec import FLOATS, available, extension
+from cpu_kernels.spec import FLOATS, available, extension, int8_math
 from cpu_kernels.swiglu import swiglu
 
 
@@ -36,7 +36,13 @@ def _product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> 
     ext = extension()
     if ext is not None and k and x.size < dequantize_rows() * k and x.dtype in FLOATS:
         return ext.quantized_matmul(
-            x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
+            x,
+            layer["weight"],
+            layer["scales"],
+            layer["biases"],
+            layer.group_size,
+            layer.bits,
+            int8=int8_math(),
         )
     return quantized_matmul(
         x,
@@ -119,7 +125,14 @@ def _switch_linear(cls: type) -> type | None:
             ext = extension()
             if ext is not None and x.dtype in FLOATS and x.ndim >= 2:
                 y = ext.gather_quantized_matmul(
-                    x, self["weight"], self["scales"], self["biases"], indices, self.group_size, self.bits
+                    x,
+                    self["weight"],
+                    self["scales"],
+                    self["biases"],
+                    indices,
+                    self.group_size,
+                    self.bits,
+                    int8=int8_math(),
                 )
             else:
                 y = gather_qmm(

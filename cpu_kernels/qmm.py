@@ -7,7 +7,9 @@ little-endian bitstream per row (element 0 in the low bits), ``scales`` and ``bi
 Kernel design (``src/kernels_impl.inc``): threads take blocks of output rows; within a row every group
 is unpacked once into float lanes (16 at a time, 32 for 4-bit) and used by every row of x, the
 group's scale applied once per group and its bias through the group sums of x, float32 throughout.
-One copy per instruction set (AVX-512, AVX2, baseline/NEON) is chosen at run time.
+One copy per instruction set (AVX-512, AVX2, baseline/NEON) is chosen at run time. With
+``spec.set_cpu_math("int8")`` x is instead quantized to int8 per 32 values and multiplied with the
+weights' codes by integer dot products (``src/int8_impl.inc``).
 
 From ``dequantize_rows()`` rows of x on (prefill), the fused kernel loses to a BLAS GEMM, so the
 weights are dequantized by the ``dequantize`` kernel (~9 Gweights/s per core, a transient float32 copy
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import KernelSpec, kernel_threads, resolve_backend, run
+from cpu_kernels.spec import KernelSpec, int8_math, kernel_threads, resolve_backend, run
 
 SPEC = KernelSpec("quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
 DEQUANTIZE_SPEC = KernelSpec("dequantize", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
@@ -64,7 +66,7 @@ def quantized_matmul(
             dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
             out = x.dtype if x.dtype == scales.dtype else mx.float32
             return (x.astype(mx.float32) @ dense.T).astype(out)
-        return run(SPEC, x, w, scales, biases, group_size, bits)
+        return run(SPEC, x, w, scales, biases, group_size, bits, int8=int8_math())
     return reference(x, w, scales, biases, transpose, group_size, bits, mode)
 
 

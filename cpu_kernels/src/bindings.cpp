@@ -27,8 +27,10 @@ NB_MODULE(_ext, m) {
       "group_size"_a,
       "bits"_a,
       nb::kw_only(),
+      "int8"_a = false,
       "stream"_a = nb::none(),
-      "x @ dequantize(w, scales, biases).T for MLX's affine layout (w packed as mx.quantize packs it).");
+      "x @ dequantize(w, scales, biases).T for MLX's affine layout (w packed as mx.quantize packs it); "
+      "int8: x quantized to int8 per 32 values (cpu_math int8).");
   m.def(
       "gather_quantized_matmul",
       &duet_cpu::gather_quantized_matmul,
@@ -40,6 +42,7 @@ NB_MODULE(_ext, m) {
       "group_size"_a,
       "bits"_a,
       nb::kw_only(),
+      "int8"_a = false,
       "stream"_a = nb::none(),
       "x[b, m] @ dequantize(w[indices[b]]).T for stacked affine experts (mx.gather_qmm with rhs_indices, "
       "transpose=True); x (..., M, K), indices broadcasting with x's batch dims, out (batch, M, N).");

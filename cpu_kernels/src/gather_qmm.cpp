@@ -6,8 +6,8 @@
 // it: a tile of the kernel holds up to 8 rows of x in registers while the unpacked weights pass.
 // The pool's tasks split (expert, 8-row block of N) units evenly by their cost: a block's weight
 // reading plus its rows of x. x rows are converted (and, for one or two rows on an expert, quantized
-// for the integer kernel) once per distinct input row, not once per pair: gate and up see each
-// token's row once for its k experts.
+// for the integer kernel; with int8 math, every row to int8 for the int8 kernel) once per distinct
+// input row, not once per pair: gate and up see each token's row once for its k experts.
 #include "gather_qmm.h"
 
 #include <algorithm>
@@ -81,7 +81,8 @@ void run_gather(
     const mx::array& indices,
     mx::array& out,
     int group_size,
-    int bits) {
+    int bits,
+    bool int8) {
   const int E = w.shape(0);
   const int N = w.shape(1);
   const int K = x.shape(-1);
@@ -146,21 +147,39 @@ void run_gather(
     }
   }
 
-  // Each expert's rows of x (and group sums) side by side, as the kernel reads one matrix's x.
-  std::vector<float> xsorted(size_t(sorted) * K);
-  std::vector<float> gsorted(size_t(sorted) * G);
-  for (int q = 0; q < sorted; ++q) {
-    const int u = source[order[q]];
-    std::memcpy(xsorted.data() + size_t(q) * K, xf.data() + size_t(u) * K, sizeof(float) * K);
-    std::memcpy(gsorted.data() + size_t(q) * G, xs.data() + size_t(u) * G, sizeof(float) * G);
+  // With int8 math every distinct row is quantized to int8 once (quantize_row_q8, which also makes its
+  // group sums those of the quantized values). Otherwise an expert with one or two rows takes the
+  // integer kernel where the CPU has one, as quantized_matmul does for one or two rows; each distinct
+  // row is quantized once.
+  const QuantizeXFn quantize = quantize_x_fn();
+  const bool integer = !int8 && quantize != nullptr && K % (bits == 4 ? 64 : 32) == 0;
+  std::vector<int8_t> uq;
+  std::vector<float> ud;
+  if (int8) {
+    const Q8QuantizeFn q8 = q8_quantize_fn();
+    uq.resize(size_t(U) * K);
+    ud.resize(size_t(U) * (K / 8));
+    for (int u = 0; u < U; ++u) {
+      quantize_row_q8(
+          q8, xf.data() + size_t(u) * K, K, group_size, bits, uq.data() + size_t(u) * K, ud.data() + size_t(u) * (K / 8), xs.data() + size_t(u) * G);
+    }
   }
 
-  // An expert with one or two rows takes the integer kernel where the CPU has one, as
-  // quantized_matmul does for one or two rows; each distinct row is quantized once.
-  const QuantizeXFn quantize = quantize_x_fn();
-  const bool integer = quantize != nullptr && K % (bits == 4 ? 64 : 32) == 0;
-  std::vector<int8_t> xq;
-  std::vector<float> xunit;
+  // Each expert's rows of x (and group sums) side by side, as the kernel reads one matrix's x.
+  std::vector<float> xsorted(int8 ? 0 : size_t(sorted) * K);
+  std::vector<float> gsorted(size_t(sorted) * G);
+  std::vector<int8_t> xq(int8 ? size_t(sorted) * K : 0);
+  std::vector<float> xunit(int8 ? size_t(sorted) * (K / 8) : 0);
+  for (int q = 0; q < sorted; ++q) {
+    const int u = source[order[q]];
+    std::memcpy(gsorted.data() + size_t(q) * G, xs.data() + size_t(u) * G, sizeof(float) * G);
+    if (int8) {
+      std::memcpy(xq.data() + size_t(q) * K, uq.data() + size_t(u) * K, size_t(K));
+      std::memcpy(xunit.data() + size_t(q) * (K / 8), ud.data() + size_t(u) * (K / 8), sizeof(float) * (K / 8));
+    } else {
+      std::memcpy(xsorted.data() + size_t(q) * K, xf.data() + size_t(u) * K, sizeof(float) * K);
+    }
+  }
   if (integer) {
     std::vector<int> done(U, -1); // the sorted row holding row u's bytes, once quantized
     for (int e = 0; e < E; ++e) {
@@ -206,10 +225,10 @@ void run_gather(
   const size_t row_bytes = size_t(K) * bits / 8;
   const size_t sbytes = scales.itemsize();
   std::vector<float> y(size_t(sorted) * N);
-  const RowsFn fn = qmm_rows_fn();
+  const RowsFn fn = int8 ? q8_rows_fn() : qmm_rows_fn();
   auto args_for = [&](const Active& act) {
     QmmArgs a{
-        xsorted.data() + size_t(act.p0) * K,
+        int8 ? nullptr : xsorted.data() + size_t(act.p0) * K, // the int8 kernel reads x8 instead
         gsorted.data() + size_t(act.p0) * G,
         static_cast<const uint8_t*>(wd.data) + size_t(act.expert) * N * row_bytes,
         static_cast<const uint8_t*>(sd.data) + size_t(act.expert) * N * G * sbytes,
@@ -221,7 +240,10 @@ void run_gather(
         group_size,
         bits,
         scale_type(scales.dtype())};
-    if (integer && act.count <= kIntegerRows) {
+    if (int8) {
+      a.x8 = xq.data() + size_t(act.p0) * K;
+      a.x8_scale = xunit.data() + size_t(act.p0) * (K / 8);
+    } else if (integer && act.count <= kIntegerRows) {
       a.xq = xq.data() + size_t(3) * K * act.p0;
       a.xunit = xunit.data() + size_t(K) / 8 * act.p0;
     }
@@ -290,6 +312,7 @@ mx::array gather_quantized_matmul(
     const mx::array& indices,
     int group_size,
     int bits,
+    bool int8,
     mx::StreamOrDevice s) {
   if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
@@ -331,15 +354,16 @@ mx::array gather_quantized_matmul(
   return mx::array(
       out_shape,
       mx::promote_types(x.dtype(), scales.dtype()),
-      std::make_shared<GatherQuantizedMatmulCPU>(stream, group_size, bits),
+      std::make_shared<GatherQuantizedMatmulCPU>(stream, group_size, bits, int8),
       {x, w, scales, biases, mx::astype(indices, mx::uint32, stream)});
 }
 
 void GatherQuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   dispatch_cpu(stream(), inputs, out, [x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3],
-                                       indices = inputs[4], out, group_size = group_size_, bits = bits_]() mutable {
-    run_gather(x, w, scales, biases, indices, out, group_size, bits);
+                                       indices = inputs[4], out, group_size = group_size_, bits = bits_,
+                                       int8 = int8_]() mutable {
+    run_gather(x, w, scales, biases, indices, out, group_size, bits, int8);
   });
 }
 
@@ -349,7 +373,7 @@ void GatherQuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vect
 
 bool GatherQuantizedMatmulCPU::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatherQuantizedMatmulCPU&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_ == o.int8_;
 }
 
 std::vector<mx::Shape> GatherQuantizedMatmulCPU::output_shapes(const std::vector<mx::array>& inputs) {

@@ -29,6 +29,10 @@ struct QmmArgs {
   // per 32 (quantize_x, row after row), or null for the float kernel.
   const int8_t* xq = nullptr;
   const float* xunit = nullptr;
+  // The rows of x as int8 for the int8 kernel (q8_rows, int8_impl.inc: one byte per value, K per row,
+  // and K / 8 floats of scales per row, as q8_quantize writes them), or null.
+  const int8_t* x8 = nullptr;
+  const float* x8_scale = nullptr;
 };
 
 // One chunk of n <= 32 keys for the paged attention kernel (paged_attention.cpp): R query rows (scaled
@@ -56,21 +60,30 @@ struct AttendChunk {
   int n_next = 0;
 };
 
+// q8_quantize: one float32 row of x (K values, in the 4-bit order when bits == 4) as int8 per run of
+// 32 with one scale each (K bytes into q, K / 8 floats into scale; layout in int8_impl.inc) and each
+// run's d * sum(q) (K / 32 floats into run_sum), the same in every variant. q8_rows: y[:, n0:n1] from them (QmmArgs::x8, x8_scale, xsum).
 // qmm_rows: y[:, n0:n1] for every row of x. dequant_rows: rows n0..n1 of the dequantized weights
 // into out (N, K) float32 (x, xsum, y and M unused). Each ISA namespace defines both.
 namespace base {
+void q8_quantize(const float* x, int K, int bits, int8_t* q, float* scale, float* run_sum);
+void q8_rows(const QmmArgs& a, int n0, int n1);
 void attend_chunk(const AttendChunk& c);
 void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx2 {
+void q8_quantize(const float* x, int K, int bits, int8_t* q, float* scale, float* run_sum);
+void q8_rows(const QmmArgs& a, int n0, int n1);
 void attend_chunk(const AttendChunk& c);
 void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx512 {
+void q8_quantize(const float* x, int K, int bits, int8_t* q, float* scale, float* run_sum);
+void q8_rows(const QmmArgs& a, int n0, int n1);
 // x (K values, K a multiple of 32; in the 4-bit order when bits == 4, K then a multiple of 64) as
 // the integer form qmm_rows takes in QmmArgs::xq: q holds 3 * K bytes, unit K / 8 floats.
 void quantize_x(const float* x, int K, int bits, int8_t* q, float* unit);

@@ -2,8 +2,9 @@
 // counter, so a worker the OS has not scheduled yet delays nothing: whoever runs takes the next
 // task, and on a busy machine the caller may do them all.
 //
-// Workers spin for a short while after each job before they sleep, so the back-to-back matmuls of
-// a decode step do not pay a futex wake-up each (tens of microseconds on a loaded machine).
+// Workers wait for a short while after each job before they sleep, so the back-to-back matmuls of
+// a decode step do not pay a futex wake-up each (tens of microseconds on a loaded machine); while
+// they wait they yield their core to any thread that has work (pool.cpp).
 #pragma once
 
 #include <atomic>

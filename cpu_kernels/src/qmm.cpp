@@ -26,31 +26,43 @@ struct Variant {
   AttendFn attend;
   SwigluFn swiglu;
   QuantizeXFn quantize_x = nullptr; // one row of x as bytes for the integer dot-product kernel
+  RowsFn q8_rows = nullptr; // the int8 kernel (cpu_math "int8") and its quantization of x
+  Q8QuantizeFn q8_quantize = nullptr;
 };
 
+// The best variant's name (its functions: variant_named).
 Variant best_variant() {
 #if defined(DUET_X86)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
       __builtin_cpu_supports("avx512vnni")) {
-    return {"avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk, avx512::swiglu, avx512::quantize_x};
+    return {"avx512"};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return {"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk, avx2::swiglu};
+    return {"avx2"};
   }
 #endif
-  return {"base", base::qmm_rows, base::dequant_rows, base::attend_chunk, base::swiglu};
+  return {"base"};
 }
 
 std::atomic<const Variant*> g_variant{nullptr};
 
 const Variant& variant_named(const std::string& name) {
-  static const Variant base_v{"base", base::qmm_rows, base::dequant_rows, base::attend_chunk, base::swiglu};
+  static const Variant base_v{
+      "base", base::qmm_rows, base::dequant_rows, base::attend_chunk, base::swiglu, nullptr, base::q8_rows, base::q8_quantize};
 #if defined(DUET_X86)
-  static const Variant avx2_v{"avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk, avx2::swiglu};
+  static const Variant avx2_v{
+      "avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk, avx2::swiglu, nullptr, avx2::q8_rows, avx2::q8_quantize};
   static const Variant avx512_v{
-      "avx512", avx512::qmm_rows, avx512::dequant_rows, avx512::attend_chunk, avx512::swiglu, avx512::quantize_x};
+      "avx512",
+      avx512::qmm_rows,
+      avx512::dequant_rows,
+      avx512::attend_chunk,
+      avx512::swiglu,
+      avx512::quantize_x,
+      avx512::q8_rows,
+      avx512::q8_quantize};
   if (name == "avx512") {
     return avx512_v;
   }
@@ -86,6 +98,14 @@ RowsFn qmm_rows_fn() {
 
 QuantizeXFn quantize_x_fn() {
   return variant().quantize_x;
+}
+
+RowsFn q8_rows_fn() {
+  return variant().q8_rows;
+}
+
+Q8QuantizeFn q8_quantize_fn() {
+  return variant().q8_quantize;
 }
 
 bool supported_float(mx::Dtype t) {
@@ -126,18 +146,74 @@ int task_count(size_t weight_bytes, int M, int threads) {
   return int(std::min<size_t>(wanted, size_t(threads) * 4));
 }
 
-void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum) {
-  for (int k = 0; k < K; ++k) {
-    const float v = load_float(x, size_t(int64_t(first) + step * k), t);
-    if (bits == 4) {
-      const int base = k & ~31;
-      const int j = k & 31;
-      row[base + (j & 1) * 16 + (j >> 1)] = v;
-    } else {
-      row[k] = v;
+void quantize_row_q8(Q8QuantizeFn q8, const float* row, int K, int group_size, int bits, int8_t* q, float* scale, float* xsum) {
+  std::vector<float> run_sum(size_t(K) / 32);
+  q8(row, K, bits, q, scale, run_sum.data());
+  const int per = group_size / 32;
+  for (int g = 0; g < K / group_size; ++g) {
+    float s = 0.0f;
+    for (int r = g * per; r < (g + 1) * per; ++r) {
+      s += run_sum[r];
+    }
+    xsum[g] = s;
+  }
+}
+
+namespace {
+
+// x's K values (dtype t, elements first, first + step, ...) as float32 into out: one typed loop per
+// dtype, not a dtype test per element.
+template <typename T>
+void widen_row(const void* x, size_t first, int64_t step, int K, float* out) {
+  const T* p = static_cast<const T*>(x) + first;
+  if (step == 1) {
+    for (int k = 0; k < K; ++k) {
+      out[k] = static_cast<float>(p[k]);
+    }
+  } else {
+    for (int k = 0; k < K; ++k) {
+      out[k] = static_cast<float>(p[int64_t(k) * step]);
     }
   }
-  for (int g = 0; g < K / group_size; ++g) {
+}
+
+} // namespace
+
+void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum) {
+  // into row directly, or (4-bit) into a copy that is then permuted into row
+  std::vector<float> plain(bits == 4 ? size_t(K) : 0);
+  float* dst = bits == 4 ? plain.data() : row;
+  if (t == mx::float32) {
+    widen_row<float>(x, first, step, K, dst);
+  } else if (t == mx::float16) {
+    widen_row<mx::float16_t>(x, first, step, K, dst);
+  } else {
+    widen_row<mx::bfloat16_t>(x, first, step, K, dst);
+  }
+  if (bits == 4) {
+    for (int base = 0; base < K; base += 32) {
+      for (int i = 0; i < 16; ++i) {
+        row[base + i] = dst[base + 2 * i];
+        row[base + 16 + i] = dst[base + 2 * i + 1];
+      }
+    }
+  }
+  // Each group summed in element order of row, as always (the float kernels' results depend on it),
+  // but eight groups side by side: one group's chain of dependent adds alone is latency-bound.
+  const int G = K / group_size;
+  int g0 = 0;
+  for (; g0 + 8 <= G; g0 += 8) {
+    float s[8] = {};
+    for (int k = 0; k < group_size; ++k) {
+      for (int j = 0; j < 8; ++j) {
+        s[j] += row[(g0 + j) * group_size + k];
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      xsum[g0 + j] = s[j];
+    }
+  }
+  for (int g = g0; g < G; ++g) {
     float s = 0.0f;
     for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
       s += row[k];
@@ -155,7 +231,8 @@ void run_qmm(
     const mx::array& biases,
     mx::array& out,
     int group_size,
-    int bits) {
+    int bits,
+    bool int8) {
   const int K = x.shape(-1);
   const int M = int(x.size() / std::max(K, 1));
   const int N = w.shape(0);
@@ -198,11 +275,28 @@ void run_qmm(
       bits,
       scale_type(scales.dtype())};
   // A few rows of x (decode, verification of proposed tokens, small batches): as bytes for the
-  // integer dot-product kernel where there is one.
+  // integer dot-product kernel where there is one. With int8 math, every row as int8 (once, before
+  // the threads start) for the int8 kernel.
   const Variant& v = variant();
   std::vector<int8_t> xq;
   std::vector<float> xunit;
-  if (v.quantize_x != nullptr && M <= kIntegerRows && K % (bits == 4 ? 64 : 32) == 0) {
+  if (int8) {
+    xq.resize(size_t(M) * K);
+    xunit.resize(size_t(M) * (K / 8));
+    for (int m = 0; m < M; ++m) {
+      quantize_row_q8(
+          v.q8_quantize,
+          xf.data() + size_t(m) * K,
+          K,
+          group_size,
+          bits,
+          xq.data() + size_t(m) * K,
+          xunit.data() + size_t(m) * (K / 8),
+          xsum.data() + size_t(m) * G);
+    }
+    a.x8 = xq.data();
+    a.x8_scale = xunit.data();
+  } else if (v.quantize_x != nullptr && M <= kIntegerRows && K % (bits == 4 ? 64 : 32) == 0) {
     xq.resize(size_t(3) * K * M);
     xunit.resize(size_t(K) / 8 * M);
     for (int m = 0; m < M; ++m) {
@@ -211,7 +305,7 @@ void run_qmm(
     a.xq = xq.data();
     a.xunit = xunit.data();
   }
-  const RowsFn fn = v.fn;
+  const RowsFn fn = int8 ? v.q8_rows : v.fn;
   auto pool = shared_pool();
   const int tasks = task_count(w.nbytes(), M, pool->size());
   if (tasks <= 1) {
@@ -343,6 +437,7 @@ mx::array quantized_matmul(
     const mx::array& biases,
     int group_size,
     int bits,
+    bool int8,
     mx::StreamOrDevice s) {
   check_format(w, scales, biases, group_size, bits);
   if (x.ndim() < 1 || !supported_float(x.dtype())) {
@@ -362,15 +457,15 @@ mx::array quantized_matmul(
   return mx::array(
       out_shape,
       dtype,
-      std::make_shared<QuantizedMatmulCPU>(mx::to_stream(s, mx::Device::cpu), group_size, bits),
+      std::make_shared<QuantizedMatmulCPU>(mx::to_stream(s, mx::Device::cpu), group_size, bits, int8),
       {x, w, scales, biases});
 }
 
 void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   dispatch_cpu(stream(), inputs, out, [x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3], out,
-                                       group_size = group_size_, bits = bits_]() mutable {
-    run_qmm(x, w, scales, biases, out, group_size, bits);
+                                       group_size = group_size_, bits = bits_, int8 = int8_]() mutable {
+    run_qmm(x, w, scales, biases, out, group_size, bits, int8);
   });
 }
 
@@ -421,7 +516,7 @@ void QuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx:
 
 bool QuantizedMatmulCPU::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmulCPU&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_ == o.int8_;
 }
 
 std::vector<mx::Shape> QuantizedMatmulCPU::output_shapes(const std::vector<mx::array>& inputs) {

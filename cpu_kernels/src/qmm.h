@@ -13,6 +13,8 @@ namespace duet_cpu {
 
 // x (..., K) float32/float16/bfloat16; w uint32 (N, K * bits / 32) as mx.quantize packs it;
 // scales and biases (N, K / group_size). Returns (..., N) in the promoted dtype of x and scales.
+// int8: x quantized to int8 per run of 32 (cpu_math "int8": the int8 kernel, int8_impl.inc), else
+// the float32-accurate kernels.
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -20,6 +22,7 @@ mx::array quantized_matmul(
     const mx::array& biases,
     int group_size,
     int bits,
+    bool int8 = false,
     mx::StreamOrDevice s = {});
 
 // dequantize(w, scales, biases) as float32 (N, K): the operand of a dense GEMM when x has many rows
@@ -39,8 +42,8 @@ void set_isa(const std::string& name);
 
 class QuantizedMatmulCPU : public mx::Primitive {
  public:
-  QuantizedMatmulCPU(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmulCPU(mx::Stream stream, int group_size, int bits, bool int8)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -54,6 +57,7 @@ class QuantizedMatmulCPU : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
+  bool int8_;
 };
 
 class DequantizeCPU : public mx::Primitive {

@@ -23,11 +23,20 @@ constexpr int kIntegerRows = 2;
 // kernel: the x rows then stay float).
 using RowsFn = void (*)(const QmmArgs&, int, int);
 using QuantizeXFn = void (*)(const float*, int, int, int8_t*, float*);
+using Q8QuantizeFn = void (*)(const float*, int, int, int8_t*, float*, float*);
 RowsFn qmm_rows_fn();
 QuantizeXFn quantize_x_fn();
+// The int8 kernel and its quantization of a row of x (kernels.h: q8_rows, q8_quantize).
+RowsFn q8_rows_fn();
+Q8QuantizeFn q8_quantize_fn();
 
 bool supported_float(mx::Dtype t);
 float load_float(const void* p, size_t i, mx::Dtype t);
+
+// One row of x as the int8 kernel reads it (q8 the variant's q8_quantize): from the float row as
+// prepare_x_row leaves it, K bytes into q, K / 8 floats into scale, and the group sums of the
+// quantized values (what the bias term multiplies) into xsum, overwriting the float ones.
+void quantize_row_q8(Q8QuantizeFn q8, const float* row, int K, int group_size, int bits, int8_t* q, float* scale, float* xsum);
 
 // A row-major copy of a's bytes when a is not row contiguous (rare: parameters and activations are).
 struct DenseBytes {

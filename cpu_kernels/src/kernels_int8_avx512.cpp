@@ -1,0 +1,8 @@
+// The int8 kernel for the avx512 target (compile flags in CMakeLists.txt), in a translation unit of its
+// own so that adding it changes nothing in how the float kernels (kernels_avx512.cpp) are compiled:
+// kernels_impl.inc contributes only its helpers here.
+#define DUET_ISA avx512
+#define DUET_MAX_MB 8
+#define DUET_HELPERS_ONLY
+#include "kernels_impl.inc"
+#include "int8_impl.inc"

@@ -1,0 +1,320 @@
+"""The int8 path of the CPU kernels (``spec.set_cpu_math("int8")``, src/int8_impl.inc): x quantized to
+int8 per run of 32 values, integer dot products with the weights' codes.
+
+The oracle does the same rounding of x in NumPy (float32 scale max|x| / 127, float32 product, ties to
+even) and then everything else in float64: the codes' dot products exactly in int64, each run's
+``s_w * d_x * dot``, the bias term from the group sums of the dequantized x (``d_x * q``), so the
+result is the product of the dequantized weights with the dequantized x. What is left between kernel and
+oracle is float32 accumulation, so the bound is 1e-5 of the magnitude of the terms; rounding x any
+other way (or not at all) is off by ~1e-3. The exact path's accuracy is tests/test_cpu_kernels.py's.
+Last, the bundled model teacher-forced through both paths: top-1 agreement and the largest logit gap.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cpu_kernels import spec
+from cpu_kernels.gather_qmm import gather_qmm
+from cpu_kernels.qmm import quantized_matmul
+
+pytestmark = pytest.mark.skipif(
+    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+)
+
+BITS = (4, 5, 6, 8)
+GROUPS = (32, 64, 128)
+TOL = 1e-5  # relative to the terms' magnitude: float32 accumulation (measured < 3e-7)
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = spec.extension()
+    assert module is not None, f"cpu_kernels._ext is not built: {spec.unavailable_reason()}"
+    yield module
+    module.set_isa("")
+    spec.set_threads()
+    spec.set_cpu_math("exact")
+
+
+def variants(ext) -> list[str]:
+    order = ["avx512", "avx2", "base"]
+    return order[order.index(ext.isa()) :] if ext.isa() in order else ["base"]
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def codes_of(wq: mx.array, bits: int) -> np.ndarray:
+    """The unsigned codes (rows, K) of MLX's little-endian bit stream, as int64."""
+    rows = wq.shape[0]
+    raw = np.array(wq).astype("<u4").view(np.uint8).reshape(rows, -1)
+    stream = np.unpackbits(raw, axis=1, bitorder="little").reshape(rows, -1, bits)
+    return stream.astype(np.int64) @ (1 << np.arange(bits, dtype=np.int64))
+
+
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (M, K) float32 -> int8 values (M, K / 32, 32) and float32 scales (M, K / 32), as the kernel."""
+    runs = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(runs).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint((runs * inv[..., None]).astype(np.float32)), -127, 127).astype(np.int64)
+    return q, d
+
+
+def oracle(x: mx.array, wq: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int):
+    """The int8 path's product (M, N) in float64 and the magnitude of its terms."""
+    xf = np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1])
+    m, k = xf.shape
+    q, d = quantize_q8(xf)
+    codes = codes_of(wq, bits).reshape(wq.shape[0], k // 32, 32)
+    dot = np.einsum("mrk,nrk->mnr", q, codes).astype(np.float64)
+    s = np.repeat(f64(scales), group_size // 32, axis=1)  # (N, runs): each run's group scale
+    dd = d.astype(np.float64)
+    # the bias term: group sums of d * q (the kernel's float32 sums of each run's d * sum(q))
+    groups = (q * d.astype(np.float64)[..., None]).reshape(m, k // group_size, group_size)
+    b = f64(biases)
+    y = np.einsum("mnr,nr,mr->mn", dot, s, dd) + groups.sum(-1) @ b.T
+    mag = np.einsum("mnr,nr,mr->mn", np.abs(dot), np.abs(s), dd) + np.abs(groups).sum(-1) @ np.abs(b).T
+    return y, mag
+
+
+def check(y: mx.array, ref: np.ndarray, mag: np.ndarray, what) -> float:
+    err = np.abs(f64(y).reshape(ref.shape) - ref) / (mag + 1e-30)
+    assert float(err.max()) <= TOL, (what, float(err.max()))
+    return float(err.max())
+
+
+def weights(rng: np.random.Generator, n: int, k: int, group_size: int, bits: int, dtype=mx.float32):
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.1).astype(dtype)
+    return mx.quantize(w, group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_matches_the_int8_oracle_every_variant_rows_and_threads(ext, bits, group_size):
+    rng = np.random.default_rng(bits * 100 + group_size)
+    # K: an odd number of runs of 32 (a 4-bit run alone at the end), and never a multiple of 256
+    ks = [group_size * g for g in (1, 3, 5) if (group_size * g) % 256 != 0]
+    n = 37  # a task ends inside an 8-row block
+    for isa in variants(ext):
+        ext.set_isa(isa)
+        for k in ks:
+            wq, scales, biases = weights(rng, n, k, group_size, bits)
+            for m in ROWS:
+                x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+                ref, mag = oracle(x, wq, scales, biases, group_size, bits)
+                outs = []
+                for threads in (1, 2):
+                    spec.set_threads(threads)
+                    y = ext.quantized_matmul(x, wq, scales, biases, group_size, bits, int8=True)
+                    check(y, ref, mag, (isa, k, m, threads))
+                    outs.append(np.array(y))
+                # each output element is computed by one thread: the split changes nothing
+                assert np.array_equal(outs[0], outs[1]), (isa, k, m)
+    ext.set_isa("")
+    spec.set_threads()
+
+
+def test_the_oracle_sees_the_rounding_of_x(ext):
+    """The int8 path is not the exact one: against the float kernel (and against an oracle that does
+    not round x) it is off by the int8 rounding, ~1e-3 of the terms, 100x the bound above."""
+    rng = np.random.default_rng(3)
+    wq, scales, biases = weights(rng, 64, 512, 32, 4)
+    x = mx.array(rng.standard_normal((2, 512)).astype(np.float32))
+    y8 = f64(ext.quantized_matmul(x, wq, scales, biases, 32, 4, int8=True))
+    y = f64(ext.quantized_matmul(x, wq, scales, biases, 32, 4))
+    ref, mag = oracle(x, wq, scales, biases, 32, 4)
+    assert (np.abs(y8 - ref) / mag).max() <= TOL
+    assert (np.abs(y - ref) / mag).max() > 30 * TOL
+    assert (np.abs(y8 - y) / mag).max() < 1e-2  # ... and no more than that
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_scales_and_x(ext, dtype):
+    rng = np.random.default_rng(7)
+    for isa in variants(ext):
+        ext.set_isa(isa)
+        for bits in (4, 8):
+            wq, scales, biases = weights(rng, 45, 320, 32, bits, dtype)
+            x = mx.array(rng.standard_normal((3, 320)).astype(np.float32)).astype(dtype)
+            y = ext.quantized_matmul(x, wq, scales, biases, 32, bits, int8=True)
+            assert y.dtype == dtype
+            ref, mag = oracle(x, wq, scales, biases, 32, bits)
+            # the output rounded to dtype: its half ulp on top of the float32 bound
+            ulp = 2.0 ** (-11 if dtype == mx.float16 else -8)
+            err = np.abs(f64(y) - ref) - ulp * np.abs(ref)
+            assert (err <= TOL * mag).all(), (isa, bits)
+    ext.set_isa("")
+
+
+def test_zero_tiny_and_non_finite_runs(ext):
+    rng = np.random.default_rng(11)
+    wq, scales, biases = weights(rng, 16, 128, 32, 4)
+    xs = rng.standard_normal((3, 128)).astype(np.float32)
+    xs[0, :32] = 0.0  # a zero run: scale 0, no division by it
+    xs[0, 32:64] *= 1e-30  # a tiny one keeps its relative precision
+    xs[1, 64] = np.nan  # a NaN in a run makes that row's products NaN, as in the float kernel
+    xs[2, 100] = np.inf
+    x = mx.array(xs)
+    for isa in variants(ext):
+        ext.set_isa(isa)
+        y = np.array(ext.quantized_matmul(x, wq, scales, biases, 32, 4, int8=True))
+        ref, mag = oracle(x[:1], wq, scales, biases, 32, 4)
+        check(mx.array(y[:1]), ref, mag, isa)
+        assert np.isnan(y[1]).all() and np.isnan(y[2]).all(), isa
+    ext.set_isa("")
+
+
+def test_gather_matches_the_int8_oracle_per_expert(ext):
+    rng = np.random.default_rng(21)
+    e, n = 6, 29
+    for bits, group_size, k in ((4, 32, 160), (4, 64, 192), (8, 32, 96), (5, 32, 224), (6, 128, 384)):
+        wq, scales, biases = mx.quantize(
+            mx.array(rng.standard_normal((e, n, k)).astype(np.float32) * 0.1),
+            group_size=group_size,
+            bits=bits,
+        )
+        for tokens, top in ((1, 2), (5, 3), (20, 4)):  # 1-2 rows per expert, and many
+            idx = mx.array(
+                np.stack([rng.choice(e, size=top, replace=False) for _ in range(tokens)]).astype(np.uint32)
+            )
+            x = mx.array(rng.standard_normal((tokens, 1, 1, k)).astype(np.float32))
+            for isa in variants(ext):
+                ext.set_isa(isa)
+                for threads in (1, 2):
+                    spec.set_threads(threads)
+                    y = np.array(
+                        ext.gather_quantized_matmul(x, wq, scales, biases, idx, group_size, bits, int8=True)
+                    )
+                    assert y.shape == (tokens, top, 1, n)
+                    for t in range(tokens):
+                        for j in range(top):
+                            ex = int(idx[t, j].item())
+                            ref, mag = oracle(x[t, 0], wq[ex], scales[ex], biases[ex], group_size, bits)
+                            check(mx.array(y[t, j]), ref, mag, (bits, group_size, tokens, isa, threads))
+    ext.set_isa("")
+    spec.set_threads()
+
+
+def test_the_setting_selects_the_path_for_both_products(ext, monkeypatch):
+    rng = np.random.default_rng(5)
+    wq, scales, biases = weights(rng, 40, 256, 32, 4)
+    x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
+    exact = np.array(ext.quantized_matmul(x, wq, scales, biases, 32, 4))
+    int8 = np.array(ext.quantized_matmul(x, wq, scales, biases, 32, 4, int8=True))
+    assert not np.array_equal(exact, int8)
+    ew, es, eb = (mx.stack([a, a]) for a in (wq, scales, biases))
+    idx = mx.array(np.array([[1]], dtype=np.uint32))
+    xg = x.reshape(1, 1, 1, 256)
+
+    def both() -> tuple[np.ndarray, np.ndarray]:
+        y = quantized_matmul(x, wq, scales, biases, group_size=32, bits=4, backend="native")
+        g = gather_qmm(xg, ew, es, eb, rhs_indices=idx, group_size=32, bits=4, backend="native")
+        return np.array(y), np.array(g).reshape(1, -1)
+
+    assert spec.cpu_math() == "exact"  # the default
+    y, g = both()
+    assert np.array_equal(y, exact) and np.array_equal(g, exact)
+    assert spec.set_cpu_math("int8") == "int8"
+    y, g = both()
+    assert np.array_equal(y, int8) and np.array_equal(g, int8)
+    with pytest.raises(ValueError, match="cpu_math"):
+        spec.set_cpu_math("fast")
+    monkeypatch.setenv("DUET_CPU_MATH", "exact")
+    assert spec.set_cpu_math() == "exact"
+    monkeypatch.setenv("DUET_CPU_MATH", "INT8")
+    assert spec.set_cpu_math() == "int8"
+    monkeypatch.setenv("DUET_CPU_MATH", "bogus")  # warned about, then the default
+    assert spec.set_cpu_math() == "exact"
+
+
+# Two paragraphs of plain English (~420 tokens for SmolLM2's tokenizer).
+TEXT = (
+    "The history of the bicycle begins in the early nineteenth century, when inventors in Europe "
+    "experimented with two-wheeled machines pushed along by the rider's feet. The draisine, built "
+    "by Karl Drais in 1817, had no pedals, yet it showed that a person could balance on two wheels "
+    "in a line. Pedals arrived in the 1860s in France, attached directly to the front wheel, and "
+    "the resulting velocipedes were nicknamed boneshakers for their iron tyres and rigid frames. "
+    "The high-wheeler followed: a huge front wheel gave more distance per turn of the pedals, but "
+    "falls were frequent and dangerous. The safety bicycle of the 1880s, with two wheels of equal "
+    "size and a chain driving the rear wheel, solved that problem, and the pneumatic tyre made the "
+    "ride comfortable. Within a decade, cycling clubs, races and touring had spread across the "
+    "world, and the bicycle changed how people travelled, worked and even dressed.\n\n"
+    "Bread is one of the oldest prepared foods. Archaeologists have found charred crumbs at a site "
+    "in Jordan that are more than fourteen thousand years old, older than farming itself, which "
+    "suggests that people ground wild cereals into flour long before they planted them. The first "
+    "loaves were flat, baked on hot stones or in the ashes of a fire. Leavened bread came later, "
+    "probably by accident, when a dough left in the warmth was colonised by wild yeasts and rose. "
+    "The Egyptians baked it in clay ovens and paid workers partly in loaves; the Romans had guilds "
+    "of bakers and public mills turned by donkeys. In medieval Europe the colour of one's bread "
+    "showed one's rank: white wheat for the rich, dark rye and barley for everyone else. Industrial "
+    "milling in the nineteenth century made white flour cheap, and the sliced loaf of the twentieth "
+    "century made it convenient, though many bakers today have gone back to slow fermentation."
+)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from mlx_engine.loading.loader import load_model
+
+    return load_model(None, weights="quantized")
+
+
+def teacher_forced_logits(m, toks: list[int], chunk: int) -> np.ndarray:
+    """Logits at every position, fed ``chunk`` tokens per pass: every product has at most ``chunk``
+    rows, so all of them run the fused kernel (the exact or the int8 one), none the GEMM."""
+    from mlx_engine.kv_cache.kv_pool import KVPool
+    from mlx_engine.model_runner import ModelRunner, Row
+
+    bs = 16
+    pool = KVPool(m.num_layers, 64, bs, m.n_kv_heads, m.head_dim, m.dtype, None, act_dtype=m.dtype)
+    runner = ModelRunner(m.model, pool)
+    blocks = list(range(1, 1 + -(-len(toks) // bs)))
+    out = []
+    for s in range(0, len(toks), chunk):
+        out.append(np.array(runner.forward_all(Row(toks[s : s + chunk], s, blocks)).astype(mx.float32)))
+    return np.concatenate(out)
+
+
+def perplexity(logits: np.ndarray, toks: list[int]) -> float:
+    lg = logits[:-1].astype(np.float64)
+    top = lg.max(-1, keepdims=True)
+    logp = lg - top - np.log(np.exp(lg - top).sum(-1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(toks) - 1), toks[1:]].mean()))
+
+
+def test_bundled_model_int8_agrees_with_exact(ext, bundled, capsys):
+    """Teacher-forced over ~400 positions of plain text. Measured: top-1 0.958, max |dlogit| 1.8,
+    perplexity 25.76 -> 25.82 (+0.2%), every position where exact's top two are 1 logit apart agrees.
+    llama.cpp on the same file (its Q8_1 activations) agrees with the exact path on 0.953 and has
+    max |dlogit| 1.66 (docs/kernels.md): a 99% top-1 bound is out of reach for int8 activations on this
+    135M model, the disagreements are near-ties."""
+    toks = bundled.tokenizer.encode(TEXT)
+    assert len(toks) >= 300
+    chunk = 8  # tiles of 4 rows, one of them alone in the LM head's last chunk as well
+    spec.set_cpu_math("exact")
+    exact = teacher_forced_logits(bundled, toks, chunk)
+    spec.set_cpu_math("int8")
+    int8 = teacher_forced_logits(bundled, toks, chunk)
+    spec.set_cpu_math("exact")
+    agree = exact.argmax(-1) == int8.argmax(-1)
+    top1 = float(np.mean(agree))
+    gap = float(np.abs(exact - int8).max())
+    top2 = np.sort(exact, -1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) >= 1.0
+    ppl_exact, ppl_int8 = perplexity(exact, toks), perplexity(int8, toks)
+    with capsys.disabled():
+        print(
+            f"\nint8 vs exact, bundled model, {len(toks)} positions: top-1 {top1:.4f} "
+            f"(margin >= 1: {float(np.mean(agree[clear])):.4f} of {int(clear.sum())}), max |dlogit| {gap:.3f}, "
+            f"perplexity {ppl_exact:.3f} -> {ppl_int8:.3f}"
+        )
+    assert top1 >= 0.93, top1
+    assert agree[clear].all()
+    assert 0.0 < gap < 3.0, gap  # the paths differ, by little (logits span ~30)
+    assert ppl_int8 < 1.01 * ppl_exact, (ppl_exact, ppl_int8)
