@@ -29,12 +29,11 @@ F32_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def ext():
-    """The built extension; skips where it is not built (``make kernels`` builds it)."""
+    """The built extension (``make setup`` builds it; as in test_cpu_kernels.py, its absence fails)."""
     module = spec.extension()
-    if module is None or not hasattr(module, "gather_quantized_matmul"):
-        pytest.skip(
-            f"cpu_kernels._ext with gather_quantized_matmul is not built: {spec.unavailable_reason()}"
-        )
+    assert module is not None and hasattr(module, "gather_quantized_matmul"), (
+        f"cpu_kernels._ext with gather_quantized_matmul is not built: {spec.unavailable_reason()}"
+    )
     yield module
     module.set_isa("")
     spec.set_threads()

@@ -134,9 +134,7 @@ def _config(arch: str, md: dict, weights: Mapping[str, Any]) -> dict:
     scaling, rope_scaling = meta.get("rope.scaling.type", "none"), None
     if scaling == "linear":
         rope_scaling = {"type": "linear", "factor": meta.get("rope.scaling.factor")}
-    elif scaling == "yarn" and arch == "mistral3":
-        pass  # in its rope_parameters (gguf_archs)
-    elif scaling == "yarn" and arch in _YARN_ARCHS:
+    elif scaling == "yarn" and arch in _YARN_ARCHS | {"mistral3"}:  # mistral3 moves it to rope_parameters
         rope_scaling = {
             "rope_type": "yarn",
             "factor": meta.get("rope.scaling.factor"),
