@@ -9,7 +9,7 @@ MODEL := duet_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 BLAS_ENV = LD_PRELOAD="$$($(VPY) -m mlx_engine.blas --preload)"
 TEST_ENV = HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(BLAS_ENV)
 
-.PHONY: setup kernels chat serve test soak-test test-fast lint bench bench-deps bench-cpu mac-check clean
+.PHONY: setup kernels chat serve test soak-test test-fast lint bench bench-deps bench-cpu mac-check gpu-check clean
 
 setup: $(STAMP) $(MODEL) kernels
 
@@ -81,6 +81,12 @@ mac-check: $(STAMP)
 	$(VPY) bench/kernels.py --json bench/out/kernels.json
 	@echo
 	$(VPY) bench/metal_decode.py --json bench/out/metal_decode.json
+
+# On a machine with an NVIDIA GPU and MLX's CUDA backend installed (pip install -e '.[cuda]'): the
+# engine's tests on it, prefill at 2K/8K on an 8B-shaped model, the planner's profile; markdown out
+# (bench/out/gpu_check.md). Elsewhere the same script rehearses on the CPU (bench/gpu_check.py).
+gpu-check: $(STAMP) kernels
+	$(TEST_ENV) $(VPY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

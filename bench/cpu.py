@@ -18,16 +18,20 @@ llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed; cache
   builds from the same GGUF: mlx-lm's loop and KV cache against Duet's engine, same weights.
 
 Metrics, medians of ``--runs`` runs (random-token prompts, greedy, end-of-sequence ignored):
-decode tok/s at batch 1 after a 64-token prompt and at a 1024-token context (32 tokens after the
-first / time from the first to the last; the 1024 tokens are computed once per worker and every
+decode tok/s at batch 1 after a 64-token prompt and at a 1024-token context (``--long``; 32 tokens after
+the first / time from the first to the last; the long context's tokens are computed once per worker and every
 run decodes from them: Duet's prefix cache, llama.cpp's saved state, mlx-lm's trimmed cache),
-prefill tok/s for a 512-token prompt (512 / time to the first token), batch-16 aggregate decode
+prefill tok/s for a 512-token prompt (`--prefill`; its length / time to the first token), batch-16 aggregate decode
 (16 streams of 16-token prompts: tokens after the last stream's first token / time until the
 last token; Duet only, the others run one stream at a time, so its ratio is to llama.cpp's
 single-stream decode at ctx 64), and from a
 cold process (``--runs`` fresh ones after one warm-up): time from spawn to the first reply byte
 on stdout and peak RSS, for a 128-token greedy reply to a chat prompt (``duet generate`` itself
 for Duet). Ratios are to llama.cpp in the same run.
+
+Under each table: the weights each system reads per decoded token (the file's bytes for llama.cpp,
+the bytes as Duet holds them for Duet and mlx-lm) times its decode rate at ctx 64, against the
+machine's read bandwidth on the same threads (``bench/membw.py``, measured before the runs).
 
 ``--profile`` adds Duet's decode-step decomposition: ops in one decode step (the lazy graph of the
 forward pass, counted by primitive), the step time and time per op, and where a step's time goes
@@ -51,13 +55,14 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 CHAT_PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
 DECODE_TOKENS = 32
-LONG = 1024  # the long context: prefilled once per worker, then decoded from in every run
+LONG = 1024  # the long context (--long): prefilled once per worker, then decoded from in every run
+PREFILL = 512  # the prefill prompt's tokens (--prefill)
 COLD_TOKENS = 128
 SYSTEMS = ("duet", "llama.cpp", "mlx-lm")  # and "duet-nospec", on request
 METRICS = [  # key, label, unit, higher is better
     ("decode_64", "decode, batch 1, ctx 64", "tok/s", True),
-    ("decode_1024", "decode, batch 1, ctx 1024", "tok/s", True),
-    ("prefill_512", "prefill, 512 tokens", "tok/s", True),
+    ("decode_long", "decode, batch 1, ctx {long}", "tok/s", True),
+    ("prefill", "prefill, {prefill} tokens", "tok/s", True),
     ("batch16", "decode, batch 16 aggregate (ratio: to 1 stream)", "tok/s", True),
     ("cold_ttft", "cold process to first token", "s", False),
     ("peak_rss", "peak RSS (128-token reply)", "MiB", False),
@@ -66,8 +71,8 @@ METRICS = [  # key, label, unit, higher is better
 
 SHORT = {
     "decode_64": "decode\nctx 64",
-    "decode_1024": "decode\nctx 1024",
-    "prefill_512": "prefill\n512",
+    "decode_long": "decode\nctx {long}",
+    "prefill": "prefill\n{prefill}",
     "batch16": "batch 16\n(vs 1 stream)",
     "cold_ttft": "cold start\nto 1st token",
     "peak_rss": "peak\nRSS",
@@ -151,7 +156,7 @@ class LlamaCppRunner:
 
         self.llm = Llama(
             model_path=model,
-            n_ctx=2048,
+            n_ctx=max(2048, LONG + 128, PREFILL + 64),
             n_batch=512,
             n_threads=threads,
             n_threads_batch=threads,
@@ -253,14 +258,14 @@ RUNNERS = {
 
 
 def one_run(r, i: int) -> dict[str, float]:
-    p64, p512 = (prompts(r.vocab, n, 1, 1000 * i + n)[0] for n in (64, 512))
+    p64, pfill = (prompts(r.vocab, n, 1, 1000 * i + n)[0] for n in (64, PREFILL))
     out = {}
     t0, times = r.generate(p64, DECODE_TOKENS + 1)
     out["decode_64"] = rates(times, 64, t0)[1]
     t0, times = r.decode_long(DECODE_TOKENS + 1)
-    out["decode_1024"] = rates(times, LONG, t0)[1]
-    t0, times = r.generate(p512, 1)
-    out["prefill_512"] = rates(times, 512, t0)[0]
+    out["decode_long"] = rates(times, LONG, t0)[1]
+    t0, times = r.generate(pfill, 1)
+    out["prefill"] = rates(times, PREFILL, t0)[0]
     if isinstance(r, DuetRunner):
         t0, streams = r.streams(prompts(r.vocab, 16, 16, 7000 + i), DECODE_TOKENS + 1)
         start = max(s[0] for s in streams)
@@ -558,6 +563,10 @@ class Worker:
             model,
             "--threads",
             str(threads),
+            "--long",
+            str(LONG),
+            "--prefill",
+            str(PREFILL),
         ]
         self.system = system
         self.p = subprocess.Popen(
@@ -586,10 +595,30 @@ def settle() -> None:
     time.sleep(0.5)  # OpenMP and BLAS threads of the previous run spin a little before they sleep
 
 
+def weight_traffic(path: str, threads: int) -> dict[str, float]:
+    """What a batch-1 decode step reads of the weights (GB per token: the file's bytes for llama.cpp,
+    the bytes as Duet holds them for Duet and mlx-lm on Duet's model; ``synthetic_gguf.decode_bytes``)
+    and the machine's memory bandwidth on ``threads`` cores (``membw.measure``, GB/s)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import membw
+    from synthetic_gguf import decode_bytes
+
+    b = decode_bytes(Path(path))
+    bw = membw.measure(threads, mb=256, repeats=3)
+    return {
+        "file_gb_per_token": b["file_active_gb_per_token"],
+        "duet_gb_per_token": b["duet_active_gb_per_token"],
+        "read_gbps": bw["read"],
+        "triad_gbps": bw["triad"],
+    }
+
+
 def measure(path: str, systems: list[str], threads: int, runs: int, profile: bool) -> dict[str, dict]:
     """Every metric of every system on one model, the systems interleaved run by run."""
     workers = {s: Worker(s, path, threads) for s in systems}
     res: dict[str, dict] = {s: {"describe": w.describe} for s, w in workers.items()}
+    res["_traffic"] = weight_traffic(path, threads)
+    res["_lengths"] = {"long": LONG, "prefill": PREFILL}
     for s in systems:
         cold_run(s, path, threads)  # warm-up: page cache, bytecode, compiled kernels
     for i in range(runs):
@@ -638,8 +667,47 @@ def table(results: dict, systems: list[str]) -> str:
                 for s in systems
                 if s != "llama.cpp"
             ]
+            label = label.format(long=results_long(by_system), prefill=results_prefill(by_system))
             lines.append(f"| {label} ({unit}) | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        lines.append(traffic_line(by_system, systems))
     return "\n".join(lines)
+
+
+def results_long(by_system: dict) -> int:
+    return by_system.get("_lengths", {}).get("long", 1024)
+
+
+def results_prefill(by_system: dict) -> int:
+    return by_system.get("_lengths", {}).get("prefill", 512)
+
+
+def _old_keys(results: dict) -> dict:
+    """A run saved before ``--long``/``--prefill``: its keys named the default lengths."""
+    for by_system in results.values():
+        for runs in by_system.values():
+            for old, new in (("decode_1024", "decode_long"), ("prefill_512", "prefill")):
+                if isinstance(runs, dict) and old in runs:
+                    runs[new] = runs.pop(old)
+    return results
+
+
+def traffic_line(by_system: dict, systems: list[str]) -> str:
+    """Weights read per second at decode (ctx 64) by each system, against the machine's bandwidth."""
+    t = by_system.get("_traffic")
+    if not t:
+        return ""
+    parts = []
+    for s in systems:
+        if not by_system[s].get("decode_64"):
+            continue
+        per_token = t["file_gb_per_token"] if s == "llama.cpp" else t["duet_gb_per_token"]
+        gbps = statistics.median(by_system[s]["decode_64"]) * per_token
+        parts.append(f"{s} {per_token:.3g} GB/token, {gbps:.1f} GB/s ({100 * gbps / t['read_gbps']:.0f}%)")
+    return (
+        f"\nWeights read at decode, ctx 64: {'; '.join(parts)}; of the machine's read bandwidth "
+        f"{t['read_gbps']:.1f} GB/s (STREAM triad {t['triad_gbps']:.1f} GB/s) on these threads "
+        "(bench/membw.py)."
+    )
 
 
 def plot(results: dict, systems: list[str], path: str) -> None:
@@ -667,7 +735,8 @@ def plot(results: dict, systems: list[str], path: str) -> None:
             ax.bar([i + j * width for i in range(len(keys))], ys, width, label=s)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
-        ax.set_xticklabels([SHORT[m[0]] for m in keys], fontsize=7)
+        lengths = {"long": results_long(by_system), "prefill": results_prefill(by_system)}
+        ax.set_xticklabels([SHORT[m[0]].format(**lengths) for m in keys], fontsize=7)
         ax.set_ylabel("relative to llama.cpp (higher is better;\ntime and memory inverted)", fontsize=8)
         ax.set_title(model, fontsize=9)
         ax.legend(fontsize=8)
@@ -676,9 +745,12 @@ def plot(results: dict, systems: list[str], path: str) -> None:
 
 
 def main() -> None:
+    global LONG, PREFILL
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--long", type=int, default=LONG, help="the long context's tokens (decode from it)")
+    ap.add_argument("--prefill", type=int, default=PREFILL, help="the prefill prompt's tokens")
     ap.add_argument("--models", default="bundled,q4km", help="comma-separated: bundled, q4km, or GGUF paths")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--profile", action="store_true", help="add Duet's decode-step decomposition")
@@ -689,6 +761,7 @@ def main() -> None:
     ap.add_argument("--speed-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cold-worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    LONG, PREFILL = a.long, a.prefill
     if a.speed_worker:
         speed_worker(a.speed_worker, a.model, a.threads)
         return
@@ -698,6 +771,7 @@ def main() -> None:
 
     if a.from_json:
         saved = json.loads(Path(a.from_json).read_text())
+        saved["results"] = _old_keys(saved["results"])
         systems = [s for s in RUNNERS if all(s in r for r in saved["results"].values())]
         print(table(saved["results"], systems))
         if a.plot:

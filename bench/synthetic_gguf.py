@@ -141,10 +141,11 @@ def decode_bytes(path: Path) -> dict[str, float]:
     experts = int(md.get(f"{arch}.expert_count", 0) or 0)
     used = int(md.get(f"{arch}.expert_used_count", 0) or 0)
     out = {"file_gb": sum(t.nbytes for t in contents.tensors) / 1e9}
+    tied = not any(t.name == "output.weight" for t in contents.tensors)  # the embedding is the LM head
     for label, size in (("file", lambda t: t.nbytes), ("duet", held_bytes)):
         active = 0.0
         for t in contents.tensors:
-            if t.name == "token_embd.weight":
+            if t.name == "token_embd.weight" and not tied:
                 continue  # a lookup: one row per token
             share = used / experts if experts and "_exps." in t.name else 1.0
             active += size(t) * share

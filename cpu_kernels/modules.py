@@ -65,6 +65,18 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
 
 
 class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
+    # set by ``scales.half_scales`` when it stores the scales in float16: the dtype the lookup's
+    # rows are computed in, the model's (the tied LM head's product is float32 either way)
+    lookup_dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        scales, biases = self["scales"][x], self["biases"][x]
+        if self.lookup_dtype is not None:
+            scales, biases = scales.astype(self.lookup_dtype), biases.astype(self.lookup_dtype)
+        return mx.dequantize(
+            self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits, mode=self.mode
+        )
+
     def as_linear(self, x: mx.array) -> mx.array:
         return _product(self, x)
 

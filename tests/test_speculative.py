@@ -43,6 +43,30 @@ def test_policy_proposes_for_a_lone_stream_and_not_in_a_busy_batch():
     assert pol.choose(0, 0, decoding_rows=64) == 0
 
 
+def test_a_new_sequence_starts_from_the_engines_recent_acceptance():
+    """On text the proposer cannot predict, every request used to start from a fixed 60% prior and
+    pay for proposals until its own eight verdicts said otherwise; now a new sequence starts from what
+    the engine's recent sequences kept, and text that predicts well starts out proposing more. A
+    sequence still gets one probe of its own, so the engine's record cannot starve it."""
+    fresh = SpeculationPolicy(cost_ratio=0.1, measure=False)
+    assert fresh.choose(0, 0, decoding_rows=1) >= 1  # the prior: worth a try
+    rejected = SpeculationPolicy(cost_ratio=0.1, measure=False)
+    for _ in range(10):
+        rejected.verdict(2, 0)
+    assert rejected.prior() == 0.0
+    assert rejected.choose(0, 0, decoding_rows=1) == 1  # one probe of its own: its first proposal
+    assert rejected.choose(1, 0, decoding_rows=1) == 0  # rejected: no more on the engine's record
+    assert rejected.choose(1, 1, decoding_rows=1) >= 1  # kept: this text predicts, go on
+    assert rejected.choose(0, 0, decoding_rows=64) == 0  # no probe where the fixed prior would not try
+    assert rejected.choose(100, 95, decoding_rows=1) >= 3  # a sequence's own record still decides
+    kept = SpeculationPolicy(cost_ratio=0.1, measure=False)
+    for _ in range(10):
+        kept.verdict(4, 4)
+    assert kept.choose(0, 0, decoding_rows=1) > fresh.choose(0, 0, decoding_rows=1)
+    rejected.verdict(0, 0)  # nothing proposed: no verdict
+    assert rejected.prior() == 0.0
+
+
 def test_policy_counts_the_pass_that_rows_without_proposals_keep():
     """Measured on the bundled model (4 streams, quantized CPU weights): a pass costs ~21 ms and a
     token ~6 ms (r ~ 0.29). Rows without proposals keep a pass of their own, so at 4 streams a

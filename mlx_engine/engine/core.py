@@ -298,7 +298,8 @@ class EngineCore:
         ]
         for st, results in zip(states, verify(rows), strict=True):
             seq = st.seq
-            self.scheduler.end_proposals(seq, len(results) - 1)
+            proposed = self.scheduler.end_proposals(seq, len(results) - 1)
+            self.speculation.verdict(len(proposed), len(results) - 1)
             now = time.perf_counter()
             for i, r in enumerate(results):
                 self._emit(st, r, now)

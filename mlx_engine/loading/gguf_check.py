@@ -22,7 +22,8 @@ from mlx_engine.loading.gguf_file import TensorInfo, read_gguf
 from mlx_engine.loading.gguf_tensors import read_tensors
 
 # how each GGUF type is held when weights stay quantized: (MLX bits per code, exactness). Affine
-# groups of 32 add a float32 scale and bias (2 bits per weight); MXFP4 one byte per 32 weights.
+# groups of 32 add a scale and a bias, float16 on the CPU kernels (cpu_kernels/scales.py: 1 bit per
+# weight; float32 elsewhere, 2 bits); MXFP4 one byte per 32 weights.
 HELD_BITS: dict[str, tuple[int, str]] = {
     "Q4_0": (4, "exact"), "Q4_1": (4, "exact"), "Q4_K": (4, "exact"), "Q5_0": (5, "exact"),
     "Q5_1": (5, "exact"), "Q5_K": (5, "exact"), "Q8_0": (8, "exact"), "Q3_K": (8, "exact"),
@@ -68,15 +69,16 @@ def _logical_shape(t: TensorInfo) -> tuple[int, ...]:
     return tuple(reversed(t.shape))
 
 
-def held_bytes(t: TensorInfo) -> float:
-    """Bytes the tensor takes as Duet holds it with weights kept quantized."""
+def held_bytes(t: TensorInfo, scale_bits: int = 16) -> float:
+    """Bytes the tensor takes as Duet holds it with weights kept quantized, its scales and biases
+    ``scale_bits`` wide (16: the CPU kernels')."""
     n = 1
     for d in t.shape:
         n *= d
     if t.ggml_type in _FLOAT_BITS or len(t.shape) < 2:
         return n * _FLOAT_BITS.get(t.ggml_type, 32) / 8
     bits, _ = HELD_BITS[t.ggml_type]
-    overhead = 8 / 32 if t.ggml_type == "MXFP4" else 64 / 32
+    overhead = 8 / 32 if t.ggml_type == "MXFP4" else 2 * scale_bits / 32
     return n * (bits + overhead) / 8
 
 

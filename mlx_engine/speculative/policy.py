@@ -31,8 +31,11 @@ class SpeculationPolicy:
     # a draft model's pass (one per proposal position, shared by the step's rows) relative to the
     # target pass's fixed cost; 0 for proposers that cost nothing (n-gram lookup)
     draft_cost: float = 0.0
-    prior_accept: float = 0.6
+    prior_accept: float = 0.6  # until the engine has seen min_proposals proposals verified
     decay: float = 0.98
+    # proposals verified and kept over every sequence (decayed per verdict): a new sequence's prior, so
+    # that text the proposer cannot predict stops costing probes at the start of every request
+    _seen: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # pp, pt, tt, py, ty
     _fixed: float | None = None  # a, the fitted fixed cost of a target pass (seconds)
     _draft_pass: float | None = None  # EWMA of a draft pass's seconds
@@ -41,9 +44,21 @@ class SpeculationPolicy:
     # integer matmul kernel and from three the float one: 1.23x a plain step for 2 tokens, 1.57x for 3).
     _lone: dict[int, float] = field(default_factory=dict)
 
+    def verdict(self, proposed: int, kept: int) -> None:
+        """``proposed`` tokens of one sequence were verified, ``kept`` of them kept."""
+        if proposed > 0:
+            self._seen[0] = 0.99 * self._seen[0] + proposed
+            self._seen[1] = 0.99 * self._seen[1] + kept
+
+    def prior(self) -> float:
+        """What a sequence with few verdicts of its own is expected to keep: the engine's recent rate
+        once it has one, else ``prior_accept``."""
+        seen, kept = self._seen
+        return kept / seen if seen >= self.min_proposals else self.prior_accept
+
     def acceptance(self, proposed: int, accepted: int) -> float:
-        if proposed < self.min_proposals:
-            return self.prior_accept
+        if proposed < self.min_proposals:  # its own verdicts, the missing ones at the prior's rate
+            return min((accepted + self.prior() * (self.min_proposals - proposed)) / self.min_proposals, 0.99)
         return min(accepted / proposed, 0.99)
 
     def observe(self, passes: int, tokens: int, seconds: float, rows: int = 0) -> None:
@@ -82,7 +97,16 @@ class SpeculationPolicy:
             self.draft_cost = self._draft_pass / self._fixed
 
     def choose(self, proposed: int, accepted: int, decoding_rows: int) -> int:
-        p = self.acceptance(proposed, accepted)
+        k = self._best_k(self.acceptance(proposed, accepted), decoding_rows)
+        if k == 0 and proposed == 0:
+            # A sequence's first proposal is tried wherever the fixed prior would try it: the engine's
+            # recent rate (other requests' text, other sampling) must not keep a sequence from a
+            # verdict of its own. One probe costs one two-token step; if it is rejected the sequence
+            # stops there.
+            return min(1, self._best_k(self.prior_accept, decoding_rows))
+        return k
+
+    def _best_k(self, p: float, decoding_rows: int) -> int:
         rb = self.cost_ratio * max(decoding_rows, 1)
         passes = 2 if decoding_rows > 1 else 1  # proposing rows, and those with none
         best_k, best = 0, 1.0

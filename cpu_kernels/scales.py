@@ -1,0 +1,58 @@
+"""Hold the kernel layers' scales and biases in float16: fewer bytes for every decoded token.
+
+A GGUF's blocks load as MLX affine groups of 32 with a float32 scale and bias each (``mlx_engine/
+loading/ggml_blocks.py``): 2 bits of overhead per weight, so a 4-bit layer is read as 6 bits a weight
+where the file's Q4_K holds 4.5. A decode step streams every weight once, and on the CPU the memory
+bus, not arithmetic, sets its speed, so those bits are time. In float16 they are 1 bit a weight
+(4-bit layers 6 -> 5 bits, 8-bit 10 -> 9, 5-bit 7 -> 6).
+
+What it costs in accuracy: float16 keeps 11 significant bits, so each scale and bias moves by at
+most 2^-11 of itself (2^-25 absolute below float16's normal range), a weight ``s * q + b`` by at most
+``q * 2^-11`` of a quantization step: under 1% of a step for 4-bit codes, under 1/8 for 8-bit, where
+the step itself is the quantization's error. Many types lose nothing: Q8_0, Q4_0, Q4_1, Q5_0 and
+Q5_1 store their scales (and minimums) as float16 already, and ``-zero * scale`` of the symmetric
+types is a power of two times the scale, so it rounds as the scale does. A layer whose scales or biases
+would overflow float16 (a magnitude above 65504) keeps float32. The kernels read float16 scales with
+F16C's ``vcvtph2ps`` and compute in float32 as before; a layer's output keeps the dtype it had (the
+promotion of float32 x with float16 scales is float32), and the quantized embedding's lookup
+computes in its original dtype (:class:`~cpu_kernels.modules.CPUQuantizedEmbedding`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cpu_kernels.modules import CPUQuantizedEmbedding, CPUQuantizedLinear
+
+_F16_MAX = 65504.0
+
+
+def _kernel_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers whose products are the CPU kernels' (``use_cpu_kernels`` switched them)."""
+    out = []
+    for _, layer in model.named_modules():
+        kernel = isinstance(layer, (CPUQuantizedLinear, CPUQuantizedEmbedding))
+        kernel = kernel or type(layer).__name__ == "CPUQuantizedSwitchLinear"
+        if kernel and layer.get("biases") is not None and layer["scales"].dtype == mx.float32:
+            out.append(layer)
+    return out
+
+
+def half_scales(model: nn.Module) -> int:
+    """Store the float32 scales and biases of the model's CPU-kernel layers as float16, in place,
+    where none overflows; returns how many layers changed. Run after ``use_cpu_kernels``."""
+    layers = _kernel_layers(model)
+    peaks = [mx.maximum(mx.abs(layer["scales"]).max(), mx.abs(layer["biases"]).max()) for layer in layers]
+    mx.eval(peaks)
+    changed = 0
+    for layer, peak in zip(layers, peaks, strict=True):
+        if not peak.item() <= _F16_MAX:  # type: ignore[operator]  # also a NaN: leave such a layer as it was
+            continue
+        if isinstance(layer, CPUQuantizedEmbedding):
+            layer.lookup_dtype = layer["scales"].dtype
+        layer["scales"] = layer["scales"].astype(mx.float16)
+        layer["biases"] = layer["biases"].astype(mx.float16)
+        mx.eval(layer["scales"], layer["biases"])  # one layer's float32 copy alive at a time
+        changed += 1
+    return changed
