@@ -337,7 +337,7 @@ def profile_duet(r: DuetRunner) -> dict:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_engine import engine as engine_mod
+    from mlx_engine.engine import core as engine_mod  # where the engine calls the sampler
 
     model = r.loaded.model
     ops = count_ops(model, 64)

@@ -15,7 +15,7 @@ the kernels) and kept quantized through the kernels, runs interleaved; median to
 by process CPU time, the resident weight bytes, and whether the greedy tokens agree.
 
 ``--gbps`` measures the weight bytes read per second from DRAM at Llama-3.2-1B's shapes (q/o_proj 2048 x
-2048, gate/up 8192 x 2048, down 2048 x 8192; 4-bit in groups of 32 with float32 scales and biases, as
+2048, gate/up 8192 x 2048, down 2048 x 8192; 4-bit in groups of 32 with float16 scales and biases, as
 Duet's GGUF loader makes them) for each ``cpu_math`` and thread count: every call reads another copy
 of the matrix (copies enough to pass ~128 MB, 4x the L3 here), and 32 calls go into one ``mx.eval``
 (a lone ``mx.eval`` costs ~0.1 ms here, as much as a 2048 x 2048 product); wall time, median of
@@ -126,7 +126,9 @@ def model_decode(runs: int, tokens: int = 128) -> None:
 GBPS_SHAPES = (("q/o_proj", 2048, 2048), ("gate/up", 8192, 2048), ("down", 2048, 8192))
 
 
-def gbps(threads: list[int], maths: list[str], rows: list[int], bits_list: list[int], repeats: int) -> None:
+def gbps(
+    threads: list[int], maths: list[str], rows: list[int], bits_list: list[int], repeats: int, scales: str
+) -> None:
     """Weight bytes per second at Llama-3.2-1B's shapes, every call on a cold copy (module doc)."""
     import mlx.core as mx
 
@@ -143,7 +145,9 @@ def gbps(threads: list[int], maths: list[str], rows: list[int], bits_list: list[
             copies = []
             while sum(a.nbytes for c in copies for a in c) < 128e6:
                 w = mx.random.normal((n, k)) * 0.05
-                copies.append(mx.quantize(w, group_size=32, bits=bits))
+                wq, sc, bi = mx.quantize(w, group_size=32, bits=bits)
+                dt = getattr(mx, scales)  # as the loader holds them (cpu_kernels/scales.py: float16)
+                copies.append((wq, sc.astype(dt), bi.astype(dt)))
                 mx.eval(*copies[-1])
             nbytes = sum(a.nbytes for a in copies[0])
             for m in rows:
@@ -193,6 +197,9 @@ def main() -> None:
     )
     ap.add_argument("--threads-list", default="1,2", help="--gbps: kernel thread counts")
     ap.add_argument("--math", default="exact,int8", help="--gbps: cpu_math values")
+    ap.add_argument(
+        "--scales", default="float16", choices=("float16", "float32"), help="--gbps: scales' dtype"
+    )
     args = ap.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
 
@@ -209,7 +216,7 @@ def main() -> None:
     ext.set_isa(args.isa)
     if args.gbps:
         print(
-            f"# kernel isa={ext.isa()} group=32 float32 scales, cold weights, wall clock, mlx={mx.__version__}"
+            f"# kernel isa={ext.isa()} group=32 {args.scales} scales, cold weights, wall clock, mlx={mx.__version__}"
         )
         gbps(
             [int(t) for t in args.threads_list.split(",")],
@@ -217,6 +224,7 @@ def main() -> None:
             [int(r) for r in args.rows.split(",")],
             [int(b) for b in args.bits.split(",")],
             args.repeats,
+            args.scales,
         )
         return
     if args.model_decode:

@@ -114,6 +114,18 @@ def test_matches_float64_every_variant_shape_batch_and_thread_count(ext, bits, g
         check(y, x, wq, scales, biases, group_size, bits, F32_TOL)
 
 
+def exact_on_1_and_n_threads(x, wq, scales, biases, group_size: int, bits: int) -> list[np.ndarray]:
+    """The product on 1 thread and on several: each within F32_TOL of float64, and the same bits."""
+    outs = []
+    for t in (1, max(2, spec.physical_cores())):
+        spec.set_threads(t)
+        y = quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=bits, backend="native")
+        check(y, x, wq, scales, biases, group_size, bits, F32_TOL)
+        outs.append(np.array(y))
+    assert np.array_equal(outs[0], outs[1])
+    return outs
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_integer_kernel_for_one_or_two_rows_keeps_float32_accuracy(ext, bits):
     """One or two rows of x (a decode step, a short verification) go through 8-bit integer dot
@@ -131,13 +143,7 @@ def test_integer_kernel_for_one_or_two_rows_keeps_float32_accuracy(ext, bits):
         xs[:, 64:96] = 0.0
         xs[:, 128:160] *= 1e-30  # tiny, still normal floats
         x = mx.array(xs)
-        outs = []
-        for t in (1, max(2, spec.physical_cores())):
-            spec.set_threads(t)
-            y = quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=bits, backend="native")
-            check(y, x, wq, scales, biases, group_size, bits, F32_TOL)
-            outs.append(np.array(y))
-        assert np.array_equal(outs[0], outs[1])
+        outs = exact_on_1_and_n_threads(x, wq, scales, biases, group_size, bits)
         xs[-1, 200] = np.nan
         y = quantized_matmul(
             mx.array(xs), wq, scales, biases, group_size=group_size, bits=bits, backend="native"
@@ -148,6 +154,35 @@ def test_integer_kernel_for_one_or_two_rows_keeps_float32_accuracy(ext, bits):
     x, wq, scales, biases = case(rng, 1, 33, 96, 32, bits)  # 4-bit: 96 is not a multiple of 64
     y = quantized_matmul(x, wq, scales, biases, group_size=32, bits=bits, backend="native")
     check(y, x, wq, scales, biases, 32, bits, F32_TOL)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_integer_kernel_on_long_rows_reads_several_weight_rows_per_pass_and_stays_exact(ext, bits):
+    """Past K = 4096 one row of x in three bytes a value no longer stays in L1 beside the weights, so
+    the integer kernel takes 4 weight rows (2 with two rows of x) per pass over it (Llama-3.2-1B's
+    down_proj, K = 8192). Row counts that leave 1-3 rows over, one and two rows of x, float32 and
+    float16 scales: within float32's tolerance of float64, the same bits on 1 and 2 threads, NaN in a
+    row of x only in that row's outputs."""
+    rng = np.random.default_rng(70 + bits)
+    for group_size, m, n, dtype in (
+        (32, 1, 43, mx.float32),
+        (128, 2, 38, mx.float16),
+        (64, 1, 41, mx.float16),
+    ):
+        k = 8192 + 256
+        x, wq, scales, biases = case(rng, m, n, k, group_size, bits)
+        scales, biases = scales.astype(dtype), biases.astype(dtype)
+        outs = exact_on_1_and_n_threads(x, wq, scales, biases, group_size, bits)
+        xs = np.array(x)
+        xs[-1, 5000] = np.nan
+        y = np.array(
+            quantized_matmul(
+                mx.array(xs), wq, scales, biases, group_size=group_size, bits=bits, backend="native"
+            )
+        )
+        assert np.isnan(y[-1]).all()
+        if m == 2:
+            assert np.array_equal(y[0], outs[0][0])
 
 
 @pytest.mark.parametrize("bits", BITS)
