@@ -26,6 +26,7 @@ MODEL_FLAGS = (
     "cache_gb",
     "cache_fraction",
     "weights",
+    "cpu_math",
     "speculative",
     "draft_model",
     "reasoning_format",

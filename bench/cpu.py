@@ -11,7 +11,8 @@ llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed; cache
 * **Duet**: ``Engine`` on the CPU backend (prompts are random, so the prefix cache only ever hits
   the long context, as the others reuse theirs), with its default adaptive n-gram speculation;
   **duet-nospec** (``--systems duet,duet-nospec,...``): the same with speculation off, one token per
-  pass like the others;
+  pass like the others; **duet-int8**: speculation off and ``--cpu-math int8`` (activations in 8
+  bits and integer dot products, as llama.cpp computes);
 * **llama.cpp**: llama-cpp-python, the same GGUF, ``n_threads`` = ``n_threads_batch`` = threads;
 * **mlx-lm**: mlx-lm cannot read a GGUF (``mlx_lm.load`` takes safetensors only), so its
   generation loop (``generate_step``, under ``mlx_lm.generate``) runs on the model Duet's loader
@@ -93,6 +94,7 @@ def rates(times: list[float], prompt_len: int, t0: float) -> tuple[float, float]
 # --- Duet ------------------------------------------------------------------------------------
 class DuetRunner:
     speculative = "ngram"  # Duet's default: prompt lookup, adaptive (the same tokens as without)
+    cpu_math: str | None = None  # the default (exact, or what DUET_CPU_MATH says)
 
     def __init__(self, model: str, threads: int):
         from mlx_engine.engine import Engine, EngineConfig
@@ -102,7 +104,11 @@ class DuetRunner:
         self.engine = Engine(
             self.loaded,
             EngineConfig(
-                max_batch_tokens=512, prefill_chunk=512, max_running=16, speculative=self.speculative
+                max_batch_tokens=512,
+                prefill_chunk=512,
+                max_running=16,
+                speculative=self.speculative,
+                cpu_math=self.cpu_math,
             ),
         )
         self.vocab = self.loaded.tokenizer.vocab_size
@@ -249,9 +255,17 @@ class DuetPlainRunner(DuetRunner):
     speculative = "off"
 
 
+class DuetInt8Runner(DuetPlainRunner):
+    """Duet with ``--cpu-math int8`` (activations in 8 bits, integer dot products, as llama.cpp) and
+    speculation off."""
+
+    cpu_math = "int8"
+
+
 RUNNERS = {
     "duet": DuetRunner,
     "duet-nospec": DuetPlainRunner,
+    "duet-int8": DuetInt8Runner,
     "llama.cpp": LlamaCppRunner,
     "mlx-lm": MlxLmRunner,
 }
@@ -491,6 +505,8 @@ def cold_run(system: str, model: str, threads: int) -> tuple[float, float]:
         ]
         cmd += ["--max-tokens", str(COLD_TOKENS), "--temperature", "0"]
         cmd += ["--speculative", RUNNERS[system].speculative]
+        if RUNNERS[system].cpu_math:
+            cmd += ["--cpu-math", RUNNERS[system].cpu_math]
     else:
         cmd = [sys.executable, __file__, "--cold-worker", system, "--model", model, "--threads", str(threads)]
     t0 = time.monotonic()

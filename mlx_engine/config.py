@@ -26,6 +26,10 @@ KV_BITS = (4, 8)
 # the model's own dtype elsewhere (``KVPool.store_dtype``).
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 SPECULATIVE_MODES = ("off", "ngram", "draft")
+# How the CPU kernels multiply quantized weights (cpu_kernels/spec.py; docs/kernels.md): "exact" keeps
+# activations float32-accurate, "int8" quantizes them to 8 bits per 32 values and multiplies with
+# integer dot products, as llama.cpp does.
+CPU_MATHS = ("exact", "int8")
 KV_GROUP_SIZES = (32, 64, 128)
 # The KV pool starts with room for this many tokens and grows (doubling) as sequences need
 # blocks, up to the budget: memory is taken when used, not reserved at start.
@@ -105,6 +109,13 @@ class EngineConfig:
         "sequences than this gets 400",
     )
     prefix_cache: bool = True
+    cpu_math: str | None = option(
+        None,
+        "how the CPU kernels multiply quantized weights: exact (activations in float32, the default) or "
+        "int8 (activations in 8 bits per 32 values and integer dot products, as llama.cpp: faster decode "
+        "and prefill at llama.cpp's accuracy; docs/kernels.md); default: DUET_CPU_MATH, else exact",
+        choices=CPU_MATHS,
+    )
     weights: str = option(
         "auto",
         "weight format (default auto: quantized, or dense float32 on a CPU without the built CPU kernels)",
@@ -222,6 +233,11 @@ class EngineConfig:
                 f"{spell('draft_model')} is used only with {spell('speculative')} draft, not {self.speculative}",
             )
         self._check_replies(fail, spell)
+        if self.cpu_math is not None and self.cpu_math not in CPU_MATHS:
+            raise fail(
+                "cpu_math",
+                f"{spell('cpu_math')} must be one of {', '.join(CPU_MATHS)}, not {self.cpu_math!r}",
+            )
         if self.weights not in WEIGHT_FORMATS:
             raise fail("weights", f"{spell('weights')} must be one of {', '.join(WEIGHT_FORMATS)}")
         if self.context_length is not None:

@@ -12,6 +12,8 @@ Last, the bundled model teacher-forced through both paths: top-1 agreement and t
 
 from __future__ import annotations
 
+import asyncio
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -318,3 +320,39 @@ def test_bundled_model_int8_agrees_with_exact(ext, bundled, capsys):
     assert agree[clear].all()
     assert 0.0 < gap < 3.0, gap  # the paths differ, by little (logits span ~30)
     assert ppl_int8 < 1.01 * ppl_exact, (ppl_exact, ppl_int8)
+
+
+def test_engine_option_sets_the_math_and_names_it_in_the_numerics(ext, bundled):
+    """``--cpu-math`` (EngineConfig.cpu_math) picks the kernels' math for the engine's products, and
+    the engine's numerics profile says which (KV from an engine with other math is not the same bits:
+    the disk tier and peers compare profiles); a bad value is a one-line ConfigError."""
+    from mlx_engine.config import EngineConfig
+    from mlx_engine.engine import Engine
+    from mlx_engine.errors import ConfigError
+    from mlx_engine.request import GenerationRequest, SamplingParams
+
+    with pytest.raises(ConfigError, match="cpu_math must be one of exact, int8"):
+        EngineConfig(cpu_math="fast").validate()
+    profiles = {}
+    replies = {}
+    try:
+        for math in ("int8", "exact"):
+            engine = Engine(bundled, EngineConfig(cpu_math=math, speculative="off"))
+            try:
+                assert spec.cpu_math() == math
+                profiles[math] = engine.numerics_profile()
+                prompt = bundled.tokenizer.encode(TEXT)[:200]
+                req = GenerationRequest(
+                    prompt=prompt, max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=0)
+                )
+
+                async def reply(engine=engine, req=req) -> list[int]:
+                    return [t async for ev in engine.generate(req) for t in ev.token_ids]
+
+                replies[math] = asyncio.run(reply())
+            finally:
+                engine.shutdown()
+    finally:
+        spec.set_cpu_math("exact")
+    assert profiles["int8"]["cpu_math"] == "int8" and profiles["exact"]["cpu_math"] == "exact"
+    assert len(replies["int8"]) == len(replies["exact"]) == 24

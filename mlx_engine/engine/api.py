@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from cpu_kernels.spec import set_cpu_math
 from mlx_engine.backend import backend_name
 from mlx_engine.blas import warn_if_slow
 from mlx_engine.config import EngineConfig
@@ -78,6 +79,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.config.validate()
         warn_if_slow(backend_name())  # once per process, with the fix
+        if self.config.cpu_math is not None:
+            set_cpu_math(self.config.cpu_math)  # the process's kernels: products built from now on
         self.tokenizer = loaded.tokenizer
         self.replies = ReplyMemory()  # generated ids behind reply text, for multi-turn prefix hits
         self.draft = self._load_draft()  # the draft model (speculative="draft"), else None

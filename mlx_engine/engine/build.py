@@ -59,7 +59,17 @@ def engine_numerics(config: EngineConfig, m: LoadedModel) -> dict[str, Any]:
         kv_bits=c.kv_bits,
         kv_group_size=c.kv_group_size,
         prefill_chunk=c.prefill_grid,
+        cpu_math=_cpu_math(m),
     )
+
+
+def _cpu_math(m: LoadedModel) -> str | None:
+    """How the CPU kernels multiply this model's quantized weights (None: they do not run here)."""
+    if backend_name() != "cpu" or m.weight_format.startswith("dense"):
+        return None
+    from cpu_kernels.spec import cpu_math
+
+    return cpu_math()
 
 
 def _pool(config: EngineConfig, m: LoadedModel, num_blocks: int) -> KVPool:

@@ -81,9 +81,11 @@ def numerics_profile(
     kv_bits: int | None,
     kv_group_size: int,
     prefill_chunk: int,
+    cpu_math: str | None = None,
 ) -> dict[str, Any]:
     """What must be equal on two sides for their KV of the same model and tokens to be bit-identical."""
     return {
+        "cpu_math": cpu_math,
         "backend": backend,
         "mlx": package_version("mlx"),
         "mlx_lm": package_version("mlx-lm"),
