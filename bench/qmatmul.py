@@ -124,10 +124,18 @@ def model_decode(runs: int, tokens: int = 128) -> None:
 
 
 GBPS_SHAPES = (("q/o_proj", 2048, 2048), ("gate/up", 8192, 2048), ("down", 2048, 8192))
+# --gbps --k-scan: the same bytes at growing K (how the length of a row of x moves the kernels' speed)
+K_SCAN = (("K 2048", 8192, 2048), ("K 4096", 4096, 4096), ("K 8192", 2048, 8192), ("K 16384", 1024, 16384))
 
 
 def gbps(
-    threads: list[int], maths: list[str], rows: list[int], bits_list: list[int], repeats: int, scales: str
+    threads: list[int],
+    maths: list[str],
+    rows: list[int],
+    bits_list: list[int],
+    repeats: int,
+    scales: str,
+    shapes: tuple[tuple[str, int, int], ...] = GBPS_SHAPES,
 ) -> None:
     """Weight bytes per second at Llama-3.2-1B's shapes, every call on a cold copy (module doc)."""
     import mlx.core as mx
@@ -140,7 +148,7 @@ def gbps(
         "| matrix | N x K | bits | rows | threads | " + " | ".join(f"{m} us | {m} GB/s" for m in maths) + " |"
     )
     print("|---|---|---|---|---|" + "---|---|" * len(maths))
-    for name, n, k in GBPS_SHAPES:
+    for name, n, k in shapes:
         for bits in bits_list:
             copies = []
             while sum(a.nbytes for c in copies for a in c) < 128e6:
@@ -225,6 +233,7 @@ def main() -> None:
             [int(b) for b in args.bits.split(",")],
             args.repeats,
             args.scales,
+            K_SCAN if args.k_scan else GBPS_SHAPES,
         )
         return
     if args.model_decode:

@@ -341,6 +341,8 @@ def test_engine_option_sets_the_math_and_names_it_in_the_numerics(ext, bundled):
             try:
                 assert spec.cpu_math() == math
                 profiles[math] = engine.numerics_profile()
+                # what duet generate's first line and the TUI show
+                assert engine.stats().weight_format.endswith(", int8 activations") == (math == "int8")
                 prompt = bundled.tokenizer.encode(TEXT)[:200]
                 req = GenerationRequest(
                     prompt=prompt, max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=0)

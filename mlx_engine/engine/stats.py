@@ -53,12 +53,17 @@ def fixed_stats(engine: Any, core: EngineCore) -> dict[str, Any]:
         model=engine.model_name,
         backend=backend_name(),
         blas=active_blas(),
-        weight_format=engine.loaded.weight_format,
+        weight_format=_with_math(engine.loaded.weight_format, engine.numerics_profile().get("cpu_math")),
         kv_blocks_total=core.allocator.num_blocks - 1,
         kv_block_bytes=core.block_bytes,
         kv_bits=engine.config.kv_bits,
         kv_format=f"{pool.kv_bits}-bit" if pool.kv_bits else str(pool.dtype).rsplit(".", 1)[-1],
     )
+
+
+def _with_math(weight_format: str, cpu_math: str | None) -> str:
+    """The weight format, and how the CPU kernels multiply the weights when it is not the default."""
+    return f"{weight_format}, int8 activations" if cpu_math == "int8" else weight_format
 
 
 def engine_stats(fixed: dict[str, Any], core: EngineCore) -> EngineStats:
