@@ -113,6 +113,59 @@ def test_decoder_matches_gguf(qtype, rows, blocks):
     np.testing.assert_allclose(np.array(got), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+def test_q6_k_recoding_in_row_blocks_is_the_whole_tensors(monkeypatch):
+    """Q6_K re-coded to 8 bits in blocks of rows on two threads (a 3B model's output layer at once took
+    ~3 GB of temporaries) gives exactly what the whole tensor at once gives, remainder block included."""
+    from mlx_engine.loading import ggml_blocks
+
+    rows, blocks = 2 * 64 + 37, 3
+    raw = random_blocks(Q.Q6_K, rows, blocks, np.random.default_rng(9))
+    codes = decode(raw, "Q6_K", rows, blocks * 256)
+    monkeypatch.setattr(ggml_blocks, "_ROW_BLOCK", rows)
+    whole = ggml_blocks.to_8bit_groups_of_32(codes)
+    monkeypatch.setattr(ggml_blocks, "_ROW_BLOCK", 64)
+    split = ggml_blocks.to_8bit_groups_of_32(codes)
+    for a, b in ((whole.q, split.q), (whole.scales, split.scales), (whole.biases, split.biases)):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    assert split.q.shape == (rows, blocks * 256) and split.scales.shape == (rows, blocks * 8)
+    np.testing.assert_allclose(
+        mx.dequantize(
+            mx.array(split.pack()), mx.array(split.scales), mx.array(split.biases), group_size=32, bits=8
+        ),
+        dequantize(raw, Q.Q6_K),
+        atol=float(np.abs(codes.scales).max()) / 8 + 1e-6,
+    )
+
+
+def test_q6_k_recoding_is_exact_where_the_sub_scales_allow():
+    """Groups whose two sub-block steps are equal, opposite, in ratio 1/2 or 1/4, or zero re-code
+    exactly (the search tries m = 4, 2, 1 only where the larger m was exact); any other ratio rounds
+    the smaller sub-block to within 1/8 of the larger step."""
+    from mlx_engine.loading.ggml_blocks import Codes, to_8bit_groups_of_32
+
+    rng = np.random.default_rng(4)
+    rows, cols = 40, 512
+    q = rng.integers(0, 64, (rows, cols)).astype(np.uint8)
+    q[:, 0] = 0  # every group spans the codes' full range on its first sub-block
+    q[:, 32::32] = 0
+    pairs = np.array([[0.5, 0.5], [0.5, -0.5], [0.5, 0.25], [1.0, 0.25], [0.0, 0.0], [0.75, 0.3]], np.float32)
+    sc = pairs[rng.integers(0, len(pairs), (rows, cols // 32))].reshape(rows, cols // 16)
+    codes = Codes(q, sc, -32 * sc, 6, 16, 32)
+    out = to_8bit_groups_of_32(codes)
+    got = (
+        out.q.astype(np.float32).reshape(rows, -1, 32) * out.scales[..., None] + out.biases[..., None]
+    ).reshape(rows, cols)
+    want = codes.to_float()
+    ratio = np.abs(sc.reshape(rows, -1, 2)).min(-1) / np.maximum(
+        np.abs(sc.reshape(rows, -1, 2)).max(-1), 1e-30
+    )
+    exactable = np.repeat(np.isin(np.round(ratio, 6), [0.0, 0.25, 0.5, 1.0]), 32, axis=1)
+    assert exactable.any() and (~exactable).any()
+    np.testing.assert_array_equal(got[exactable], want[exactable])
+    step = np.repeat(np.abs(sc.reshape(rows, -1, 2)).max(-1), 32, axis=1)
+    assert (np.abs(got - want) <= step / 8 + 1e-6).all()
+
+
 @pytest.mark.parametrize("qtype", [*QUANT_TYPES, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4], ids=lambda t: t.name)
 def test_quantizer_edge_rows(qtype):
     """Rows that are all zero, constant, or one outlier among tiny values still decode (d = 0 and
