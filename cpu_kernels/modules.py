@@ -185,6 +185,14 @@ def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
     )
 
 
+def is_kernel_layer(layer: nn.Module) -> bool:
+    """Whether ``use_cpu_kernels`` switched this layer: its products are the CPU kernels'."""
+    return (
+        isinstance(layer, (CPUQuantizedLinear, CPUQuantizedEmbedding))
+        or type(layer) in _SWITCH_LINEARS.values()
+    )
+
+
 def use_cpu_kernels(model: nn.Module) -> int:
     """Switch the model's supported quantized layers (expert stacks included), its RMSNorms, RoPEs and
     SwiGLU MLPs to the CPU kernels (in place); returns how many layers were switched."""

@@ -23,20 +23,18 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from cpu_kernels.modules import CPUQuantizedEmbedding, CPUQuantizedLinear
+from cpu_kernels.modules import CPUQuantizedEmbedding, is_kernel_layer
 
 _F16_MAX = 65504.0
 
 
 def _kernel_layers(model: nn.Module) -> list[nn.Module]:
     """The layers whose products are the CPU kernels' (``use_cpu_kernels`` switched them)."""
-    out = []
-    for _, layer in model.named_modules():
-        kernel = isinstance(layer, (CPUQuantizedLinear, CPUQuantizedEmbedding))
-        kernel = kernel or type(layer).__name__ == "CPUQuantizedSwitchLinear"
-        if kernel and layer.get("biases") is not None and layer["scales"].dtype == mx.float32:
-            out.append(layer)
-    return out
+    return [
+        layer
+        for _, layer in model.named_modules()
+        if is_kernel_layer(layer) and layer.get("biases") is not None and layer["scales"].dtype == mx.float32
+    ]
 
 
 def half_scales(model: nn.Module) -> int:

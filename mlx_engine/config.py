@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cpu_kernels.spec import CPU_MATHS  # how the CPU kernels multiply quantized weights
 from mlx_engine.errors import ConfigError
 
 GiB = 2**30
@@ -26,10 +27,6 @@ KV_BITS = (4, 8)
 # the model's own dtype elsewhere (``KVPool.store_dtype``).
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 SPECULATIVE_MODES = ("off", "ngram", "draft")
-# How the CPU kernels multiply quantized weights (cpu_kernels/spec.py; docs/kernels.md): "exact" keeps
-# activations float32-accurate, "int8" quantizes them to 8 bits per 32 values and multiplies with
-# integer dot products, as llama.cpp does.
-CPU_MATHS = ("exact", "int8")
 KV_GROUP_SIZES = (32, 64, 128)
 # The KV pool starts with room for this many tokens and grows (doubling) as sequences need
 # blocks, up to the budget: memory is taken when used, not reserved at start.

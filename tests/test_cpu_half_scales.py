@@ -151,3 +151,22 @@ def test_the_bundled_model_loads_with_float16_scales_and_decodes_the_same(ext, m
         return out
 
     assert greedy(loaded.model, 24) == greedy(ref.model, 24)
+
+
+def test_the_experts_of_a_moe_hold_float16_scales_and_its_logits_stay(ext):  # noqa: F811
+    """The switched expert layers (the gather kernel's) are kernel layers too: their scales and biases
+    go to float16 with the rest, and the model's logits move by no more than 11-bit scales can."""
+    from tests.test_cpu_gather_qmm import MOE_CONFIG, logits_and_step, tiny_moe
+
+    model = tiny_moe()
+    use_cpu_kernels(model)
+    tokens = mx.array(np.random.default_rng(1).integers(0, 256, (1, 40)).astype(np.int32))
+    before = logits_and_step(model, tokens)
+    changed = half_scales(model)
+    experts = [m for _, m in model.named_modules() if type(m).__name__ == "CPUQuantizedSwitchLinear"]
+    assert len(experts) == 3 * MOE_CONFIG["num_hidden_layers"]
+    assert all(m["scales"].dtype == mx.float16 and m["biases"].dtype == mx.float16 for m in experts)
+    assert changed >= len(experts)
+    after = logits_and_step(model, tokens)
+    for a, b in zip(after, before, strict=True):
+        assert a.dtype == b.dtype and np.abs(a - b).max() <= 2e-2 * np.abs(b).max()

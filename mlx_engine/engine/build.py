@@ -59,11 +59,11 @@ def engine_numerics(config: EngineConfig, m: LoadedModel) -> dict[str, Any]:
         kv_bits=c.kv_bits,
         kv_group_size=c.kv_group_size,
         prefill_chunk=c.prefill_grid,
-        cpu_math=_cpu_math(m),
+        cpu_math=kernel_math(m),
     )
 
 
-def _cpu_math(m: LoadedModel) -> str | None:
+def kernel_math(m: LoadedModel) -> str | None:
     """How the CPU kernels multiply this model's quantized weights (None: they do not run here)."""
     if backend_name() != "cpu" or m.weight_format.startswith("dense"):
         return None

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_engine.backend import backend_name
 from mlx_engine.blas import active_blas
+from mlx_engine.engine.build import kernel_math
 
 if TYPE_CHECKING:
     from mlx_engine.engine.core import EngineCore
@@ -53,7 +54,7 @@ def fixed_stats(engine: Any, core: EngineCore) -> dict[str, Any]:
         model=engine.model_name,
         backend=backend_name(),
         blas=active_blas(),
-        weight_format=_with_math(engine.loaded.weight_format, engine.numerics_profile().get("cpu_math")),
+        weight_format=_with_math(engine.loaded.weight_format, kernel_math(engine.loaded)),
         kv_blocks_total=core.allocator.num_blocks - 1,
         kv_block_bytes=core.block_bytes,
         kv_bits=engine.config.kv_bits,
