@@ -37,14 +37,27 @@ MODEL_FLAGS = (
 
 
 # --- arguments ----------------------------------------------------------------------------
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        "-m",
-        default=None,
-        help="GGUF file, HF/MLX model directory or Hugging Face repo id (default: the bundled "
-        "SmolLM2-135M-Instruct)",
-    )
+def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """``several``: --model may be repeated (``duet serve``: every model given is servable; none
+    given: every local model is)."""
+    if several:
+        p.add_argument(
+            "--model",
+            "-m",
+            action="append",
+            default=None,
+            help="GGUF file, HF/MLX model directory, Hugging Face repo id or REPO:QUANT to serve; repeat "
+            "it to serve several (loaded on first use); once: loaded now and kept loaded; left out: "
+            "every local model (`duet models`), loaded on first use",
+        )
+    else:
+        p.add_argument(
+            "--model",
+            "-m",
+            default=None,
+            help="GGUF file, HF/MLX model directory, Hugging Face repo id or REPO:QUANT (default: the "
+            "bundled SmolLM2-135M-Instruct)",
+        )
     add_config_flags(p, EngineConfig, MODEL_FLAGS)
 
 
@@ -133,7 +146,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def check_model_args(args: argparse.Namespace) -> None:
     from mlx_engine.loading.preflight import check_model
 
-    check_model(args.model)
+    for model in args.model if isinstance(args.model, list) else [args.model]:
+        check_model(model)
     if getattr(args, "draft_model", None) is not None:
         check_model(args.draft_model)
 

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import cli
-from tests.test_server_harness import ServerProcess
+from tests.test_server_harness import ServerProcess, unlabelled
 
 
 def env() -> dict[str, str]:
@@ -172,7 +172,7 @@ def test_serve_with_a_peer_counts_remote_prefills_in_metrics(tiny_dirs, tmp_path
         r = httpx.post(server.base + "/v1/completions", json=body, timeout=WAIT)
         assert r.status_code == 200, r.text
         samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
+            (s.name, tuple(sorted(unlabelled(s.labels).items()))): s.value
             for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics", timeout=30).text)
             for s in fam.samples
         }

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import is_typeddict
 
 from app.server import errors
-from tests.test_server_harness import ServerProcess, tiny_model
+from tests.test_server_harness import ServerProcess, tiny_model, unlabelled
 
 MODEL = "tiny-tools"
 USER = [{"role": "user", "content": "Tell me a long story about the quick brown fox and the lazy dog."}]
@@ -906,7 +906,7 @@ def test_unexpected_errors_say_internal_error_and_are_logged_once(caplog):
 def cancelled(server, endpoint: str) -> float:
     for fam in text_string_to_metric_families(httpx.get(server.base + "/metrics").text):
         for s in fam.samples:
-            if s.name == "duet_requests_total" and s.labels == {
+            if s.name == "duet_requests_total" and unlabelled(s.labels) == {
                 "endpoint": endpoint,
                 "finish_reason": "cancelled",
             }:
@@ -998,7 +998,7 @@ def test_metrics_exposed(server, client):
     # MLX's allocator: the weights and the KV pool are held; the cache may be empty
     assert 0 < m["duet_mlx_active_bytes"] <= m["duet_mlx_peak_bytes"] and m["duet_mlx_cache_bytes"] >= 0
     text = httpx.get(server.base + "/metrics").text
-    assert 'duet_requests_total{endpoint="chat",finish_reason="length"}' in text
+    assert f'duet_requests_total{{endpoint="chat",finish_reason="length",model="{MODEL}"}}' in text
 
 
 # --- API key, full queue, shutdown (a second, small server) -----------------------------------

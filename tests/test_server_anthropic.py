@@ -26,7 +26,7 @@ from app.server.security import SecurityPolicy
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine import Engine
 from tests.route_fuzz import fuzz_route, sse_data
-from tests.test_server_harness import ServerProcess, tiny_model
+from tests.test_server_harness import ServerProcess, tiny_model, unlabelled
 
 MODEL = "tiny-tools"
 HELLO = [{"role": "user", "content": "Tell me a long story about the quick brown fox and the lazy dog."}]
@@ -461,7 +461,7 @@ def cancelled(server, endpoint: str) -> float:
     text = httpx.get(server.base + "/metrics", timeout=10).text
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == "duet_requests_total" and s.labels == {
+            if s.name == "duet_requests_total" and unlabelled(s.labels) == {
                 "endpoint": endpoint,
                 "finish_reason": "cancelled",
             }:

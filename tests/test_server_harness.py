@@ -47,6 +47,11 @@ def tiny_model(path: Path, arch: str = "llama", tools_template: bool = False) ->
     return path
 
 
+def unlabelled(labels: dict[str, str]) -> dict[str, str]:
+    """A sample's labels without ``model`` (every model's metrics carry the model's name)."""
+    return {k: v for k, v in labels.items() if k != "model"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,11 +129,11 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.base + "/metrics", headers=self.headers, timeout=10).text
-        out = {}
+        out: dict[str, float] = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if not s.labels:
-                    out[s.name] = s.value
+                if not unlabelled(s.labels):  # summed over the loaded models
+                    out[s.name] = out.get(s.name, 0.0) + s.value
         return out
 
     def stop(self) -> int:

@@ -13,7 +13,7 @@ def add_serve_parser(sub) -> None:
         help="run the OpenAI-compatible HTTP server",
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...).",
     )
-    add_model_args(s)
+    add_model_args(s, several=True)
     add_peer_args(s)
     from app.server.options import add_serve_args  # not app.server.main: no FastAPI here
 
@@ -26,7 +26,8 @@ def cmd_serve(args) -> int:
 
     engine_config(args)
     check_serve_args(args)
-    check_model_args(args)
+    if args.model and len(args.model) == 1:
+        check_model_args(args)  # one model: checked (and pulled) before anything loads
     use_fast_blas()
     from app.server.main import serve
 

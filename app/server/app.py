@@ -20,15 +20,36 @@ from .chat import chat_completions
 from .common import ServerState
 from .completions import completions
 from .embeddings import EmbeddingBatcher, EmbeddingRequest, embeddings
-from .metrics import Metrics
+from .metrics import Metrics, ModelMetrics
+from .model_routes import anthropic_error_frame, openai_error_frame, responses_error_frame, with_model
+from .models_api import install_model_routes
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .registry import ModelRegistry, ServedModel, keep_alive_seconds
 from .responses_protocol import ResponsesRequest
 from .security import SecurityMiddleware, SecurityPolicy
 
 
-def create_app(
+def server_state(
     engine: Engine,
+    ids: tuple[str, ...],
     *,
+    api_key: str | None = None,
+    max_tokens: int | None = None,
+    embedding_ids: tuple[str, ...] = (),
+) -> ServerState:
+    """One loaded model's state: its engine, metrics, grammar factory and the names it answers to."""
+    ids = tuple(dict.fromkeys([i for i in ids if i])) or (engine.model_name,)
+    state = ServerState(engine, Metrics(engine), GrammarFactory(engine.tokenizer), ids, api_key)
+    state.max_tokens = max_tokens
+    state.embedding_ids = embedding_ids
+    state.fingerprint  # noqa: B018  (hash the weights now, not during the first response)
+    return state
+
+
+def create_app(
+    engine: Engine | None = None,
+    *,
+    registry: ModelRegistry | None = None,
     api_key: str | None = None,
     aliases: tuple[str, ...] = (),
     security: SecurityPolicy | None = None,
@@ -37,30 +58,54 @@ def create_app(
     embedding_aliases: tuple[str, ...] = (),
     max_tokens: int | None = None,
 ) -> FastAPI:
-    """``aliases``: other names clients may use for the served model (e.g. the --model path).
+    """The server for ``engine`` (one model, loaded for the server's life) or for the models of
+    ``registry`` (loaded on first use, unloaded when idle: ``registry.py``).
+
+    ``aliases``: other names clients may use for ``engine``'s model (e.g. the --model path).
     ``security``: Host/Origin allowlists, API key and body limits (default: loopback only, no
     key, unless ``api_key`` is given). ``docs``: serve /docs, /redoc and /openapi.json.
-    ``embedder``: an embedding model served at /v1/embeddings beside the chat model (its name,
+    ``embedder``: an embedding model served at /v1/embeddings beside the chat models (its name,
     then ``embedding_aliases``, are the ids clients use). ``max_tokens``: the most tokens any reply
     may have, on every endpoint, whatever a request asks for (None: until the model stops or the
     context is full)."""
     policy = security if security is not None else SecurityPolicy.build(api_key=api_key)
-    ids = tuple(dict.fromkeys([engine.model_name, *[a for a in aliases if a]]))
-    state = ServerState(engine, Metrics(engine), GrammarFactory(engine.tokenizer), ids, policy.api_key)
-    state.max_tokens = max_tokens
+    embedding_ids: tuple[str, ...] = ()
     if embedder is not None:
-        state.embedding_ids = tuple(dict.fromkeys([embedder.name, *[a for a in embedding_aliases if a]]))
-    batcher = EmbeddingBatcher(engine, embedder) if embedder is not None else None
-    state.fingerprint  # noqa: B018  (hash the weights now, not during the first response)
+        embedding_ids = tuple(dict.fromkeys([embedder.name, *[a for a in embedding_aliases if a]]))
+    pinned: ServerState | None = None
+    if engine is not None:
+        if registry is not None:
+            raise ValueError("give an engine or a registry, not both")
+        pinned = server_state(
+            engine,
+            (engine.model_name, *aliases),
+            api_key=policy.api_key,
+            max_tokens=max_tokens,
+            embedding_ids=embedding_ids,
+        )
+        model = ServedModel(pinned.model_id, None, pinned.model_ids[1:], pinned=True)
+        registry = ModelRegistry([model], _no_loader, max_loaded=1)
+        registry.adopt(model, pinned)
+    if registry is None:
+        raise ValueError("create_app needs an engine or a registry")
+    served: ModelRegistry = registry
+    served.embedding_ids = embedding_ids
+    if pinned is None:
+        pinned = next((m.state for m in served.loaded() if m.model.pinned), None)
+    embedding_name = embedding_ids[0] if embedding_ids else None
+    metrics = ModelMetrics(served, Metrics(None) if embedding_ids else None, embedding_name)
+    runner = pinned.engine.run_on_worker if pinned is not None else None
+    batcher = EmbeddingBatcher(embedder, runner) if embedder is not None else None
     app = FastAPI(
         title="Duet",
         version=__version__,
-        description="OpenAI-compatible API for a local model",
+        description="OpenAI-compatible API for local models",
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
     )
-    app.state.duet = state
+    app.state.duet = pinned  # the model loaded for the server's life, if there is one
+    app.state.models = served
     app.state.embeddings = batcher
     errors.install(app)
     _anthropic_errors_on_messages_paths(app)
@@ -82,17 +127,6 @@ def create_app(
         )
     app.add_middleware(SecurityMiddleware, policy=policy)
 
-    def model_card(embedding: bool = False) -> dict:
-        """A model and what it can do: chat (chat completions, completions, messages, responses)
-        or embeddings."""
-        return {
-            "id": state.embedding_ids[0] if embedding else state.model_id,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "duet",
-            "capabilities": ["embeddings"] if embedding else ["chat", "completions", "tools"],
-        }
-
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> PlainTextResponse:
         # what clients probe at start (Claude Code sends HEAD /), as Ollama's "Ollama is running";
@@ -101,17 +135,22 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict:
-        s = engine.stats()
-        return {"status": "ok", "model": state.model_id, "running": s.running, "waiting": s.waiting}
+        running = waiting = 0
+        for m in served.loaded():
+            s = m.state.engine.stats()
+            running, waiting = running + s.running, waiting + s.waiting
+        model = pinned.model_id if pinned is not None else None
+        loaded = [m.model.name for m in served.loaded()]
+        return {"status": "ok", "model": model, "loaded": loaded, "running": running, "waiting": waiting}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics_page() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def api(method: str, path: str, slash: bool = True):
         """Register an API route at ``/v1/...`` and, as clients differ on both, without the
         ``/v1`` prefix and with a trailing slash (instead of a redirect POST clients do not follow)."""
-        paths = [path, path.removeprefix("/v1")]
+        paths = list(dict.fromkeys([path, path.removeprefix("/v1")]))
         if slash:
             paths += [p + "/" for p in paths]
 
@@ -122,47 +161,59 @@ def create_app(
 
         return register
 
-    @api("GET", "/v1/models")  # before /v1/models/{model}, which "/v1/models/" would match
-    async def list_models() -> dict:
-        return {
-            "object": "list",
-            "data": [model_card(), *([model_card(True)] if state.embedding_ids else [])],
-        }
-
-    @api("GET", "/v1/models/{model:path}", slash=False)  # the path parameter takes any slash
-    async def get_model(model: str) -> JSONResponse:
-        model = model.removesuffix("/")
-        if model in state.embedding_ids and model not in state.model_ids:
-            return JSONResponse(model_card(True))
-        state.check_model(model)
-        return JSONResponse(model_card())
+    install_model_routes(app, api, served, embedding_ids)
 
     @api("POST", "/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await chat_completions(state, body, request)
+        return await with_model(
+            served,
+            body.model,
+            lambda state: chat_completions(state, body, request),
+            stream_errors=openai_error_frame if body.stream else None,
+            keep_alive=_ttl(body),
+        )
 
     @api("POST", "/v1/completions")
     async def complete(body: CompletionRequest, request: Request) -> Response:
-        return await completions(state, body, request)
+        return await with_model(
+            served,
+            body.model,
+            lambda state: completions(state, body, request),
+            stream_errors=openai_error_frame if body.stream else None,
+            keep_alive=_ttl(body),
+        )
 
     @api("POST", "/v1/messages")
     async def anthropic_messages(body: MessagesRequest, request: Request) -> Response:
-        return await anthropic.messages(state, body, request)
+        return await with_model(
+            served,
+            body.model,
+            lambda state: anthropic.messages(state, body, request),
+            stream_errors=anthropic_error_frame if body.stream else None,
+        )
 
     @api("POST", "/v1/messages/count_tokens")
     async def anthropic_count_tokens(body: CountTokensRequest, request: Request) -> Response:
-        return await anthropic.count_tokens(state, body, request)
+        return await with_model(
+            served, body.model, lambda state: anthropic.count_tokens(state, body, request)
+        )
 
     @api("POST", "/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest) -> JSONResponse:
-        return await embeddings(state, batcher, body)
+        return await embeddings(served, batcher, metrics.embedding, embedding_ids, body)
 
     # each key its own share: one key's responses never evict another's (with no key: one share)
     store = responses.ResponseStore(responses.MAX_ITEMS, responses.MAX_CHARS, shares=len(policy.api_keys))
 
     @api("POST", "/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        return await responses.create(state, store, body, request)
+        model = body.model or (pinned.model_id if pinned is not None else None)
+        return await with_model(
+            served,
+            model,
+            lambda state: responses.create(state, store, body, request),
+            stream_errors=responses_error_frame if body.stream else None,
+        )
 
     @api("GET", "/v1/responses/{response_id}", slash=False)
     async def get_response(response_id: str, request: Request) -> JSONResponse:
@@ -190,7 +241,25 @@ def create_app(
             raise responses.not_found(response_id)
         return JSONResponse(responses.input_items_page(stored, limit, order, after))
 
+    @app.on_event("shutdown")
+    async def _stop_embedding_worker() -> None:
+        if batcher is not None:
+            batcher.close()
+
     return app
+
+
+def _no_loader(model: ServedModel) -> ServerState:
+    raise AssertionError(f"{model.name} is loaded for the server's life; nothing loads here")
+
+
+def _ttl(body: object) -> float | None | object:
+    """LM Studio's per-request ``ttl`` (seconds idle before the model unloads); ``...`` when absent."""
+    extra = getattr(body, "model_extra", None) or {}
+    ttl = extra.get("ttl")
+    if ttl is None:
+        return ...
+    return keep_alive_seconds(ttl, "ttl")
 
 
 def _anthropic_errors_on_messages_paths(app: FastAPI) -> None:

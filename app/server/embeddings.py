@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -26,12 +28,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlx_engine.embeddings import EmbeddingModel
-from mlx_engine.engine import Engine
 from mlx_engine.errors import EngineShutDownError
 
-from .common import ServerState
-from .errors import bad_request, shutting_down
+from .errors import APIError, bad_request, shutting_down
+from .metrics import Metrics
 from .protocol import check_body
+from .registry import ModelRegistry
 
 MAX_INPUTS = 2048  # as at OpenAI
 
@@ -66,10 +68,17 @@ class _Job:
 
 
 class EmbeddingBatcher:
-    """Runs queued inputs in batches on the engine's worker thread (see the module doc)."""
+    """Runs queued inputs in batches on the engine's worker thread (see the module doc): ``run``
+    is that engine's ``run_on_worker``; None (several models, loaded and unloaded as used): a
+    thread of the embedding model's own."""
 
-    def __init__(self, engine: Engine, model: EmbeddingModel):
-        self.engine, self.model = engine, model
+    def __init__(self, model: EmbeddingModel, run: Callable[[Callable[[], Any]], Any] | None = None):
+        self.model = model
+        self._pool: ThreadPoolExecutor | None = None
+        if run is None:
+            pool = self._pool = ThreadPoolExecutor(1, thread_name_prefix="duet-embed")
+            run = functools.partial(_run_in, pool)
+        self.run = run
         self._queue: list[_Job] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -95,8 +104,12 @@ class EmbeddingBatcher:
         for batch in self.model.batches(inputs):
             part = [inputs[i] for i in batch]
             run = functools.partial(self.model.embed_batch, part)
-            out[batch] = await asyncio.to_thread(self.engine.run_on_worker, run)
+            out[batch] = await asyncio.to_thread(self.run, run)
         return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self) -> None:
         while True:
@@ -125,6 +138,10 @@ class EmbeddingBatcher:
                 at += len(j.inputs)
 
 
+def _run_in(pool: ThreadPoolExecutor, fn: Callable[[], Any]) -> Any:
+    return pool.submit(fn).result()
+
+
 def _token_lists(model: EmbeddingModel, body: EmbeddingRequest) -> list[list[int]]:
     raw = body.input
     if isinstance(raw, str):
@@ -147,13 +164,19 @@ def _encode(v: np.ndarray, fmt: str | None) -> list[float] | str:
 
 
 async def embeddings(
-    state: ServerState, batcher: EmbeddingBatcher | None, body: EmbeddingRequest
+    models: ModelRegistry,
+    batcher: EmbeddingBatcher | None,
+    metrics: Metrics | None,
+    embedding_ids: tuple[str, ...],
+    body: EmbeddingRequest,
 ) -> JSONResponse:
-    if batcher is None or body.model not in state.embedding_ids:
-        if body.model in state.model_ids:
+    """``embedding_ids``: the names of the embedding model (none without --embedding-model);
+    a chat model's name is a 400, any other a 404 naming what is served."""
+    if batcher is None or body.model not in embedding_ids:
+        if models.lookup(body.model) is not None:
             hint = (
-                f" This server serves embeddings with `{state.embedding_ids[0]}`."
-                if state.embedding_ids
+                f" This server serves embeddings with `{embedding_ids[0]}`."
+                if embedding_ids
                 else " Start duet serve with --embedding-model to serve embeddings."
             )
             raise bad_request(
@@ -161,7 +184,15 @@ async def embeddings(
                 "model",
                 "model_not_embedding",
             )
-        state.check_model(body.model)  # a 404 naming what is served
+        if embedding_ids:
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist. This server makes embeddings with "
+                f"`{embedding_ids[0]}`.",
+                param="model",
+                code="model_not_found",
+            )
+        models.require(body.model)  # a 404 naming what is served
     assert batcher is not None
     model = batcher.model
     if body.dimensions is not None and body.dimensions != model.dim:
@@ -182,8 +213,9 @@ async def embeddings(
         vectors = vectors[:, : body.dimensions]
         vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     tokens = sum(len(x) for x in lists)
-    state.metrics.requests.labels("embeddings", "stop").inc()
-    state.metrics.embedding_tokens.inc(tokens)
+    if metrics is not None:
+        metrics.requests.labels("embeddings", "stop").inc()
+        metrics.embedding_tokens.inc(tokens)
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
         for i, v in enumerate(vectors)

@@ -18,18 +18,16 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import uvicorn
 
 from mlx_engine.errors import ConfigError
 
+from .common import ServerState
 from .options import API_KEY_ENV, DEFAULT_MAX_BODY_MB
 from .options import add_serve_args as add_serve_args  # where the CLI and tests found it
+from .registry import ModelRegistry, ServedModel
 from .security import SecurityPolicy
-
-if TYPE_CHECKING:
-    from mlx_engine.engine import Engine
 
 log = logging.getLogger("duet.server")
 
@@ -45,9 +43,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def model_aliases(spec: str | None) -> tuple[str, ...]:
+def model_aliases(spec: str | list[str] | None) -> tuple[str, ...]:
     """Names a client may use for the served model besides its id: what --model said, the
     file or directory name, and the file name without its extension."""
+    if isinstance(spec, list):
+        spec = spec[0] if len(spec) == 1 else None
     if not spec:
         return ("default",)
     p = Path(spec)
@@ -156,13 +156,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """Prints ``banner`` once it listens. On SIGINT/SIGTERM, stops the engine first: in-flight
+    """Prints ``banner`` once it listens. On SIGINT/SIGTERM, stops the engines first: in-flight
     requests finish with an error, so open streams end with an error chunk and ``[DONE]``
     instead of holding the shutdown."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, banner: str = ""):
+    def __init__(self, config: uvicorn.Config, registry: ModelRegistry, banner: str = ""):
         super().__init__(config)
-        self.engine = engine
+        self.registry = registry
         self.banner = banner
 
     async def startup(self, sockets=None) -> None:
@@ -171,14 +171,8 @@ class _Server(uvicorn.Server):
             print(self.banner, file=sys.stderr, flush=True)
 
     async def shutdown(self, sockets=None) -> None:
-        await asyncio.to_thread(self.engine.shutdown)
+        await asyncio.to_thread(self.registry.shutdown)
         await super().shutdown(sockets)
-
-
-def _load(args) -> Engine:
-    from app.options import engine_config, load_engine
-
-    return load_engine(args, engine_config(args))  # with its --peers connected
 
 
 def _load_embedder(spec: str | None):
@@ -197,6 +191,81 @@ def _load_embedder(spec: str | None):
     return EmbeddingModel.load(src.path, name=src.name)
 
 
+def served_models(specs: list[str] | None) -> list[ServedModel]:
+    """The models a server answers for: each ``--model`` (resolved now: a missing one, or one that
+    must be pulled, is dealt with before the server starts; one alone is pinned), or, with none,
+    every local model (``local_models``)."""
+    from mlx_engine.loading.resolve import resolve_model
+
+    if not specs:
+        return local_models()
+    out = []
+    for spec in specs:
+        src = resolve_model(spec)
+        size = src.path.stat().st_size if src.path.is_file() else _dir_size(src.path)
+        info = {"format": src.kind, "size_bytes": size}
+        out.append(ServedModel(src.name, spec, model_aliases(spec), info, pinned=len(specs) == 1))
+    return out
+
+
+def local_models() -> list[ServedModel]:
+    """Every model on this machine Duet can load: the bundled one, then the HF cache's."""
+    from mlx_engine.loading.resolve import BUNDLED_NAME, bundled_model_path, cached_models
+
+    path = bundled_model_path()
+    out = [
+        ServedModel(BUNDLED_NAME, None, ("default",), {"format": "gguf", "size_bytes": path.stat().st_size})
+    ]
+    out += [ServedModel(repo, repo) for repo in cached_models()]
+    return out
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def build_registry(args, policy: SecurityPolicy, embedding_ids: tuple[str, ...]) -> ModelRegistry:
+    """The registry of the served models, with a loader that builds each model's engine through
+    ``app.launch.build_engine`` (the one engine builder) with this command line's options."""
+    from app.launch import build_engine
+    from app.options import engine_config
+    from app.peer_options import peer_spec
+    from mlx_engine.backend import total_memory_bytes
+
+    from .app import server_state
+    from .options import keep_alive_option
+
+    config, peers = engine_config(args), peer_spec(args)
+    max_tokens = getattr(args, "max_tokens", None)
+
+    def load(model: ServedModel) -> ServerState:
+        engine = build_engine(model.spec, config, peers)
+        try:
+            state = server_state(
+                engine, model.ids, api_key=policy.api_key, max_tokens=max_tokens, embedding_ids=embedding_ids
+            )
+            # before serving: built in a first request, these would stall the event loop (they hold the GIL)
+            state.grammars.prepare()
+            engine.tokenizer.prepare()
+        except BaseException:
+            engine.shutdown()
+            raise
+        return state
+
+    gb = getattr(args, "max_loaded_gb", None)
+    registry = ModelRegistry(
+        served_models(args.model),
+        load,
+        max_loaded=getattr(args, "max_loaded", 3),
+        keep_alive=keep_alive_option(args),
+        memory_limit=int(gb * 2**30) if gb else total_memory_bytes(),
+    )
+    for model in registry.available():
+        if model.pinned:  # one --model: loaded now, as a single-model server always did
+            registry.adopt(model, load(model))
+    return registry
+
+
 def serve(args) -> int:
     from app.fd_limit import raise_fd_limit
 
@@ -210,7 +279,10 @@ def serve(args) -> int:
     sock = listen(args.host, args.port)
     try:
         embedder = _load_embedder(getattr(args, "embedding_model", None))
-        engine = _load(args)
+        embedding_ids: tuple[str, ...] = ()
+        if embedder is not None:
+            embedding_ids = tuple(dict.fromkeys([embedder.name, *model_aliases(args.embedding_model)]))
+        registry = build_registry(args, policy, embedding_ids)
     except BaseException:
         sock.close()
         raise
@@ -218,23 +290,24 @@ def serve(args) -> int:
     fd_limit = raise_fd_limit()
     port = sock.getsockname()[1]
     app = create_app(
-        engine,
-        aliases=model_aliases(args.model),
+        registry=registry,
         security=policy,
         docs=bool(getattr(args, "docs", False)),
         embedder=embedder,
-        embedding_aliases=model_aliases(args.embedding_model) if embedder is not None else (),
+        embedding_aliases=embedding_ids,
         max_tokens=getattr(args, "max_tokens", None),
     )
-    # before serving: built in a first request, these would stall the event loop (they hold the GIL)
-    app.state.duet.grammars.prepare()
-    engine.tokenizer.prepare()
-    s = engine.stats()
     host = f"[{args.host.strip('[]')}]" if ":" in args.host else args.host
-    banner = (
-        f"duet: serving {engine.model_name} ({s.backend}, {s.weight_format} weights, {s.kv_blocks_total} KV blocks) "
-        f"at http://{host}:{port}/v1"
-    )
+    loaded = registry.loaded()
+    if len(loaded) == 1 and loaded[0].model.pinned:
+        engine = loaded[0].state.engine
+        s = engine.stats()
+        what = f"{engine.model_name} ({s.backend}, {s.weight_format} weights, {s.kv_blocks_total} KV blocks)"
+    else:
+        names = [m.name for m in registry.available()]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        what = f"{len(names)} model{'s' if len(names) != 1 else ''} ({shown}; loaded on first use)"
+    banner = f"duet: serving {what} at http://{host}:{port}/v1"
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -245,12 +318,12 @@ def serve(args) -> int:
         backlog=LISTEN_BACKLOG,
     )
     rate_limit_logs()
-    server = _Server(config, engine, banner)
+    server = _Server(config, registry, banner)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
-        engine.shutdown()
+        registry.shutdown()
         sock.close()
     return 0

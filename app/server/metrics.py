@@ -3,12 +3,17 @@ from ``engine.stats()`` at scrape time."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mlx_engine.engine import Engine, EngineStats
 from mlx_engine.request import Usage
+
+if TYPE_CHECKING:
+    from .registry import ModelRegistry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60)
 
@@ -121,7 +126,10 @@ def _peer_metrics(engine: Engine, s: EngineStats):
 
 
 class Metrics:
-    def __init__(self, engine: Engine):
+    """One model's metrics (``engine``'s gauges read at scrape time; None: the embedding model's
+    counters only)."""
+
+    def __init__(self, engine: Engine | None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -164,7 +172,8 @@ class Metrics:
             ["endpoint", "finish_reason"],
             registry=r,
         )
-        r.register(_EngineCollector(engine))
+        if engine is not None:
+            r.register(_EngineCollector(engine))
 
     def observe_usage(self, u: Usage) -> None:
         self.prompt_tokens.inc(u.prompt_tokens)
@@ -173,6 +182,47 @@ class Metrics:
         if u.speculative:
             self.spec_proposed.inc(u.speculative["proposed"])
             self.spec_accepted.inc(u.speculative["accepted"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LabelledModels:
+    """Every loaded model's metrics in one exposition, each sample labelled ``model="NAME"``
+    (families of the same name merged across models, as Prometheus wants them once)."""
+
+    def __init__(self, models: ModelRegistry, embedding: Metrics | None, embedding_name: str | None):
+        self.models, self.embedding, self.embedding_name = models, embedding, embedding_name
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        sources = [(m.model.name, m.state.metrics.registry) for m in self.models.loaded()]
+        if self.embedding is not None and self.embedding_name:
+            sources.append((self.embedding_name, self.embedding.registry))
+        for name, registry in sources:
+            for family in registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = merged[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    labels = {"model": name, **sample.labels}
+                    out.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+        loaded = GaugeMetricFamily("duet_model_loaded", "1 for each model loaded now", labels=["model"])
+        for m in self.models.loaded():
+            loaded.add_metric([m.model.name], 1)
+        yield from merged.values()
+        yield loaded
+
+
+class ModelMetrics:
+    """The server's /metrics: per model, labelled; ``embedding`` the embedding model's counters."""
+
+    def __init__(
+        self, models: ModelRegistry, embedding: Metrics | None = None, embedding_name: str | None = None
+    ):
+        self.embedding = embedding
+        self.registry = CollectorRegistry()
+        self.registry.register(_LabelledModels(models, embedding, embedding_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,6 +24,24 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}", "max_tokens")
+    if getattr(args, "max_loaded", 1) < 1:
+        raise ConfigError(f"--max-loaded must be at least 1, got {args.max_loaded}", "max_loaded")
+    gb = getattr(args, "max_loaded_gb", None)
+    if gb is not None and not gb > 0:
+        raise ConfigError(f"--max-loaded-gb must be above 0, got {gb:g}", "max_loaded_gb")
+    keep_alive_option(args)
+
+
+def keep_alive_option(args: argparse.Namespace) -> float | None:
+    """--keep-alive in seconds (None: never unload); ConfigError for a value that is no duration."""
+    from mlx_engine.errors import ConfigError
+
+    from .keep_alive import parse_keep_alive
+
+    try:
+        return parse_keep_alive(getattr(args, "keep_alive", "5m"), "--keep-alive")
+    except ValueError as e:
+        raise ConfigError(str(e), "keep_alive") from None
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -109,3 +127,38 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "that rambles on past its answer stops here)",
     )
     add_config_flags(p, EngineConfig, ("max_queue", "max_running"))
+    add_model_serving_args(p)
+
+
+KEEP_ALIVE_ENV = "DUET_KEEP_ALIVE"
+MAX_LOADED_ENV = "DUET_MAX_LOADED_MODELS"
+
+
+def add_model_serving_args(p: argparse.ArgumentParser) -> None:
+    """Several models in one server: what is loaded, for how long, how many at once."""
+    import os
+
+    p.add_argument(
+        "--keep-alive",
+        default=os.environ.get(KEEP_ALIVE_ENV) or "5m",
+        metavar="DURATION",
+        help="unload a model idle this long, as Ollama's keep_alive: '5m', '1h', '30s', seconds, 0 "
+        f"(at once), -1 (never) (default 5m, or ${KEEP_ALIVE_ENV}); requests may set their own "
+        "(Ollama's keep_alive, LM Studio's ttl). A model given with a single --model stays loaded",
+    )
+    p.add_argument(
+        "--max-loaded",
+        type=int,
+        default=int(os.environ.get(MAX_LOADED_ENV) or 3),
+        metavar="N",
+        help="most models loaded at once; loading another unloads the least recently used idle one "
+        f"(default 3, or ${MAX_LOADED_ENV}; as Ollama's OLLAMA_MAX_LOADED_MODELS)",
+    )
+    p.add_argument(
+        "--max-loaded-gb",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="most memory the loaded models may hold together, weights and KV budgets (default: this "
+        "machine's memory); loading past it unloads the least recently used idle model first",
+    )
