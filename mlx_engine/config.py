@@ -84,11 +84,13 @@ class EngineConfig:
         "(instead of --cache-gb)",
     )
     # the context in tokens, as llama.cpp's --ctx-size and Ollama's num_ctx (None: the model's own, from
-    # its config); above what the model was trained for it runs, with a warning, and quality may drop
+    # its config); less saves memory, more only as far as the model's RoPE scaling reaches
+    # (engine/context.py)
     context_length: int | None = option(
         None,
-        "the context in tokens, as llama.cpp's --ctx-size (default: the model's own; above what the model "
-        "was trained for it runs with a warning, as agents' long prompts may need)",
+        "the context in tokens, as llama.cpp's --ctx-size and Ollama's num_ctx (default: the model's own); "
+        "less bounds the KV cache a sequence may take, more is allowed as far as the model's RoPE scaling "
+        "(YaRN, linear) reaches and refused past it",
         metavar="N",
         short="-c",
     )

@@ -64,6 +64,9 @@ def test_serve_options_are_defined_once_with_help():
         "max_running",
         "max_tokens",
         "embedding_model",
+        "keep_alive",
+        "max_loaded",
+        "max_loaded_gb",
     }
     assert all(a.help for a in options.values())
     args = serve_args("--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "c.lan", "--docs")
@@ -149,7 +152,7 @@ def test_serve_takes_the_port_before_loading_the_model(monkeypatch):
     class Stop(Exception):
         pass
 
-    def fake_load(args):
+    def fake_load(args, *_):
         with socket.create_connection(("127.0.0.1", args.port), timeout=5):
             seen["listening"] = True
         raise Stop
@@ -157,7 +160,7 @@ def test_serve_takes_the_port_before_loading_the_model(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setattr(main, "_load", fake_load)
+    monkeypatch.setattr(main, "build_registry", fake_load)
     with pytest.raises(Stop):
         main.serve(serve_args("--port", str(port)))
     assert seen == {"listening": True}
@@ -165,7 +168,7 @@ def test_serve_takes_the_port_before_loading_the_model(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
-    monkeypatch.setattr(main, "_load", lambda args: pytest.fail("the model must not load"))
+    monkeypatch.setattr(main, "build_registry", lambda *_: pytest.fail("the model must not load"))
     with pytest.raises(ConfigError):
         main.serve(serve_args("--host", "0.0.0.0"))
     with socket.socket() as taken:

@@ -241,11 +241,6 @@ def create_app(
             raise responses.not_found(response_id)
         return JSONResponse(responses.input_items_page(stored, limit, order, after))
 
-    @app.on_event("shutdown")
-    async def _stop_embedding_worker() -> None:
-        if batcher is not None:
-            batcher.close()
-
     return app
 
 

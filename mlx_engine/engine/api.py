@@ -31,6 +31,7 @@ from mlx_engine.backend import backend_name
 from mlx_engine.blas import warn_if_slow
 from mlx_engine.config import EngineConfig
 from mlx_engine.engine.build import engine_numerics
+from mlx_engine.engine.context import context_length
 from mlx_engine.engine.core import EngineCore
 from mlx_engine.engine.kv_transfer import Export, OnLayer
 from mlx_engine.engine.messages import (
@@ -115,19 +116,9 @@ class Engine:
         return cls(load_model(model, weights=config.weights), config)
 
     def _context_length(self, loaded: LoadedModel) -> int:
-        """``config.context_length`` when given (a warning above the model's trained context, as
-        llama.cpp gives), else the model's own."""
-        asked = self.config.context_length
-        if asked is None:
-            return loaded.context_length
-        if asked > loaded.context_length:
-            log.warning(
-                "context length %d is above the %d tokens %s was trained for: replies past that may degrade",
-                asked,
-                loaded.context_length,
-                loaded.name,
-            )
-        return asked
+        """``config.context_length`` when given (above the model's own only as far as its RoPE
+        scaling reaches: ``context.py``), else the model's own."""
+        return context_length(self.config.context_length, loaded.context_length, loaded.model, loaded.name)
 
     def _load_draft(self) -> LoadedModel | None:
         """The draft model of ``speculative="draft"``, loaded (or given loaded), checked to share the
