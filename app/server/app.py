@@ -23,6 +23,7 @@ from .embeddings import EmbeddingBatcher, EmbeddingRequest, embeddings
 from .metrics import Metrics, ModelMetrics
 from .model_routes import anthropic_error_frame, openai_error_frame, responses_error_frame, with_model
 from .models_api import install_model_routes
+from .ollama import install_ollama_routes
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .registry import ModelRegistry, ServedModel, keep_alive_seconds
 from .responses_protocol import ResponsesRequest
@@ -162,6 +163,7 @@ def create_app(
         return register
 
     install_model_routes(app, api, served, embedding_ids)
+    install_ollama_routes(app, served, batcher, metrics, embedding_ids)
 
     @api("POST", "/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:

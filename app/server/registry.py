@@ -163,6 +163,16 @@ class ModelRegistry:
         for i in model.ids:
             self._by_id.setdefault(i, model)
 
+    def remove(self, name: str) -> None:
+        """Stop serving the model ``name`` (its files were deleted); unload it first."""
+        model = self._by_id.get(name)
+        if model is None:
+            return
+        if model.name in self._loaded:
+            raise ValueError(f"{model.name} is loaded: unload it before removing it")
+        self._models.remove(model)
+        self._by_id = {i: m for i, m in self._by_id.items() if m is not model}
+
     def rescan(self, force: bool = False) -> None:
         """Ask ``discover`` for the models there are now (at most every RESCAN_INTERVAL s)."""
         if self.discover is None or (not force and self.clock() - self._scanned < RESCAN_INTERVAL):

@@ -22,7 +22,8 @@ Every HTTP request passes these checks in order, before any route runs or any bo
    read incrementally and refused with a 413 as soon as it passes the limit. A body that does not
    arrive in time is a 408.
 5. **Content type**: a request with a body must be ``application/json`` (or ``application/*+json``);
-   anything else is a 415. This is what keeps a cross-site ``text/plain`` form POST (which needs no
+   anything else is a 415 (but for the Ollama API's routes from a client that sends no ``Origin``,
+   i.e. no browser: ``curl -d`` sends its JSON as a form, as Ollama's own examples do). This is what keeps a cross-site ``text/plain`` form POST (which needs no
    CORS preflight) from being parsed as JSON, whatever FastAPI version is installed.
 
 The body is read here, whole and within the limit, and handed to the app from memory.
@@ -106,6 +107,19 @@ def is_loopback_name(name: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+_CURL_TYPES = ("application/x-www-form-urlencoded", "")
+
+
+def is_ollama_path(path: str) -> bool:
+    """The Ollama API's routes (app/server/ollama.py): errors in its shape, curl's form type read as JSON."""
+    return path.startswith("/api/") and not path.startswith("/api/v1/")
+
+
+def _with_json_type(headers: Any) -> list[tuple[bytes, bytes]]:
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+    return [*kept, (b"content-type", b"application/json")]
 
 
 def normalize_origin(origin: str) -> str:
@@ -282,6 +296,8 @@ class SecurityMiddleware:
             body = _error_body(status, message, type_, code)
             if is_anthropic_path(scope.get("path", "")):
                 body = json.dumps(anthropic_error_body(status, message)).encode()
+            elif is_ollama_path(scope.get("path", "")):  # Ollama's shape: {"error": "..."}
+                body = json.dumps({"error": message}).encode()
             await send(
                 {
                     "type": "http.response.start",
@@ -359,6 +375,11 @@ class SecurityMiddleware:
             return
         # 5. Content type
         ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype in _CURL_TYPES and origin is None and is_ollama_path(scope.get("path", "")):
+            # Ollama's own examples are `curl URL -d '{...}'`, sent as a form: from a client that is
+            # no browser (no Origin; browsers send one on every POST), the body is read as the JSON it is
+            ctype = "application/json"
+            scope = {**scope, "headers": _with_json_type(scope.get("headers", ()))}
         if has_body or method not in _BODYLESS_METHODS:
             if not (
                 ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))
