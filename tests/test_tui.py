@@ -11,6 +11,7 @@ import pytest
 
 from app.tui.app import ChatApp, key_label
 from app.tui.backends import LocalBackend, Resources
+from app.tui.model_picker import ModelRow
 from app.tui.screens import ErrorScreen, HelpScreen, ModelPicker, SettingsScreen, SystemPromptEditor
 from app.tui.settings import Sampling
 from app.tui.store import NO_HISTORY_ENV, Store
@@ -21,13 +22,15 @@ from mlx_engine.request import GenerationEvent, GenerationRequest, SamplingParam
 
 pytestmark = pytest.mark.timeout(120)
 
+BUNDLED_ROW = ModelRow("SmolLM2-135M-Instruct-Q4_1", "Q4_1", 90_000_000, "bundled")
+
 
 @pytest.fixture
 def data_dir(tmp_path, monkeypatch):
     d = tmp_path / "data"
     monkeypatch.setenv("DUET_DATA_DIR", str(d))
     monkeypatch.delenv(NO_HISTORY_ENV, raising=False)
-    monkeypatch.setattr("app.tui.app.cached_models", lambda: [])
+    monkeypatch.setattr("app.tui.model_picker.local_models", lambda: [BUNDLED_ROW])
     return d
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from app.tui.app import ChatApp
 from app.tui.backends import LocalBackend
+from app.tui.model_picker import ModelRow
 from app.tui.screens import ErrorScreen, HelpScreen, ModelPicker, SettingsScreen
 from app.tui.settings import Sampling
 from app.tui.store import Conversation, Message, Store
@@ -55,7 +56,12 @@ def chat_app(tiny_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("DUET_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()
-    monkeypatch.setattr("app.tui.app.cached_models", lambda: ["HuggingFaceTB/SmolLM2-360M-Instruct"])
+    rows = [
+        ModelRow("SmolLM2-135M-Instruct-Q4_1", "Q4_1", 90_000_000, "bundled"),
+        ModelRow("HuggingFaceTB/SmolLM2-360M-Instruct", None, 724_000_000, "safetensors"),
+        ModelRow("bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M", "Q4_K_M", 398_000_000, "gguf"),
+    ]
+    monkeypatch.setattr("app.tui.model_picker.local_models", lambda: rows)
     older = Conversation(
         id="ba9876543210",
         title="Trip to Lyon",

@@ -28,6 +28,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .registry import ModelRegistry, ServedModel, keep_alive_seconds
 from .responses_protocol import ResponsesRequest
 from .security import SecurityMiddleware, SecurityPolicy
+from .tokenize import install_tokenize_routes
 
 
 def server_state(
@@ -164,6 +165,7 @@ def create_app(
 
     install_model_routes(app, api, served, embedding_ids)
     install_ollama_routes(app, served, batcher, metrics, embedding_ids)
+    install_tokenize_routes(api, served)
 
     @api("POST", "/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:

@@ -22,12 +22,13 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar, Static
 
 from mlx_engine.errors import DuetError
-from mlx_engine.loading.resolve import BUNDLED_NAME, cached_models
+from mlx_engine.loading.resolve import BUNDLED_NAME
 from mlx_engine.request import RequestError, Usage
 
 from .backends import Backend, BackendError
+from .model_picker import model_picker
 from .peers import PeerDirectory, PeerRow
-from .screens import ErrorScreen, HelpScreen, ModelPicker, SettingsScreen, SystemPromptEditor
+from .screens import ErrorScreen, HelpScreen, SettingsScreen, SystemPromptEditor
 from .settings import ALIASES, FIELDS
 from .store import NO_HISTORY_ENV, Conversation, Message, Store, history_off_by_env
 from .widgets import MessageView, PeersPanel, PromptInput, StatusBar, usage_line
@@ -224,15 +225,6 @@ class ChatApp(App):
 
         self.push_screen(ErrorScreen("The model did not load", message, self.backend is not None), chosen)
 
-    def model_choices(self) -> list[tuple[str, str]]:
-        if self.remote:
-            names = getattr(self.backend, "models", []) or []
-            return [(n, n) for n in names]
-        out = [(BUNDLED_NAME, f"{BUNDLED_NAME}  (bundled)")]
-        out += [(r, f"{r}  (recent)") for r in self.recent_models if r != BUNDLED_NAME]
-        out += [(r, f"{r}  (Hugging Face cache)") for r in cached_models() if r not in self.recent_models]
-        return out
-
     # --- sending and streaming -------------------------------------------------------
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         text = event.text.strip()
@@ -426,7 +418,8 @@ class ChatApp(App):
             if spec:
                 self.load_model(spec)
 
-        self.push_screen(ModelPicker(self.model_choices(), self.backend.name if self.backend else ""), chosen)
+        current = self.backend.name if self.backend else ""
+        self.push_screen(model_picker(self.recent_models, current, self.backend, self.remote), chosen)
 
     def action_edit_system(self) -> None:
         def chosen(text: str | None) -> None:

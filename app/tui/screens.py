@@ -6,9 +6,9 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
-from textual.widgets.option_list import Option
+from textual.widgets import Button, Input, Label, Static, TextArea
 
+from .model_picker import ModelPicker as ModelPicker  # it lived here: the tests' import
 from .settings import FIELDS, UNSET_LABEL, Sampling
 
 
@@ -58,31 +58,6 @@ class HelpScreen(Dialog):
     @property
     def plain(self) -> str:
         return "\n".join(f"{k}  {v}" for rows in self.sections.values() for k, v in rows)
-
-
-class ModelPicker(Dialog):
-    """Pick a listed model or type a repo id / path. Dismisses with the model spec."""
-
-    def __init__(self, choices: list[tuple[str, str]], current: str):
-        super().__init__()
-        self.choices = choices  # (spec, label)
-        self.current = current
-
-    def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog"):
-            yield Label(f"Model — now: {self.current or 'none'}", classes="title")
-            yield OptionList(
-                *(Option(label, id=str(i)) for i, (_, label) in enumerate(self.choices)), id="models"
-            )
-            yield Input(placeholder="or type: owner/name, a .gguf file or a model dir", id="spec")
-            yield Static("Enter loads · Esc cancels", classes="hint")
-
-    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(self.choices[event.option_index][0])
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        if event.value.strip():
-            self.dismiss(event.value.strip())
 
 
 class SystemPromptEditor(Dialog):
