@@ -322,15 +322,7 @@ class ModelRegistry:
                     code="model_load_failed",
                 ) from None
             self.failures.pop(model.name, None)
-            loaded = Loaded(
-                model,
-                state,
-                loaded_at=time.time(),
-                last_used=self.clock(),
-                keep_alive=None if model.pinned else self.keep_alive,
-                footprint=footprint(state),
-            )
-            self._loaded[model.name] = loaded
+            loaded = self.adopt(model, state)
             log.info("loaded model %s in %.1f s", model.name, time.perf_counter() - t0)
             self._ensure_reaper()
             return loaded
@@ -409,7 +401,8 @@ class ModelRegistry:
                 log.exception("unloading an idle model failed")
 
     def adopt(self, model: ServedModel, state: ServerState) -> Loaded:
-        """Register an engine loaded before the event loop runs (the pinned ``--model``)."""
+        """Register a loaded model's state (also an engine loaded before the event loop runs: the
+        pinned ``--model``)."""
         loaded = Loaded(
             model,
             state,
