@@ -172,14 +172,39 @@ async def test_a_busy_model_is_never_unloaded_for_room_the_load_waits_for_it():
     reg, loader, _ = registry(max_loaded=1)
     held = await reg.acquire("a")
     second = asyncio.ensure_future(reg.acquire("b"))
-    await asyncio.sleep(0)
-    for _ in range(5):  # let the load reach its wait
-        await asyncio.sleep(0.01)
+    while not reg.waiting_for_room:  # the load of b waits for room (event-loop steps, no clock)
+        await asyncio.sleep(0)
     assert not second.done() and not loader.engines["a"][0].shut
     held.release()  # a goes idle: b may load now
     lease = await asyncio.wait_for(second, 30)
     assert lease.loaded.model.name == "b" and loader.engines["a"][0].shut
     lease.release()
+    reg.shutdown()
+
+
+async def test_a_model_just_loaded_is_not_unloaded_for_another_before_its_request_holds_it():
+    """Two requests for two models with room for one: the second load must not evict the first model
+    between the end of its load and its request taking the lease."""
+    reg, loader, _ = registry(max_loaded=1)
+    first = asyncio.ensure_future(reg.acquire("a"))
+    second = asyncio.ensure_future(reg.acquire("b"))
+    lease_a = await first
+    assert not lease_a.loaded.state.engine.shut and reg.get_loaded("a") is lease_a.loaded
+    assert not second.done()  # b waits for a to be let go
+    lease_a.release()
+    lease_b = await asyncio.wait_for(second, 30)
+    assert loader.engines["a"][0].shut and not lease_b.loaded.state.engine.shut
+    lease_b.release()
+    reg.shutdown()
+
+
+async def test_a_request_without_a_keep_alive_gets_the_servers_again():
+    """As Ollama: each request sets the keep-alive, its own or the server's default."""
+    reg, _, _ = registry(keep_alive=60)
+    (await reg.acquire("a", keep_alive=None)).release()  # for ever
+    assert reg.get_loaded("a").keep_alive is None
+    (await reg.acquire("a")).release()
+    assert reg.get_loaded("a").keep_alive == 60
     reg.shutdown()
 
 

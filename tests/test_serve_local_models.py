@@ -61,7 +61,7 @@ def pulled(tmp_path):
 
 def test_serve_without_a_model_loads_each_local_model_on_first_use_and_unloads_it_when_idle(pulled, tmp_path):
     server = ServerProcess(
-        None, tmp_path / "serve.log", "--cache-gb", "0.05", "--keep-alive", "3s", env=pulled
+        None, tmp_path / "serve.log", "--cache-gb", "0.05", "--keep-alive", "10m", env=pulled
     )
     try:
         listed = cards(server.base)
@@ -87,7 +87,13 @@ def test_serve_without_a_model_loads_each_local_model_on_first_use_and_unloads_i
         assert ps.returncode == 0, ps.stderr
         assert GGUF_NAME in ps.stdout and MLX_REPO in ps.stdout and BUNDLED_NAME not in ps.stdout
 
-        # idle for the keep-alive: each unloads (the reaper), and both listings say so
+        # a keep-alive of 3 s for both (the load route; Ollama's keep_alive or LM Studio's ttl on a
+        # request does the same): once idle that long, each unloads (the reaper), and both listings say so
+        for model in (GGUF_NAME, MLX_REPO):
+            r = httpx.post(
+                server.base + "/v1/models/load", json={"model": model, "keep_alive": "3s"}, timeout=60
+            )
+            assert r.status_code == 200 and r.json()["expires_in"] <= 3
         wait_for(
             lambda: not any(c["loaded"] for c in cards(server.base).values()), "the idle models to unload"
         )

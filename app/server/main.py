@@ -171,6 +171,7 @@ class _Server(uvicorn.Server):
             print(self.banner, file=sys.stderr, flush=True)
 
     async def shutdown(self, sockets=None) -> None:
+        self.registry.stop_reaping()
         await asyncio.to_thread(self.registry.shutdown)
         await super().shutdown(sockets)
 

@@ -51,6 +51,7 @@ async def with_model(
     """``handler``'s response for the model ``name`` (a 404 listing the models when there is none).
     ``stream_errors``: the request is streamed, and this frames an error inside the stream (a
     loading model then streams its loading state)."""
+    await registry.refresh()  # a model pulled while the server runs
     registry.require(name)
     if stream_errors is not None and registry.get_loaded(name) is None:
         return StreamingResponse(

@@ -95,12 +95,14 @@ def install_model_routes(
 
     @api("GET", "/v1/models")  # before /v1/models/{model}, which "/v1/models/" would match
     async def list_models() -> dict:
+        await registry.refresh()
         data = [card(m) for m in registry.available()]
         if embedding_ids:
             data.append(embedding_card(embedding_ids[0], created))
         return {"object": "list", "data": data}
 
     async def load(body: LoadRequest) -> JSONResponse:
+        await registry.refresh()
         loaded = await registry.load(body.model, _keep_alive(body))
         return JSONResponse({"success": True, "status": "loaded", **card(loaded.model)})
 
@@ -116,6 +118,7 @@ def install_model_routes(
 
     @api("GET", "/v1/models/{model:path}", slash=False)  # the path parameter takes any slash
     async def get_model(model: str) -> JSONResponse:
+        await registry.refresh()
         model = model.removesuffix("/")
         if model in embedding_ids and registry.lookup(model) is None:
             return JSONResponse(embedding_card(embedding_ids[0], created))

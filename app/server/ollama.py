@@ -73,12 +73,15 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
 
 
-def ollama_errors(route: Route) -> Route:
-    """``route`` with its errors in Ollama's shape (the app's handlers answer OpenAI's)."""
+def ollama_errors(route: Route, registry: ModelRegistry | None = None) -> Route:
+    """``route`` with its errors in Ollama's shape (the app's handlers answer OpenAI's); with
+    ``registry``, the models pulled while the server runs found first (``refresh``)."""
 
     @functools.wraps(route)
     async def wrapped(request: Request) -> Response:
         try:
+            if registry is not None:
+                await registry.refresh()
             return await route(request)
         except APIError as e:
             return error_response(e)
@@ -308,4 +311,4 @@ def install_ollama_routes(
         ("GET", "/api/version", models.version),
     ]
     for method, path, route in routes:
-        app.add_api_route(path, ollama_errors(route), methods=[method], include_in_schema=False)
+        app.add_api_route(path, ollama_errors(route, registry), methods=[method], include_in_schema=False)

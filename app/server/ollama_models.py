@@ -382,17 +382,17 @@ class OllamaModels:
             raise bad_request(
                 f"`{model.name}` was loaded with --model for the server's life: it cannot be deleted"
             )
-        if await self.registry.unload(model.name) == "pending":
-            raise APIError(409, f"`{model.name}` is answering requests; delete it when they end")
+        await self.registry.remove(model.name)  # unloads it; no request finds it from here on
         try:
             await asyncio.to_thread(remove_files, model.name)
         except ModelNotFoundError:
+            self.registry.add(model)
             raise bad_request(
                 f"`{model.name}` is not a pulled model (in the Hugging Face cache): Duet deletes only those"
             ) from None
         except DuetError as e:
+            self.registry.add(model)
             raise bad_request(str(e)) from None
-        self.registry.remove(model.name)
         self._described.pop(model.name, None)
         return Response(status_code=200)
 

@@ -135,8 +135,8 @@ class ModelRegistry:
         discover: Callable[[], Sequence[ServedModel]] | None = None,
     ):
         """``discover``: lists the models there are now (``duet serve`` with no --model: the local
-        models); asked again, at most every ``RESCAN_INTERVAL`` seconds, when a name is not known
-        and when the models are listed, so a model pulled while the server runs is servable."""
+        models); asked again, in a worker thread, at most every ``RESCAN_INTERVAL`` seconds before a
+        request is served (``refresh``), so a model pulled while the server runs is servable."""
         if max_loaded < 1:
             raise ValueError("max_loaded must be at least 1")
         self._models: list[ServedModel] = []
@@ -151,6 +151,11 @@ class ModelRegistry:
         self._load_lock: asyncio.Lock | None = None
         self._changed: asyncio.Event | None = None  # set when a model goes idle or unloads
         self._reaper: asyncio.Task[None] | None = None
+        # requests waiting on a load: busy too (a model that has just loaded is not unloaded for room
+        # before its requests take their leases)
+        self._waiting: dict[str, int] = {}
+        self.waiting_for_room = 0  # loads waiting for a loaded model to go idle
+        self._closed = False
         self.failures: dict[str, str] = {}  # the last load error of each model that failed
         self.embedding_ids: tuple[str, ...] = ()  # the embedding model's names: a 400 for chat
 
@@ -163,37 +168,39 @@ class ModelRegistry:
         for i in model.ids:
             self._by_id.setdefault(i, model)
 
-    def remove(self, name: str) -> None:
-        """Stop serving the model ``name`` (its files were deleted); unload it first."""
+    async def remove(self, name: str) -> None:
+        """Stop serving the model ``name`` (its files are being deleted), unloading it: a 409 while
+        it loads or answers requests. No request finds it from the moment this is called."""
         model = self._by_id.get(name)
         if model is None:
             return
-        if model.name in self._loaded:
-            raise ValueError(f"{model.name} is loaded: unload it before removing it")
+        loaded = self._loaded.get(model.name)
+        if model.name in self._loading or (loaded is not None and self.busy(loaded)):
+            raise APIError(409, f"`{model.name}` is loading or answering requests; try again when it is idle")
         self._models.remove(model)
         self._by_id = {i: m for i, m in self._by_id.items() if m is not model}
+        if loaded is not None:
+            await self._unload(loaded, "removed")
 
-    def rescan(self, force: bool = False) -> None:
-        """Ask ``discover`` for the models there are now (at most every RESCAN_INTERVAL s)."""
-        if self.discover is None or (not force and self.clock() - self._scanned < RESCAN_INTERVAL):
+    async def refresh(self) -> None:
+        """Ask ``discover`` for the models there are now, in a worker thread (it reads the cache and
+        GGUF headers), at most every RESCAN_INTERVAL seconds."""
+        if self.discover is None or self.clock() - self._scanned < RESCAN_INTERVAL:
             return
         self._scanned = self.clock()
         try:
-            for model in self.discover():
-                self.add(model)
+            found = await asyncio.to_thread(self.discover)
         except Exception as e:  # a cache that cannot be read now: what is known stays servable
             log.warning("listing the local models failed: %s", e)
+            return
+        for model in found:
+            self.add(model)
 
     def available(self) -> list[ServedModel]:
-        self.rescan()
         return list(self._models)
 
     def lookup(self, name: str | None) -> ServedModel | None:
-        found = self._by_id.get(name or "")
-        if found is None and name:
-            self.rescan()
-            found = self._by_id.get(name)
-        return found
+        return self._by_id.get(name or "")
 
     def require(self, name: str | None) -> ServedModel:
         """The model named, or a 404 that lists the available ones."""
@@ -227,26 +234,36 @@ class ModelRegistry:
         model = self.lookup(name)
         return model is not None and model.name in self._loading
 
+    def busy(self, loaded: Loaded) -> bool:
+        """Leases out, requests waiting on its load, or requests in its engine."""
+        return self._waiting.get(loaded.model.name, 0) > 0 or loaded.busy
+
     def expires_in(self, loaded: Loaded) -> float | None:
         """Seconds until an idle model is unloaded (None: never; a busy one counts from now)."""
         if loaded.model.pinned or loaded.keep_alive is None:
             return None
-        idle = 0.0 if loaded.busy else self.clock() - loaded.last_used
+        idle = 0.0 if self.busy(loaded) else self.clock() - loaded.last_used
         return max(0.0, loaded.keep_alive - idle)
 
     # --- using a model ----------------------------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: float | None | object = ...) -> Lease:
         """Hold the named model for a request, loading it first if it is not loaded. ``keep_alive``
-        (seconds, None: for ever; left out: the model's current one, or the server's default) sets
-        how long it stays loaded once idle."""
+        (seconds, None: for ever; left out: the server's default, as each Ollama request sets it)
+        sets how long it stays loaded once idle."""
         model = self.require(name)
         loaded = self._loaded.get(model.name)
         if loaded is None:
-            loaded = await self._load(model)
+            self._waiting[model.name] = self._waiting.get(model.name, 0) + 1
+            try:
+                loaded = await self._load(model)
+            finally:  # the lease below is taken in the same step: never neither counted
+                self._waiting[model.name] -= 1
+                if not self._waiting[model.name]:
+                    del self._waiting[model.name]
         loaded.leases += 1
         loaded.last_used = self.clock()
-        if keep_alive is not ... and not model.pinned:
-            loaded.keep_alive = keep_alive  # type: ignore[assignment]
+        if not model.pinned:
+            loaded.keep_alive = self.keep_alive if keep_alive is ... else keep_alive  # type: ignore[assignment]
         return Lease(self, loaded)
 
     async def load(self, name: str, keep_alive: float | None | object = ...) -> Loaded:
@@ -269,7 +286,7 @@ class ModelRegistry:
                 param="model",
                 code="model_pinned",
             )
-        if loaded.busy:
+        if self.busy(loaded):
             loaded.keep_alive = 0.0
             return "pending"
         await self._unload(loaded, "unload asked")
@@ -309,6 +326,9 @@ class ModelRegistry:
             t0 = time.perf_counter()
             try:
                 state = await asyncio.to_thread(self.loader, model)
+                if self._closed:  # the server stopped while this loaded
+                    await asyncio.to_thread(state.engine.shutdown)
+                    raise APIError(503, "the server is shutting down", type="server_error")
             except APIError:
                 raise
             except Exception as e:
@@ -339,7 +359,7 @@ class ModelRegistry:
         """Unload least recently used idle models until ``model`` fits; wait while all are busy."""
         _, changed = self._events()
         while self._over(model.size_bytes):
-            idle = [m for m in self._loaded.values() if not m.model.pinned and not m.busy]
+            idle = [m for m in self._loaded.values() if not m.model.pinned and not self.busy(m)]
             if idle:
                 victim = min(idle, key=lambda m: m.last_used)
                 await self._unload(victim, f"room for {model.name}")
@@ -355,10 +375,13 @@ class ModelRegistry:
                     code="model_capacity",
                 )
             changed.clear()
+            self.waiting_for_room += 1
             try:  # a busy model goes idle when its requests end; look again at least every second
                 await asyncio.wait_for(changed.wait(), REAP_INTERVAL)
             except TimeoutError:
                 pass
+            finally:
+                self.waiting_for_room -= 1
 
     async def _unload(self, loaded: Loaded, why: str) -> None:
         if self._loaded.get(loaded.model.name) is not loaded:
@@ -379,7 +402,7 @@ class ModelRegistry:
         for loaded in list(self._loaded.values()):
             if loaded.model.pinned or loaded.keep_alive is None:
                 continue
-            if loaded.busy:
+            if self.busy(loaded):
                 loaded.last_used = now  # idle time counts from the end of its last request
                 continue
             if now - loaded.last_used >= loaded.keep_alive:
@@ -414,10 +437,26 @@ class ModelRegistry:
         self._loaded[model.name] = loaded
         return loaded
 
+    def stop_reaping(self) -> None:
+        """Cancel the reaper, from any thread (on its event loop's own)."""
+        task = self._reaper
+        if task is None or task.done():
+            return
+        loop = task.get_loop()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            task.cancel()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)
+
     def shutdown(self) -> None:
-        """Stop every loaded engine (the server is stopping)."""
-        if self._reaper is not None:
-            self._reaper.cancel()
+        """Stop the reaper and every loaded engine (the server is stopping; any thread). A load still
+        running shuts its engine down when it ends."""
+        self._closed = True
+        self.stop_reaping()
         for loaded in list(self._loaded.values()):
             loaded.state.engine.shutdown()
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -91,6 +92,9 @@ class _Plan:
     name: str
     files: dict[str, int | None]  # repo path -> size
     weights: list[str] = field(default_factory=list)  # the files loaded into memory
+
+
+_ETAG = re.compile(r"[0-9a-fA-F]{32,64}")  # a git blob sha1 or an LFS sha256
 
 
 def _hub() -> Any:
@@ -347,6 +351,8 @@ def _fetch(repo_id: str, filename: str, commit: str, reporter: _Reporter) -> Non
     meta = get_hf_file_metadata(url, timeout=c.HF_HUB_ETAG_TIMEOUT, endpoint=endpoint)
     if meta.etag is None:
         raise ModelLoadError(f"the hub gave no ETag for {repo_id}/{filename}")
+    if not _ETAG.fullmatch(meta.etag):  # it names a file in the cache: never a path elsewhere
+        raise ModelLoadError(f"the hub gave {repo_id}/{filename} an ETag that is no hash: {meta.etag[:80]!r}")
     if meta.xet_file_data is not None and _has_xet() and not c.HF_HUB_DISABLE_XET:
         reporter.start(filename, meta.etag, meta.size, 0)
         hf_hub_download(
