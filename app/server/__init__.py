@@ -10,12 +10,18 @@ call, fan-out bound), ``metrics`` (Prometheus), ``errors`` (OpenAI error objects
 the other APIs, as adapters onto the chat call (``turns``): ``anthropic`` (Messages, with
 ``anthropic_protocol`` and ``anthropic_errors``), ``responses`` (OpenAI Responses, with
 ``responses_protocol``, ``responses_tools`` (namespace and hosted tools) and the in-memory
-``ResponseStore``), and ``embeddings`` (/v1/embeddings, batched onto the engine worker).
+``ResponseStore``), ``embeddings`` (/v1/embeddings, batched onto the engine worker), and the
+Ollama API (``ollama``, ``ollama_protocol``, ``ollama_models``). Several models: ``registry`` (the
+servable models and the loaded ones, each its own engine and ``ServerState``: load on first use,
+idle keep-alive, least-recently-used unloading for room), ``model_routes`` (a request held on its
+model, the loading stream), ``models_api`` (/v1/models, load and unload), ``keep_alive`` (durations);
+``tokenize`` (/tokenize, /detokenize, /apply-template as llama.cpp's server).
 
 Behaviour worth knowing (decisions where OpenAI's API leaves room):
-- Model names: the served id (the GGUF's name, or the model directory's name) and, as aliases,
-  what ``--model`` said, its resolved path, its file name and stem ("default" with no --model).
-  Anything else is a 404 ``model_not_found``.
+- Model names: each served model's id (the GGUF's name or the model directory's name for a
+  ``--model``; the ``duet models`` name, e.g. ``owner/repo:Q4_K_M``, for a local model with no
+  ``--model``) and, as aliases, what ``--model`` said, its resolved path, its file name and stem
+  ("default" for the bundled model). Anything else is a 404 ``model_not_found`` listing the models.
 - Every field of OpenAI's chat-completions and completions requests is accepted and type-checked
   (``protocol``). Honoured: sampling, ``max_completion_tokens``, ``logit_bias``, logprobs, ``n``,
   ``seed``, ``stop``, ``stream_options.include_usage``, ``response_format``, tools with
