@@ -13,14 +13,15 @@ weights' codes by integer dot products (``src/int8_impl.inc``).
 
 From ``dequantize_rows()`` rows of x on (prefill), the fused kernel loses to a BLAS GEMM, so the
 weights are dequantized by the ``dequantize`` kernel (~9 Gweights/s per core, a transient float32 copy
-of one matrix) and multiplied by MLX's matmul.
+of one matrix) and multiplied by MLX's matmul; with int8 math and 4- or 8-bit weights on AVX-512 VNNI,
+the int8 GEMM on packed panels (``src/kernels_gemm_avx512.cpp``) takes them instead.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import KernelSpec, int8_math, kernel_threads, resolve_backend, run
+from cpu_kernels.spec import KernelSpec, extension, int8_math, kernel_threads, resolve_backend, run
 
 SPEC = KernelSpec("quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
 DEQUANTIZE_SPEC = KernelSpec("dequantize", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
@@ -35,6 +36,15 @@ DEQUANTIZE_ROWS_PER_THREAD = 32
 def dequantize_rows() -> int:
     """Rows of x from which ``quantized_matmul`` dequantizes and multiplies by a GEMM."""
     return DEQUANTIZE_ROWS_PER_THREAD * kernel_threads()
+
+
+def int8_gemm(bits: int) -> bool:
+    """Whether many rows of x with int8 math take the extension's int8 GEMM (AVX-512 VNNI; 4- and 8-bit
+    weights: src/kernels_gemm_avx512.cpp) instead of dequantize + a float32 GEMM."""
+    if bits not in (4, 8) or not int8_math():
+        return False
+    ext = extension()
+    return ext is not None and ext.isa() == "avx512"
 
 
 def quantized_matmul(
@@ -62,7 +72,7 @@ def quantized_matmul(
     if chosen == "native":
         assert biases is not None
         k = x.shape[-1]
-        if k and x.size // k >= dequantize_rows():
+        if k and x.size // k >= dequantize_rows() and not int8_gemm(bits):
             dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
             out = x.dtype if x.dtype == scales.dtype else mx.float32
             return (x.astype(mx.float32) @ dense.T).astype(out)

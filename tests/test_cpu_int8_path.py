@@ -358,3 +358,60 @@ def test_engine_option_sets_the_math_and_names_it_in_the_numerics(ext, bundled):
         spec.set_cpu_math("exact")
     assert profiles["int8"]["cpu_math"] == "int8" and profiles["exact"]["cpu_math"] == "exact"
     assert len(replies["int8"]) == len(replies["exact"]) == 24
+
+
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size):
+    """Prefill-sized products (src/kernels_gemm_avx512.cpp, AVX-512 VNNI): panels of 32 weight rows
+    over stretches of 512 values of K, four rows of x at a time. N not a multiple of 32, K past one
+    stretch and not a multiple of it, rows not a multiple of 4, float32 and float16 scales, one and
+    two threads (each output computed by one thread: the same bits)."""
+    if ext.isa() != "avx512":
+        pytest.skip("the int8 GEMM needs AVX-512 VNNI")
+    rng = np.random.default_rng(bits + group_size)
+    n = 70
+    for k in (group_size * 3, 1152 if 1152 % group_size == 0 else 1024, 1664):
+        if k % group_size:
+            continue
+        for dtype in (mx.float32, mx.float16):
+            wq, scales, biases = weights(rng, n, k, group_size, bits)
+            scales, biases = scales.astype(dtype), biases.astype(dtype)
+            for m in (8, 37, 130):
+                x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+                ref, mag = oracle(x, wq, scales, biases, group_size, bits)
+                outs = []
+                for threads in (1, 2):
+                    spec.set_threads(threads)
+                    y = ext.quantized_matmul(x, wq, scales, biases, group_size, bits, int8=True)
+                    check(y, ref, mag, (k, m, dtype, threads))
+                    outs.append(np.array(y))
+                assert np.array_equal(outs[0], outs[1]), (k, m, dtype)
+    spec.set_threads()
+
+
+def test_prefill_with_int8_math_goes_through_the_gemm_not_a_dequantized_copy(ext, monkeypatch):
+    """With int8 math, a product of many rows takes the int8 GEMM: the ``dequantize`` kernel (the
+    exact path's float32 copy of the weights) is never run for 4- and 8-bit weights."""
+    if ext.isa() != "avx512":
+        pytest.skip("the int8 GEMM needs AVX-512 VNNI")
+    from cpu_kernels import qmm
+
+    calls: list[tuple] = []
+    real_run = qmm.run
+    monkeypatch.setattr(qmm, "run", lambda s, *a, **kw: calls.append((s.name, kw)) or real_run(s, *a, **kw))
+    rng = np.random.default_rng(3)
+    wq, scales, biases = weights(rng, 64, 256, 32, 4)
+    x = mx.array(rng.standard_normal((qmm.dequantize_rows() + 5, 256)).astype(np.float32))
+    try:
+        spec.set_cpu_math("int8")
+        y8 = quantized_matmul(x, wq, scales, biases, group_size=32, bits=4)
+        spec.set_cpu_math("exact")
+        y = quantized_matmul(x, wq, scales, biases, group_size=32, bits=4)
+    finally:
+        spec.set_cpu_math("exact")
+    assert [c[0] for c in calls] == ["quantized_matmul", "dequantize"]
+    assert calls[0][1].get("int8") is True
+    ref, mag = oracle(x, wq, scales, biases, 32, 4)
+    check(y8, ref, mag, "int8 gemm")
+    assert float(np.abs(f64(y) - f64(y8)).max()) < 0.05 * float(np.abs(f64(y)).max())

@@ -35,6 +35,24 @@ struct QmmArgs {
   const float* x8_scale = nullptr;
 };
 
+// The int8 GEMM (kernels_gemm_avx512.cpp): y (M, N) = the product of many rows of x, quantized per run
+// of 32 in element order (q8_quantize with bits != 4), with the 4- or 8-bit weights.
+struct Q8GemmArgs {
+  const int8_t* xq; // (M, K) int8, element order
+  const float* xd; // (M, K / 8): each run's scale d four times over (q8_quantize's layout)
+  const float* xsum; // (M, K / group_size): each group's sum of d * q
+  const uint8_t* w; // (N, K * bits / 8) bytes, a little-endian bitstream per row; bits 4 or 8
+  const void* scales; // (N, K / group_size) of scale_type
+  const void* biases; // (N, K / group_size) of scale_type
+  float* y; // (M, N), written
+  int M;
+  int N;
+  int K; // a multiple of 32
+  int group_size; // 32, 64 or 128
+  int bits;
+  int scale_type;
+};
+
 // One chunk of n <= 32 keys for the paged attention kernel (paged_attention.cpp): R query rows (scaled
 // by the softmax scale), each seeing keys [j0[r], j1[r]) of the chunk, update their running max m,
 // sum l and (R, Dv) accumulator acc (online softmax, float32).
@@ -82,6 +100,8 @@ void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
 }
 namespace avx512 {
+// y[:, n0:n1] of the int8 GEMM (AVX-512 VNNI; n0 a multiple of 32)
+void q8_gemm(const Q8GemmArgs& a, int n0, int n1);
 void q8_quantize(const float* x, int K, int bits, int8_t* q, float* scale, float* run_sum);
 void q8_rows(const QmmArgs& a, int n0, int n1);
 // x (K values, K a multiple of 32; in the 4-bit order when bits == 4, K then a multiple of 64) as

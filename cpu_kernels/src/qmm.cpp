@@ -28,6 +28,7 @@ struct Variant {
   QuantizeXFn quantize_x = nullptr; // one row of x as bytes for the integer dot-product kernel
   RowsFn q8_rows = nullptr; // the int8 kernel (cpu_math "int8") and its quantization of x
   Q8QuantizeFn q8_quantize = nullptr;
+  Q8GemmFn q8_gemm = nullptr; // the int8 GEMM for many rows of x (4- and 8-bit weights)
 };
 
 // The best variant's name (its functions: variant_named).
@@ -62,7 +63,8 @@ const Variant& variant_named(const std::string& name) {
       avx512::swiglu,
       avx512::quantize_x,
       avx512::q8_rows,
-      avx512::q8_quantize};
+      avx512::q8_quantize,
+      avx512::q8_gemm};
   if (name == "avx512") {
     return avx512_v;
   }
@@ -224,6 +226,67 @@ void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K
 
 namespace {
 
+// y, computed in float32 (yf) for a float16 or bfloat16 out, into out.
+void write_out(mx::array& out, const std::vector<float>& yf) {
+  if (out.dtype() == mx::float16) {
+    auto* o = out.data<mx::float16_t>();
+    for (size_t i = 0; i < yf.size(); ++i) {
+      o[i] = static_cast<mx::float16_t>(yf[i]);
+    }
+  } else if (out.dtype() == mx::bfloat16) {
+    auto* o = out.data<mx::bfloat16_t>();
+    for (size_t i = 0; i < yf.size(); ++i) {
+      o[i] = static_cast<mx::bfloat16_t>(yf[i]);
+    }
+  }
+}
+
+// Many rows of x with int8 math (prefill): the GEMM on packed panels (kernels_gemm_avx512.cpp). x is
+// quantized in element order per run of 32, as the row kernel's other widths are.
+void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const mx::array& w, const mx::array& scales, const mx::array& biases, float* y, int M, int N, int K, int group_size, int bits) {
+  const int G = K / group_size;
+  std::vector<int8_t> xq(size_t(M) * K);
+  std::vector<float> xunit(size_t(M) * (K / 8));
+  std::vector<float> xsum(size_t(M) * G);
+  std::vector<float> row(static_cast<size_t>(K));
+  std::vector<float> plain_sum(static_cast<size_t>(G));
+  for (int m = 0; m < M; ++m) {
+    prepare_x_row(xd.data, xt, size_t(m) * K, 1, K, group_size, 8, row.data(), plain_sum.data());
+    quantize_row_q8(v.q8_quantize, row.data(), K, group_size, 8, xq.data() + size_t(m) * K, xunit.data() + size_t(m) * (K / 8), xsum.data() + size_t(m) * G);
+  }
+  const DenseBytes wd = dense_bytes(w);
+  const DenseBytes sd = dense_bytes(scales);
+  const DenseBytes bd = dense_bytes(biases);
+  const Q8GemmArgs a{
+      xq.data(),
+      xunit.data(),
+      xsum.data(),
+      static_cast<const uint8_t*>(wd.data),
+      sd.data,
+      bd.data,
+      y,
+      M,
+      N,
+      K,
+      group_size,
+      bits,
+      scale_type(scales.dtype())};
+  auto pool = shared_pool();
+  const int panels = (N + 31) / 32;
+  const int tasks = std::min(panels, pool->size() * 4);
+  if (tasks <= 1) {
+    v.q8_gemm(a, 0, N);
+    return;
+  }
+  pool->run(tasks, [&](int t) {
+    const int n0 = std::min(N, int(int64_t(panels) * t / tasks) * 32);
+    const int n1 = std::min(N, int(int64_t(panels) * (t + 1) / tasks) * 32);
+    if (n0 < n1) {
+      v.q8_gemm(a, n0, n1);
+    }
+  });
+}
+
 void run_qmm(
     const mx::array& x,
     const mx::array& w,
@@ -249,9 +312,6 @@ void run_qmm(
     prepare_x_row(xd.data, x.dtype(), size_t(m) * K, 1, K, group_size, bits, xf.data() + size_t(m) * K, xsum.data() + size_t(m) * G);
   }
 
-  const DenseBytes wd = dense_bytes(w);
-  const DenseBytes sd = dense_bytes(scales);
-  const DenseBytes bd = dense_bytes(biases);
   std::vector<float> yf;
   float* y = nullptr;
   if (out.dtype() == mx::float32) {
@@ -260,6 +320,15 @@ void run_qmm(
     yf.resize(size_t(M) * N);
     y = yf.data();
   }
+  const Variant& v = variant();
+  if (int8 && M >= kGemmRows && v.q8_gemm != nullptr && (bits == 4 || bits == 8)) {
+    run_q8_gemm(v, xd, x.dtype(), w, scales, biases, y, M, N, K, group_size, bits);
+    write_out(out, yf);
+    return;
+  }
+  const DenseBytes wd = dense_bytes(w);
+  const DenseBytes sd = dense_bytes(scales);
+  const DenseBytes bd = dense_bytes(biases);
 
   QmmArgs a{
       xf.data(),
@@ -277,7 +346,6 @@ void run_qmm(
   // A few rows of x (decode, verification of proposed tokens, small batches): as bytes for the
   // integer dot-product kernel where there is one. With int8 math, every row as int8 (once, before
   // the threads start) for the int8 kernel.
-  const Variant& v = variant();
   std::vector<int8_t> xq;
   std::vector<float> xunit;
   if (int8) {
@@ -324,17 +392,7 @@ void run_qmm(
     });
   }
 
-  if (out.dtype() == mx::float16) {
-    auto* o = out.data<mx::float16_t>();
-    for (size_t i = 0; i < yf.size(); ++i) {
-      o[i] = static_cast<mx::float16_t>(yf[i]);
-    }
-  } else if (out.dtype() == mx::bfloat16) {
-    auto* o = out.data<mx::bfloat16_t>();
-    for (size_t i = 0; i < yf.size(); ++i) {
-      o[i] = static_cast<mx::bfloat16_t>(yf[i]);
-    }
-  }
+  write_out(out, yf);
 }
 
 void check_format(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {

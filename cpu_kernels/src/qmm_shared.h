@@ -24,6 +24,9 @@ constexpr int kIntegerRows = 2;
 using RowsFn = void (*)(const QmmArgs&, int, int);
 using QuantizeXFn = void (*)(const float*, int, int, int8_t*, float*);
 using Q8QuantizeFn = void (*)(const float*, int, int, int8_t*, float*, float*);
+using Q8GemmFn = void (*)(const Q8GemmArgs&, int, int);
+// Rows of x from which int8 math takes the GEMM (where the variant has one) instead of the row kernel.
+constexpr int kGemmRows = 8;
 RowsFn qmm_rows_fn();
 QuantizeXFn quantize_x_fn();
 // The int8 kernel and its quantization of a row of x (kernels.h: q8_rows, q8_quantize).

@@ -1,0 +1,226 @@
+// The int8 ("cpu_math int8") quantized matrix product for many rows of x (prefill, big batches), for
+// AVX-512 VNNI: a register-blocked GEMM on packed panels, where the row kernel (int8_impl.inc) would
+// unpack every weight once per few rows of x and the float path dequantizes the whole matrix for a
+// float32 GEMM.
+//
+// The same numbers as the row kernel: x quantized per run of 32 to int8 with one scale d (q8_quantize,
+// element order), and
+//
+//   y[m, n] = sum_r s[n, g(r)] * d[m, r] * dot(codes[n, r], q[m, r]) + sum_g b[n, g] * xsum[m, g].
+//
+// Blocking: a thread takes panels of kNB = 32 weight rows; for each stretch of kKC values of K the
+// panel's codes are unpacked once into an L1-resident buffer laid out for vpdpbusd (for each run of
+// four values of K, 32 lanes of four bytes: two registers, the codes of 32 rows side by side), with
+// the panel's scales and biases as float lanes, and then every row of x streams past it, four rows at a
+// time: per run of 32, 8 x 2 register loads of codes, 4 x 8 broadcasts of four bytes of x and 64
+// vpdpbusd into 8 int32 accumulators, which are converted and scaled once per run into 8 float
+// accumulators. The unpacking costs once per panel what the row kernel pays once per row of x.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace duet_cpu {
+namespace avx512 {
+namespace {
+
+constexpr int kNB = 32; // weight rows per panel: two registers of 16 int32 lanes
+constexpr int kKC = 512; // values of K per panel stretch (16 runs; a multiple of every group size)
+constexpr int kMB = 4; // rows of x per micro-kernel call
+
+inline float half_to_float(uint16_t h) {
+  return _cvtsh_ss(h);
+}
+
+template <int ST>
+inline float scale_at(const void* p, size_t i) {
+  if constexpr (ST == kF32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == kF16) {
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    const uint32_t u = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  }
+}
+
+// The codes of one weight row for K values [k0, k0 + kc) into out (one byte each, element order).
+inline void row_codes(const uint8_t* row, int bits, int k0, int kc, uint8_t* out) {
+  if (bits == 8) {
+    std::memcpy(out, row + k0, size_t(kc));
+    return;
+  }
+  // 4-bit: byte j holds values 2j (low nibble) and 2j + 1 (high); kc is a multiple of 32
+  const uint8_t* p = row + k0 / 2;
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int j = 0; j < kc / 2; j += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j));
+    const __m128i lo = _mm_and_si128(b, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * j), _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * j + 16), _mm_unpackhi_epi8(lo, hi));
+  }
+}
+
+// A panel: rows [n, n + rows) of the weights over K values [k0, k0 + kc), as codes (for quad q and
+// lane l, the four codes of row n + l at values 4q..4q + 3) and, per run and per group, the rows'
+// scales and biases as float lanes. Lanes past `rows` are zero.
+struct Panel {
+  alignas(64) uint32_t codes[kKC / 4 * kNB];
+  alignas(64) float scales[kKC / 32 * kNB];
+  alignas(64) float biases[kKC / 32 * kNB];
+  alignas(64) uint8_t row[kKC];
+};
+
+template <int ST>
+void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
+  const size_t row_bytes = size_t(a.K) * a.bits / 8;
+  const int G = a.K / a.group_size;
+  const int runs = kc / 32, quads = kc / 4, groups = kc / a.group_size, g0 = k0 / a.group_size;
+  for (int l = 0; l < kNB; ++l) {
+    if (l >= rows) {
+      for (int q = 0; q < quads; ++q) {
+        p.codes[q * kNB + l] = 0;
+      }
+      for (int r = 0; r < runs; ++r) {
+        p.scales[r * kNB + l] = 0.0f;
+      }
+      for (int g = 0; g < groups; ++g) {
+        p.biases[g * kNB + l] = 0.0f;
+      }
+      continue;
+    }
+    row_codes(a.w + size_t(n + l) * row_bytes, a.bits, k0, kc, p.row);
+    uint32_t quad[kKC / 4];
+    std::memcpy(quad, p.row, size_t(kc));
+    for (int q = 0; q < quads; ++q) {
+      p.codes[q * kNB + l] = quad[q];
+    }
+    const size_t at = size_t(n + l) * G + g0;
+    for (int r = 0; r < runs; ++r) {
+      p.scales[r * kNB + l] = scale_at<ST>(a.scales, at + (r * 32) / a.group_size);
+    }
+    for (int g = 0; g < groups; ++g) {
+      p.biases[g * kNB + l] = scale_at<ST>(a.biases, at + g);
+    }
+  }
+}
+
+// y[m..m+R, n..n+rows) += the panel's part of the product, for R rows of x.
+template <int R>
+void micro(const Q8GemmArgs& a, const Panel& p, int m, int k0, int kc, int n, __mmask16 mask0, __mmask16 mask1) {
+  const int runs = kc / 32, groups = kc / a.group_size;
+  const int G = a.K / a.group_size;
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) {
+    acc[i][0] = _mm512_setzero_ps();
+    acc[i][1] = _mm512_setzero_ps();
+  }
+  const int8_t* xrow[R];
+  const float* drow[R];
+  for (int i = 0; i < R; ++i) {
+    xrow[i] = a.xq + size_t(m + i) * a.K + k0;
+    drow[i] = a.xd + size_t(m + i) * (a.K / 8) + k0 / 8;
+  }
+  for (int r = 0; r < runs; ++r) {
+    __m512i dot[R][2];
+    for (int i = 0; i < R; ++i) {
+      dot[i][0] = _mm512_setzero_si512();
+      dot[i][1] = _mm512_setzero_si512();
+    }
+    const uint32_t* codes = p.codes + size_t(r) * 8 * kNB;
+    for (int q = 0; q < 8; ++q) {
+      const __m512i w0 = _mm512_load_si512(codes + q * kNB);
+      const __m512i w1 = _mm512_load_si512(codes + q * kNB + 16);
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, xrow[i] + r * 32 + q * 4, sizeof(four));
+        const __m512i xb = _mm512_set1_epi32(four);
+        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], w0, xb);
+        dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], w1, xb);
+      }
+    }
+    const __m512 s0 = _mm512_load_ps(p.scales + r * kNB);
+    const __m512 s1 = _mm512_load_ps(p.scales + r * kNB + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 d = _mm512_set1_ps(drow[i][r * 4]);
+      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][0]), _mm512_mul_ps(s0, d), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][1]), _mm512_mul_ps(s1, d), acc[i][1]);
+    }
+  }
+  const int g0 = k0 / a.group_size;
+  for (int g = 0; g < groups; ++g) {
+    const __m512 b0 = _mm512_load_ps(p.biases + g * kNB);
+    const __m512 b1 = _mm512_load_ps(p.biases + g * kNB + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 xs = _mm512_set1_ps(a.xsum[size_t(m + i) * G + g0 + g]);
+      acc[i][0] = _mm512_fmadd_ps(b0, xs, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(b1, xs, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float* y = a.y + size_t(m + i) * a.N + n;
+    if (k0 == 0) {
+      _mm512_mask_storeu_ps(y, mask0, acc[i][0]);
+      _mm512_mask_storeu_ps(y + 16, mask1, acc[i][1]);
+    } else {
+      _mm512_mask_storeu_ps(y, mask0, _mm512_add_ps(_mm512_maskz_loadu_ps(mask0, y), acc[i][0]));
+      _mm512_mask_storeu_ps(y + 16, mask1, _mm512_add_ps(_mm512_maskz_loadu_ps(mask1, y + 16), acc[i][1]));
+    }
+  }
+}
+
+template <int ST>
+void gemm(const Q8GemmArgs& a, int n0, int n1) {
+  static thread_local Panel panel;
+  for (int n = n0; n < n1; n += kNB) {
+    const int rows = std::min(kNB, n1 - n);
+    const __mmask16 mask0 = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+    const __mmask16 mask1 = rows >= 32 ? __mmask16(0xFFFF) : rows <= 16 ? __mmask16(0) : __mmask16((1u << (rows - 16)) - 1);
+    for (int k0 = 0; k0 < a.K; k0 += kKC) {
+      const int kc = std::min(kKC, a.K - k0);
+      pack<ST>(a, n, rows, k0, kc, panel);
+      int m = 0;
+      for (; m + kMB <= a.M; m += kMB) {
+        micro<kMB>(a, panel, m, k0, kc, n, mask0, mask1);
+      }
+      switch (a.M - m) {
+        case 3:
+          micro<3>(a, panel, m, k0, kc, n, mask0, mask1);
+          break;
+        case 2:
+          micro<2>(a, panel, m, k0, kc, n, mask0, mask1);
+          break;
+        case 1:
+          micro<1>(a, panel, m, k0, kc, n, mask0, mask1);
+          break;
+        default:
+          break;
+      }
+    }
+  }
+}
+
+} // namespace
+
+void q8_gemm(const Q8GemmArgs& a, int n0, int n1) {
+  switch (a.scale_type) {
+    case kF16:
+      gemm<kF16>(a, n0, n1);
+      break;
+    case kBF16:
+      gemm<kBF16>(a, n0, n1);
+      break;
+    default:
+      gemm<kF32>(a, n0, n1);
+      break;
+  }
+}
+
+} // namespace avx512
+} // namespace duet_cpu
