@@ -321,7 +321,7 @@ void run_qmm(
     y = yf.data();
   }
   const Variant& v = variant();
-  if (int8 && M >= kGemmRows && v.q8_gemm != nullptr && (bits == 4 || bits == 8)) {
+  if (int8 && M >= gemm_rows(bits) && v.q8_gemm != nullptr && (bits == 4 || bits == 8)) {
     run_q8_gemm(v, xd, x.dtype(), w, scales, biases, y, M, N, K, group_size, bits);
     write_out(out, yf);
     return;
