@@ -248,11 +248,22 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const mx:
   std::vector<int8_t> xq(size_t(M) * K);
   std::vector<float> xunit(size_t(M) * (K / 8));
   std::vector<float> xsum(size_t(M) * G);
-  std::vector<float> row(static_cast<size_t>(K));
-  std::vector<float> plain_sum(static_cast<size_t>(G));
-  for (int m = 0; m < M; ++m) {
-    prepare_x_row(xd.data, xt, size_t(m) * K, 1, K, group_size, 8, row.data(), plain_sum.data());
-    quantize_row_q8(v.q8_quantize, row.data(), K, group_size, 8, xq.data() + size_t(m) * K, xunit.data() + size_t(m) * (K / 8), xsum.data() + size_t(m) * G);
+  auto pool = shared_pool();
+  // x's rows quantized on the pool too: at 512 rows of K = 8192 this was ~10% of the product
+  const int qtasks = std::min(M, pool->size());
+  auto quantize = [&](int t) {
+    std::vector<float> row(static_cast<size_t>(K));
+    std::vector<float> plain_sum(static_cast<size_t>(G));
+    const int m0 = int(int64_t(M) * t / qtasks), m1 = int(int64_t(M) * (t + 1) / qtasks);
+    for (int m = m0; m < m1; ++m) {
+      prepare_x_row(xd.data, xt, size_t(m) * K, 1, K, group_size, 8, row.data(), plain_sum.data());
+      quantize_row_q8(v.q8_quantize, row.data(), K, group_size, 8, xq.data() + size_t(m) * K, xunit.data() + size_t(m) * (K / 8), xsum.data() + size_t(m) * G);
+    }
+  };
+  if (qtasks <= 1) {
+    quantize(0);
+  } else {
+    pool->run(qtasks, quantize);
   }
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
@@ -271,7 +282,6 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const mx:
       group_size,
       bits,
       scale_type(scales.dtype())};
-  auto pool = shared_pool();
   const int panels = (N + 31) / 32;
   const int tasks = std::min(panels, pool->size() * 4);
   if (tasks <= 1) {
