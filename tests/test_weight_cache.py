@@ -126,3 +126,31 @@ def test_an_unwritable_cache_only_costs_the_decode(tmp_path, cache, decodes, mon
     model, _, _ = gguf_loader.load_gguf(path, dense=False)
     assert decodes == [False]
     assert mx.all(mx.isfinite(model(TINY_IDS))).item()
+
+
+def test_an_entry_larger_than_half_the_cap_is_kept_and_the_others_make_room(
+    tmp_path, cache, decodes, monkeypatch
+):
+    """A 3B model's converted weights (2.1 GB) under a 4 GiB cap were once never kept (entries were
+    capped at half the cache), so every start converted them again. An entry up to the whole cap is
+    kept now; older entries go to make room, and one larger than the cap is not stored."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtypes=QTYPES)
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    gguf_loader.load_gguf(path, dense=False)
+    (small,) = cache.glob("*.safetensors")
+    gguf_loader.load_gguf(path, dense=True)
+    (big,) = set(cache.glob("*.safetensors")) - {small}
+    size = big.stat().st_size
+    big.unlink()
+    # room for the big entry alone (it is over half the cap): kept, the small one goes
+    monkeypatch.setenv("DUET_WEIGHT_CACHE_GB", str(1.2 * size / 2**30))
+    gguf_loader.load_gguf(path, dense=True)
+    assert set(cache.glob("*.safetensors")) == {big}
+    gguf_loader.load_gguf(path, dense=True)  # read back, not decoded again
+    assert decodes == [False, True, True]
+    # a cap below the entry: not stored
+    big.unlink()
+    monkeypatch.setenv("DUET_WEIGHT_CACHE_GB", str(0.9 * size / 2**30))
+    gguf_loader.load_gguf(path, dense=True)
+    assert not list(cache.glob("*.safetensors"))

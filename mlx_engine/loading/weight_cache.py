@@ -12,7 +12,9 @@ model's 109 MiB).
 Only files of at least ``MIN_FILE_BYTES`` are cached (small ones decode faster than a file is
 written). The cache lives in ``$DUET_DATA_DIR/converted-weights`` when that is set, else in the
 user cache directory (``~/.cache/duet/converted-weights`` on Linux); it holds at most
-``$DUET_WEIGHT_CACHE_GB`` GiB (default 4), least recently used entries removed first, and
+``$DUET_WEIGHT_CACHE_GB`` GiB (default 8: a Llama-3.1-8B Q4_K_M's converted weights, ~5.6 GB, fit),
+least recently used entries removed first (an entry as large as the whole cap is kept, alone; a
+larger one is not stored), and
 ``DUET_WEIGHT_CACHE=0`` turns it off. Writing is best effort: a full disk or a read-only directory
 only means the next start decodes again. A damaged entry is deleted and rebuilt.
 """
@@ -33,7 +35,7 @@ from mlx_engine.loading.identity import model_fingerprint, package_version
 log = logging.getLogger("duet.loading")
 
 MIN_FILE_BYTES = 16 << 20
-DEFAULT_CAP_GB = 4.0
+DEFAULT_CAP_GB = 8.0
 # the code whose output is cached: a change to any of these files is a new cache key
 _SOURCES = ("gguf_loader.py", "gguf_tensors.py", "ggml_blocks.py", "gguf_file.py", "weight_cache.py")
 
@@ -101,8 +103,10 @@ def load_or_build(model: str | os.PathLike, variant: str, build: Callable[[], We
 def _store(entry: Path, weights: Weights) -> None:
     size = sum(a.nbytes for a in weights.values())
     cap = cap_bytes()
-    if size > cap // 2:
-        return  # an entry that would crowd out every other one is not kept
+    if size > cap:
+        return  # larger than the whole cache: not kept
+    # (Entries were once kept only up to half the cap, so that none crowded out the others: a 3B
+    # model's 2.1 GB then never stayed under the 4 GiB cap, and every start re-converted it, 14 s.)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         _trim(entry.parent, cap - size)
