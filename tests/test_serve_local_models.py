@@ -6,6 +6,7 @@ on first use, answers both at once, and unloads each after its idle keep-alive, 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import subprocess
 import sys
 import time
@@ -86,6 +87,15 @@ def test_serve_without_a_model_loads_each_local_model_on_first_use_and_unloads_i
         ps = duet(env, "ps", "--server", server.base)
         assert ps.returncode == 0, ps.stderr
         assert GGUF_NAME in ps.stdout and MLX_REPO in ps.stdout and BUNDLED_NAME not in ps.stdout
+        held = {
+            m["name"]: m
+            for m in json.loads(duet(env, "ps", "--server", server.base, "--json").stdout)["models"]
+        }
+        gguf = held[GGUF_NAME]  # memory as weights + the KV budget, the context, the idle time left
+        assert gguf["weights_bytes"] > 50e6 and gguf["kv_budget_bytes"] > 0
+        assert (
+            gguf["size"] == gguf["weights_bytes"] + gguf["kv_budget_bytes"] and gguf["context_length"] == 8192
+        )
 
         # a keep-alive of 3 s for both (the load route; Ollama's keep_alive or LM Studio's ttl on a
         # request does the same): once idle that long, each unloads (the reaper), and both listings say so

@@ -191,14 +191,18 @@ def cmd_ps(args) -> int:
     if not models:
         print("no models loaded")
         return 0
-    rows = [["NAME", "SIZE", "CONTEXT", "IDLE TIME LEFT"]]
+    rows = [["NAME", "SIZE", "WEIGHTS", "KV BUDGET", "KV IN USE", "CONTEXT", "REQUESTS", "IDLE TIME LEFT"]]
     for m in models:
         ctx = m.get("context_length") or (m.get("details") or {}).get("context_length")
         rows.append(
             [
                 str(m.get("name") or m.get("model")),
                 human_size(m.get("size")),
+                human_size(m.get("weights_bytes")),
+                human_size(m.get("kv_budget_bytes")),
+                human_size(m.get("kv_bytes")),
                 str(ctx or "-"),
+                str(m.get("running", "-")),
                 _left(m.get("expires_at")),
             ]
         )

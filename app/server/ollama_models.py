@@ -278,12 +278,19 @@ class OllamaModels:
         left = self.registry.expires_in(loaded)
         engine = loaded.state.engine
         on_gpu = engine.stats().backend in ("metal", "cuda")
+        stats = engine.stats()
+        kv_budget = stats.kv_blocks_total * stats.kv_block_bytes
         return {
             **self._entry(loaded.model),
             "size": loaded.footprint,
             "expires_at": rfc3339(time.time() + (FOREVER_S if left is None else left)),
             "size_vram": loaded.footprint if on_gpu else 0,
             "context_length": engine.context_length,
+            # Duet's own: what the size is made of, and what runs (Ollama's clients ignore them)
+            "weights_bytes": loaded.footprint - kv_budget,
+            "kv_budget_bytes": kv_budget,
+            "kv_bytes": stats.kv_bytes,
+            "running": stats.running + stats.waiting,
         }
 
     async def ps(self, request: Request) -> Response:
