@@ -144,10 +144,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def check_model_args(args: argparse.Namespace) -> None:
-    from mlx_engine.loading.preflight import check_model
+    from mlx_engine.loading.preflight import check_context, check_model
 
     for model in args.model if isinstance(args.model, list) else [args.model]:
-        check_model(model)
+        check_context(check_model(model), getattr(args, "context_length", None))
     if getattr(args, "draft_model", None) is not None:
         check_model(args.draft_model)
 

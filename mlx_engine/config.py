@@ -85,7 +85,7 @@ class EngineConfig:
     )
     # the context in tokens, as llama.cpp's --ctx-size and Ollama's num_ctx (None: the model's own, from
     # its config); less saves memory, more only as far as the model's RoPE scaling reaches
-    # (engine/context.py)
+    # (mlx_engine/context_length.py)
     context_length: int | None = option(
         None,
         "the context in tokens, as llama.cpp's --ctx-size and Ollama's num_ctx (default: the model's own); "

@@ -196,6 +196,15 @@ GENERATE_ONLY = {
     "top-k -1": (["--top-k", "-1"], "top_k must be >= 0"),
     "min-p 1": (["--min-p", "1"], "min_p must be in [0, 1)"),
 }
+# the bundled model's context (8192 tokens, no RoPE scaling) cannot be stretched: refused from its
+# GGUF header, before any weight is read (`duet serve` with no --model checks each model as it loads)
+PAST_THE_CONTEXT = {
+    "context-length past the model's": (
+        ["-c", "16384"],
+        "context length 16384 is more than SmolLM2-135M-Instruct-Q4_1 can attend over: it was trained for "
+        "8192 tokens and it has no RoPE scaling to reach further; use at most 8192",
+    ),
+}
 SERVE_ONLY = {
     "max-queue 0": (["--max-queue", "0"], "--max-queue must be"),
     "max-running 0": (["--max-running", "0"], "--max-running must be"),
@@ -221,8 +230,8 @@ def assert_one_line_error(code: int, out: str, err: str, message: str) -> None:
 BAD_OPTION_CASES = [
     (command, case, *table[case])
     for command, table in [
-        ("generate", {**BAD_OPTIONS, **GENERATE_ONLY}),
-        ("chat", BAD_OPTIONS),
+        ("generate", {**BAD_OPTIONS, **GENERATE_ONLY, **PAST_THE_CONTEXT}),
+        ("chat", {**BAD_OPTIONS, **PAST_THE_CONTEXT}),
         ("serve", {**BAD_OPTIONS, **SERVE_ONLY}),
     ]
     for case in table

@@ -1,4 +1,4 @@
-"""``--context-length`` / ``-c`` (mlx_engine/engine/context.py, issue 33): less than the model's own
+"""``--context-length`` / ``-c`` (mlx_engine/context_length.py, issue 33): less than the model's own
 shrinks what a sequence may hold, and with it the KV budget the engine plans; more is allowed as far
 as the model's RoPE scaling reaches (YaRN over its original context) and refused past it with a
 clear error, before a request could run into positions the model never saw."""
@@ -10,8 +10,8 @@ import json
 import pytest
 
 from mlx_engine.config import EngineConfig
+from mlx_engine.context_length import scaled_context
 from mlx_engine.engine import Engine
-from mlx_engine.engine.context import scaled_context
 from mlx_engine.errors import ConfigError
 from tests.tiny_models import make_tiny_model_dir
 
@@ -83,3 +83,26 @@ def test_what_each_kind_of_scaling_reaches():
         )[0]
         == 131072
     )
+
+
+def test_the_limit_is_read_from_a_gguf_header_and_a_config_before_loading():
+    """`check_model_args` refuses before any weight is read: the trained context and the RoPE scaling
+    as a GGUF's metadata (Qwen3's YaRN: 32K x 4 over 32K) or a config.json declares them."""
+    from mlx_engine.context_length import check_context_length, declared_context, gguf_declared_context
+
+    qwen3 = {
+        "general.architecture": "qwen3",
+        "qwen3.context_length": 40960,
+        "qwen3.rope.scaling.type": "yarn",
+        "qwen3.rope.scaling.factor": 4.0,
+        "qwen3.rope.scaling.original_context_length": 32768,
+    }
+    trained, scaling = gguf_declared_context(qwen3)
+    assert check_context_length(131072, trained, scaling, "qwen3") == 131072
+    with pytest.raises(ConfigError, match="use at most 131072"):
+        check_context_length(131073, trained, scaling, "qwen3")
+    plain = {"general.architecture": "llama", "llama.context_length": 8192, "llama.rope.scaling.type": "none"}
+    assert gguf_declared_context(plain) == (8192, None)
+    config = {"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert check_context_length(8192, *declared_context(config), "m") == 8192
+    assert declared_context({"text_config": {"max_position_embeddings": 1024}}) == (1024, None)

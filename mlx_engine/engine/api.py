@@ -30,8 +30,8 @@ from cpu_kernels.spec import set_cpu_math
 from mlx_engine.backend import backend_name
 from mlx_engine.blas import warn_if_slow
 from mlx_engine.config import EngineConfig
+from mlx_engine.context_length import context_length
 from mlx_engine.engine.build import engine_numerics
-from mlx_engine.engine.context import context_length
 from mlx_engine.engine.core import EngineCore
 from mlx_engine.engine.kv_transfer import Export, OnLayer
 from mlx_engine.engine.messages import (

@@ -18,6 +18,26 @@ from mlx_engine.errors import ModelLoadError
 from mlx_engine.loading.resolve import ModelSource, resolve_model
 
 
+def check_context(src: ModelSource, asked: int | None) -> None:
+    """A ``--context-length`` past what the model's RoPE reaches is refused before any weight is
+    read (``mlx_engine.context_length.check_context_length``; the engine checks again with the built model)."""
+    if asked is None:
+        return
+    from mlx_engine.context_length import check_context_length, declared_context, gguf_declared_context
+
+    if src.kind == "gguf":
+        from mlx_engine.loading.gguf_file import read_gguf
+
+        trained, scaling = gguf_declared_context(read_gguf(src.path).metadata)
+    else:
+        try:
+            trained, scaling = declared_context(json.loads((src.path / "config.json").read_text()))
+        except (OSError, ValueError):
+            return
+    if trained:
+        check_context_length(asked, trained, scaling, src.name)
+
+
 def check_model(spec: str | os.PathLike | None) -> ModelSource:
     """Resolve ``spec`` (None: the bundled model) and check its files; returns where it is."""
     src = resolve_model(spec)

@@ -35,11 +35,11 @@ def scaled_context(trained: int, scaling: dict[str, Any] | None) -> tuple[int, s
     return max(trained, int(original * factor)), f"{kind} RoPE scaling x{factor:g} over {original}"
 
 
-def context_length(asked: int | None, trained: int, model: Any, name: str) -> int:
-    """``asked`` (None: the model's own), checked against what the model's RoPE allows."""
+def check_context_length(asked: int | None, trained: int, scaling: dict[str, Any] | None, name: str) -> int:
+    """``asked`` (None: the model's own ``trained``), checked against what ``scaling`` allows."""
     if asked is None:
         return trained
-    limit, how = scaled_context(trained, _rope_scaling(model))
+    limit, how = scaled_context(trained, scaling)
     if asked > limit:
         reach = f"its {how} reaches {limit}" if how else "it has no RoPE scaling to reach further"
         raise ConfigError(
@@ -48,3 +48,35 @@ def context_length(asked: int | None, trained: int, model: Any, name: str) -> in
             "context_length",
         )
     return asked
+
+
+def context_length(asked: int | None, trained: int, model: Any, name: str) -> int:
+    """``check_context_length`` with the loaded model's own RoPE scaling."""
+    return check_context_length(asked, trained, _rope_scaling(model), name)
+
+
+def declared_context(config: dict[str, Any]) -> tuple[int | None, dict[str, Any] | None]:
+    """The trained context and the RoPE scaling an HF ``config.json`` (or a GGUF's metadata made
+    into one) declares, without building the model."""
+    for c in (config, config.get("text_config") or {}):
+        if isinstance(c, dict) and isinstance(c.get("max_position_embeddings"), int):
+            scaling = c.get("rope_scaling") or c.get("rope_parameters")
+            return int(c["max_position_embeddings"]), scaling if isinstance(scaling, dict) else None
+    return None, None
+
+
+def gguf_declared_context(metadata: dict[str, Any]) -> tuple[int | None, dict[str, Any] | None]:
+    """The same from a GGUF's metadata: ``<arch>.context_length`` and ``<arch>.rope.scaling.*``."""
+    arch = metadata.get("general.architecture")
+    trained = metadata.get(f"{arch}.context_length")
+    if not isinstance(trained, int):
+        return None, None
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if not kind or kind == "none" or not isinstance(factor, int | float):
+        return trained, None
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}
+    if isinstance(original, int) and original > 0:
+        scaling["original_max_position_embeddings"] = original
+    return trained, scaling
