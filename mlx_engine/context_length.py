@@ -55,13 +55,19 @@ def context_length(asked: int | None, trained: int, model: Any, name: str) -> in
     return check_context_length(asked, trained, _rope_scaling(model), name)
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
 def declared_context(config: dict[str, Any]) -> tuple[int | None, dict[str, Any] | None]:
-    """The trained context and the RoPE scaling an HF ``config.json`` (or a GGUF's metadata made
-    into one) declares, without building the model."""
+    """The trained context and the RoPE scaling an HF ``config.json`` declares (or its
+    ``text_config``'s), without building the model."""
     for c in (config, config.get("text_config") or {}):
-        if isinstance(c, dict) and isinstance(c.get("max_position_embeddings"), int):
-            scaling = c.get("rope_scaling") or c.get("rope_parameters")
-            return int(c["max_position_embeddings"]), scaling if isinstance(scaling, dict) else None
+        if not isinstance(c, dict):
+            continue
+        for key in CONTEXT_KEYS:
+            if isinstance(c.get(key), int):
+                scaling = c.get("rope_scaling") or c.get("rope_parameters")
+                return int(c[key]), scaling if isinstance(scaling, dict) else None
     return None, None
 
 

@@ -360,6 +360,16 @@ def test_engine_option_sets_the_math_and_names_it_in_the_numerics(ext, bundled):
     assert len(replies["int8"]) == len(replies["exact"]) == 24
 
 
+def _isa() -> str:
+    ext = spec.extension()
+    return ext.isa() if ext is not None else "none"
+
+
+# the GEMM is AVX-512 VNNI only: elsewhere prefill keeps dequantize + a float32 GEMM (tested above)
+needs_vnni = pytest.mark.skipif(_isa() != "avx512", reason="the int8 GEMM needs AVX-512 VNNI")
+
+
+@needs_vnni
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("group_size", GROUPS)
 def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size):
@@ -367,8 +377,6 @@ def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size
     over stretches of 512 values of K, four rows of x at a time. N not a multiple of 32, K past one
     stretch and not a multiple of it, rows not a multiple of 4, float32 and float16 scales, one and
     two threads (each output computed by one thread: the same bits)."""
-    if ext.isa() != "avx512":
-        pytest.skip("the int8 GEMM needs AVX-512 VNNI")
     rng = np.random.default_rng(bits + group_size)
     n = 70
     for k in (group_size * 3, 1152 if 1152 % group_size == 0 else 1024, 1664):
@@ -390,11 +398,10 @@ def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size
     spec.set_threads()
 
 
+@needs_vnni
 def test_prefill_with_int8_math_goes_through_the_gemm_not_a_dequantized_copy(ext, monkeypatch):
     """With int8 math, a product of many rows takes the int8 GEMM: the ``dequantize`` kernel (the
     exact path's float32 copy of the weights) is never run for 4- and 8-bit weights."""
-    if ext.isa() != "avx512":
-        pytest.skip("the int8 GEMM needs AVX-512 VNNI")
     from cpu_kernels import qmm
 
     calls: list[tuple] = []

@@ -260,42 +260,53 @@ def install_ollama_routes(
 ) -> None:
     """Add Ollama's API under ``/api/...`` (behind the app's security middleware, as /v1 is)."""
 
-    async def chat(request: Request) -> Response:
-        t0 = time.perf_counter()
-        body: ChatRequest = parse(ChatRequest, await request.body())
+    async def turn(
+        body: ChatRequest | GenerateRequest,
+        endpoint: str,
+        has_input: bool,
+        t0: float,
+        respond: Callable[[ServerState, Turn], Awaitable[Response]],
+        check: Callable[[], None] | None = None,
+    ) -> Response:
+        """One chat or generate request (``check``: its own fields, once the model is known): an
+        empty one loads (or, with keep_alive 0, unloads) the model; else ``respond`` on the model,
+        held for the request."""
         name = resolve(registry, body.model)
+        if check is not None:
+            check()
         keep = keep_alive_of(body.keep_alive)
-        if not body.messages:
-            return await _load_only(registry, name, body.model, keep, "chat")
+        if not has_input:
+            return await _load_only(registry, name, body.model, keep, endpoint)
         was_loaded = registry.get_loaded(name) is not None
 
         async def handler(state: ServerState) -> Response:
             check_num_ctx(body.options, state.engine.context_length)
-            turn = Turn(body.model, "chat", t0, 0.0 if was_loaded else time.perf_counter() - t0)
-            fields = chat_fields(body, state.model_id)
-            return await _chat_turn(state, fields, request, turn, body.stream, "ollama_chat")
+            load_s = 0.0 if was_loaded else time.perf_counter() - t0
+            return await respond(state, Turn(body.model, endpoint, t0, load_s))
 
         return await with_model(registry, name, handler, keep_alive=keep)
+
+    async def chat(request: Request) -> Response:
+        t0 = time.perf_counter()
+        body: ChatRequest = parse(ChatRequest, await request.body())
+
+        async def respond(state: ServerState, t: Turn) -> Response:
+            fields = chat_fields(body, state.model_id)
+            return await _chat_turn(state, fields, request, t, body.stream, "ollama_chat")
+
+        return await turn(body, "chat", bool(body.messages), t0, respond)
 
     async def generate(request: Request) -> Response:
         t0 = time.perf_counter()
         body: GenerateRequest = parse(GenerateRequest, await request.body())
-        name = resolve(registry, body.model)
-        check_generate(body)
-        keep = keep_alive_of(body.keep_alive)
-        if not body.prompt:
-            return await _load_only(registry, name, body.model, keep, "generate")
-        was_loaded = registry.get_loaded(name) is not None
 
-        async def handler(state: ServerState) -> Response:
-            check_num_ctx(body.options, state.engine.context_length)
-            turn = Turn(body.model, "generate", t0, 0.0 if was_loaded else time.perf_counter() - t0)
+        async def respond(state: ServerState, t: Turn) -> Response:
             if body.raw:
-                return await _raw_turn(state, body, request, turn)
+                return await _raw_turn(state, body, request, t)
             fields = generate_fields(body, state.model_id)
-            return await _chat_turn(state, fields, request, turn, body.stream, "ollama_generate")
+            return await _chat_turn(state, fields, request, t, body.stream, "ollama_generate")
 
-        return await with_model(registry, name, handler, keep_alive=keep)
+        return await turn(body, "generate", bool(body.prompt), t0, respond, lambda: check_generate(body))
 
     models = ollama_models.OllamaModels(registry, batcher, metrics, embedding_ids, resolve)
     routes: list[tuple[str, str, Route]] = [

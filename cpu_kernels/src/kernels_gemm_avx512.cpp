@@ -15,13 +15,18 @@
 // time: per run of 32, 8 x 2 register loads of codes, 4 x 8 broadcasts of four bytes of x and 64
 // vpdpbusd into 8 int32 accumulators, which are converted and scaled once per run into 8 float
 // accumulators. The unpacking costs once per panel what the row kernel pays once per row of x.
+//
+// kernels_impl.inc contributes its helpers only (scale_at), as in kernels_int8_avx512.cpp.
+#define DUET_ISA avx512
+#define DUET_MAX_MB 8
+#define DUET_HELPERS_ONLY
+#include "kernels_impl.inc"
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-
-#include "kernels.h"
 
 // Rows of x per micro-kernel call: 4 (8 int32 + 8 float accumulators). 5 measured the same and 6
 // slower (register spills): 512 x 8192 x 2048 4-bit, 2 threads, 38.7 / 38.8 / 42.6 ms.
@@ -36,24 +41,6 @@ namespace {
 constexpr int kNB = 32; // weight rows per panel: two registers of 16 int32 lanes
 constexpr int kKC = 512; // values of K per panel stretch (16 runs; a multiple of every group size)
 constexpr int kMB = DUET_GEMM_MB; // rows of x per micro-kernel call
-
-inline float half_to_float(uint16_t h) {
-  return _cvtsh_ss(h);
-}
-
-template <int ST>
-inline float scale_at(const void* p, size_t i) {
-  if constexpr (ST == kF32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == kF16) {
-    return half_to_float(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    const uint32_t u = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
-  }
-}
 
 // The codes of one weight row for K values [k0, k0 + kc) into out (one byte each, element order).
 inline void row_codes(const uint8_t* row, int bits, int k0, int kc, uint8_t* out) {

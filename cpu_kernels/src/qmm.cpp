@@ -243,7 +243,7 @@ void write_out(mx::array& out, const std::vector<float>& yf) {
 
 // Many rows of x with int8 math (prefill): the GEMM on packed panels (kernels_gemm_avx512.cpp). x is
 // quantized in element order per run of 32, as the row kernel's other widths are.
-void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const mx::array& w, const mx::array& scales, const mx::array& biases, float* y, int M, int N, int K, int group_size, int bits) {
+void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const void* biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
   const int G = K / group_size;
   std::vector<int8_t> xq(size_t(M) * K);
   std::vector<float> xunit(size_t(M) * (K / 8));
@@ -265,23 +265,7 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const mx:
   } else {
     pool->run(qtasks, quantize);
   }
-  const DenseBytes wd = dense_bytes(w);
-  const DenseBytes sd = dense_bytes(scales);
-  const DenseBytes bd = dense_bytes(biases);
-  const Q8GemmArgs a{
-      xq.data(),
-      xunit.data(),
-      xsum.data(),
-      static_cast<const uint8_t*>(wd.data),
-      sd.data,
-      bd.data,
-      y,
-      M,
-      N,
-      K,
-      group_size,
-      bits,
-      scale_type(scales.dtype())};
+  const Q8GemmArgs a{xq.data(), xunit.data(), xsum.data(), w, scales, biases, y, M, N, K, group_size, bits, scale_type};
   const int panels = (N + 31) / 32;
   const int tasks = std::min(panels, pool->size() * 4);
   if (tasks <= 1) {
@@ -314,14 +298,7 @@ void run_qmm(
     return;
   }
 
-  // x in float32, 4-bit runs of 32 permuted to (evens, odds) to match the nibble unpacking.
   const DenseBytes xd = dense_bytes(x);
-  std::vector<float> xf(size_t(M) * K);
-  std::vector<float> xsum(size_t(M) * G);
-  for (int m = 0; m < M; ++m) {
-    prepare_x_row(xd.data, x.dtype(), size_t(m) * K, 1, K, group_size, bits, xf.data() + size_t(m) * K, xsum.data() + size_t(m) * G);
-  }
-
   std::vector<float> yf;
   float* y = nullptr;
   if (out.dtype() == mx::float32) {
@@ -330,15 +307,24 @@ void run_qmm(
     yf.resize(size_t(M) * N);
     y = yf.data();
   }
-  const Variant& v = variant();
-  if (int8 && M >= gemm_rows(bits) && v.q8_gemm != nullptr && (bits == 4 || bits == 8)) {
-    run_q8_gemm(v, xd, x.dtype(), w, scales, biases, y, M, N, K, group_size, bits);
-    write_out(out, yf);
-    return;
-  }
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
   const DenseBytes bd = dense_bytes(biases);
+  const Variant& v = variant();
+  if (int8 && M >= gemm_rows(bits) && v.q8_gemm != nullptr && (bits == 4 || bits == 8)) {
+    // the GEMM prepares x its own way (element order, on the pool)
+    const auto* wb = static_cast<const uint8_t*>(wd.data);
+    run_q8_gemm(v, xd, x.dtype(), wb, sd.data, bd.data, scale_type(scales.dtype()), y, M, N, K, group_size, bits);
+    write_out(out, yf);
+    return;
+  }
+
+  // x in float32, 4-bit runs of 32 permuted to (evens, odds) to match the nibble unpacking.
+  std::vector<float> xf(size_t(M) * K);
+  std::vector<float> xsum(size_t(M) * G);
+  for (int m = 0; m < M; ++m) {
+    prepare_x_row(xd.data, x.dtype(), size_t(m) * K, 1, K, group_size, bits, xf.data() + size_t(m) * K, xsum.data() + size_t(m) * G);
+  }
 
   QmmArgs a{
       xf.data(),

@@ -125,11 +125,9 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def config_context(cfg: dict[str, Any]) -> int | None:
-    for c in (cfg, cfg.get("text_config") or {}):
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-            if isinstance(c, dict) and isinstance(c.get(key), int):
-                return int(c[key])
-    return None
+    from mlx_engine.context_length import declared_context
+
+    return declared_context(cfg)[0]
 
 
 def config_quant(cfg: dict[str, Any]) -> str | None:
