@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_engine.request import Usage
 
-from .anthropic_errors import error_body
+from .anthropic_errors import error_event
 from .anthropic_protocol import ContentBlock, CountTokensRequest, MessagesRequest
 from .chat import ChatCall
 from .common import SSE_HEADERS, ServerState, fewest, warn_once
@@ -362,7 +362,7 @@ class MessagesCall:
                     yield event("content_block_delta", {"index": index, "delta": args})
                     yield event("content_block_stop", {"index": index})
             except APIError as e:
-                yield f"event: error\ndata: {json.dumps(error_body(e.status, e.message))}\n\n"
+                yield error_event(e.status, e.message)
 
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={**SSE_HEADERS, **_headers()}

@@ -41,6 +41,11 @@ def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": error_type(status), "message": message}}
 
 
+def error_event(status: int, message: str) -> str:
+    """The error as a Messages stream's SSE event (after the response headers went out)."""
+    return f"event: error\ndata: {json.dumps(error_body(status, message))}\n\n"
+
+
 def reshape(response: Response) -> Response:
     """An OpenAI-shaped JSON error response, re-spelled in Anthropic's shape (same status and headers)."""
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
-from .anthropic_errors import error_body
+from .anthropic_errors import error_event
 from .common import SSE_DONE, SSE_HEADERS, ServerState, sse
 from .errors import APIError, internal_error
 from .registry import Lease, ModelRegistry
@@ -32,11 +32,18 @@ def openai_error_frame(e: APIError) -> str:
 
 
 def anthropic_error_frame(e: APIError) -> str:
-    return f"event: error\ndata: {json.dumps(error_body(e.status, e.message))}\n\n"
+    return error_event(e.status, e.message)
 
 
 def responses_error_frame(e: APIError) -> str:
-    body = {"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param}
+    # the stream's first event: sequence number 0, as responses.py numbers its events
+    body = {
+        "type": "error",
+        "sequence_number": 0,
+        "code": e.code or e.type,
+        "message": e.message,
+        "param": e.param,
+    }
     return f"event: error\ndata: {json.dumps(body)}\n\n"
 
 

@@ -76,13 +76,12 @@ class Loaded:
     leases: int = 0
 
     @property
-    def engine_busy(self) -> bool:
+    def busy(self) -> bool:
+        """Leases out, or requests running or waiting in its engine."""
+        if self.leases > 0:
+            return True
         s = self.state.engine.stats()
         return s.running + s.waiting > 0
-
-    @property
-    def busy(self) -> bool:
-        return self.leases > 0 or self.engine_busy
 
 
 class Lease:
@@ -100,12 +99,6 @@ class Lease:
         if self._held:
             self._held = False
             self.registry._release(self.loaded)
-
-    async def __aenter__(self) -> Lease:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
 
 
 Loader = Callable[[ServedModel], ServerState]
