@@ -205,6 +205,7 @@ def main() -> None:
     )
     ap.add_argument("--threads-list", default="1,2", help="--gbps: kernel thread counts")
     ap.add_argument("--math", default="exact,int8", help="--gbps: cpu_math values")
+    ap.add_argument("--k-scan", action="store_true", help="--gbps: the same bytes at growing K")
     ap.add_argument(
         "--scales", default="float16", choices=("float16", "float32"), help="--gbps: scales' dtype"
     )

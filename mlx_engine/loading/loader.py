@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from mlx_engine.backend import backend_name
 from mlx_engine.errors import ModelLoadError
+from mlx_engine.huge_pages import use_huge_pages
 from mlx_engine.loading.resolve import ModelSource, resolve_model
 from mlx_engine.loading.weight_policy import keep_quantized
 from mlx_engine.mlx_tree import flat_parameters
@@ -95,6 +96,7 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
 
             use_cpu_kernels(model)  # quantized layers run through the CPU kernels (weight_policy.py)
             half_scales(model)  # 1 bit a weight less to read per token
+        use_huge_pages(v for _, v in flat_parameters(model))  # fewer TLB misses per decode step
     _evaluate_constants(model)
     layers, kv, hd = _attention_shape(model)
     from mlx_engine.loading.catalogue import record_use

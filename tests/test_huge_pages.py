@@ -1,0 +1,73 @@
+"""The loaded model's weights on 2 MiB pages (mlx_engine/huge_pages.py): asked for, data unchanged."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_engine import huge_pages
+
+linux_thp = pytest.mark.skipif(
+    huge_pages.thp_mode() not in ("always", "madvise"),
+    reason="transparent huge pages are Linux's, and this kernel has them off (or none)",
+)
+
+
+def _smaps_entry(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@linux_thp
+def test_weights_are_marked_for_huge_pages_and_keep_their_values() -> None:
+    a = mx.random.normal((4096, 2048))  # 32 MiB
+    mx.eval(a)
+    before = np.array(a)
+    advised = huge_pages.use_huge_pages([a, mx.zeros((16,))])  # a small array is left alone
+    assert advised >= 28 << 20  # all but the unaligned ends of the buffer
+    view = np.asarray(memoryview(a))
+    middle = view.ctypes.data + a.nbytes // 2
+    entry = _smaps_entry(middle)
+    assert entry.get("THPeligible") == "1"
+    np.testing.assert_array_equal(np.array(a), before)
+    assert mx.array_equal(a @ mx.ones((2048,)), mx.array(before) @ mx.ones((2048,))).item()
+
+
+@linux_thp
+def test_a_strided_view_is_left_alone() -> None:
+    a = mx.random.normal((2048, 2048))
+    mx.eval(a)
+    assert huge_pages.use_huge_pages([a[:, ::2]]) == 0
+
+
+def test_nothing_is_asked_where_thp_is_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mode = tmp_path / "enabled"
+    mode.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "_THP_MODE", mode)
+    a = mx.zeros((4096, 2048))
+    mx.eval(a)
+    expected = None if not sys.platform.startswith("linux") else "never"
+    assert huge_pages.thp_mode() == expected
+    assert huge_pages.use_huge_pages([a]) == 0
+
+
+@linux_thp
+def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DUET_HUGE_PAGES", "0")
+    a = mx.zeros((4096, 2048))
+    mx.eval(a)
+    assert huge_pages.use_huge_pages([a]) == 0
