@@ -298,7 +298,7 @@ def test_bundled_model_int8_agrees_with_exact(ext, bundled, capsys):
     135M model, the disagreements are near-ties."""
     toks = bundled.tokenizer.encode(TEXT)
     assert len(toks) >= 300
-    chunk = 8  # tiles of 4 rows, one of them alone in the LM head's last chunk as well
+    chunk = 8  # one tile of 8 rows (kQ8Rows), and a shorter one in the last chunk
     spec.set_cpu_math("exact")
     exact = teacher_forced_logits(bundled, toks, chunk)
     spec.set_cpu_math("int8")
@@ -385,7 +385,7 @@ def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size
         for dtype in (mx.float32, mx.float16):
             wq, scales, biases = weights(rng, n, k, group_size, bits)
             scales, biases = scales.astype(dtype), biases.astype(dtype)
-            for m in (8, 37, 130):
+            for m in (8, 26, 45, 130):  # from 24 rows (8-bit) and 40 (4-bit) the GEMM: src/qmm_shared.h
                 x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
                 ref, mag = oracle(x, wq, scales, biases, group_size, bits)
                 outs = []

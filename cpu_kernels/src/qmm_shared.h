@@ -26,12 +26,12 @@ using QuantizeXFn = void (*)(const float*, int, int, int8_t*, float*);
 using Q8QuantizeFn = void (*)(const float*, int, int, int8_t*, float*, float*);
 using Q8GemmFn = void (*)(const Q8GemmArgs&, int, int);
 // Rows of x from which int8 math takes the GEMM (where the variant has one) instead of the row kernel:
-// its panels cost their unpacking once however many rows pass, the row kernel's tiles once per 4 rows.
-// Measured at Llama-3.2-1B's shapes, 2 threads (ms, GEMM vs rows): 4-bit 8192 x 2048 at 16 rows 2.85
-// vs 2.71, 24 rows 3.34 vs 4.00; 2048 x 2048 at 16 rows 0.77 vs 0.59, 24 rows 0.91 vs 0.88; 8-bit
-// 2048 x 2048 at 8 rows 0.50 vs 0.73.
+// its panels cost their unpacking once however many rows pass, the row kernel's tiles once per 8 rows.
+// Measured with 8-row tiles, one 8192 x 2048 matrix from L3, 2 threads (GMAC/s, GEMM vs rows): 4-bit
+// at 16 rows 80 vs 128, 32 rows 118 vs 127, 40 rows 138 vs 136, 48 rows 141 vs 126; 8-bit at 16 rows
+// 71 vs 80, 24 rows 84 vs 85, 32 rows 109 vs 91.
 inline int gemm_rows(int bits) {
-  return bits == 8 ? 8 : 24;
+  return bits == 8 ? 24 : 40;
 }
 RowsFn qmm_rows_fn();
 QuantizeXFn quantize_x_fn();
