@@ -422,3 +422,36 @@ def test_prefill_with_int8_math_goes_through_the_gemm_not_a_dequantized_copy(ext
     ref, mag = oracle(x, wq, scales, biases, 32, 4)
     check(y8, ref, mag, "int8 gemm")
     assert float(np.abs(f64(y) - f64(y8)).max()) < 0.05 * float(np.abs(f64(y)).max())
+
+
+@needs_vnni
+def test_gather_experts_with_many_rows_take_the_gemm_as_quantized_matmul_does(ext):
+    """Prefill through a mixture of experts: an expert chosen by as many rows as take the int8 GEMM in
+    ``quantized_matmul`` (40 for 4-bit weights, 24 for 8-bit) takes it in the gather too, bit for bit
+    the same product as ``quantized_matmul`` of its rows; experts with fewer rows in the same call keep
+    the row kernel. Both against the float64 oracle."""
+    rng = np.random.default_rng(29)
+    e, n, tokens = 4, 70, 90
+    for bits, group_size, k in ((4, 32, 160), (4, 64, 576), (8, 32, 96), (8, 128, 384)):
+        wq, scales, biases = mx.quantize(
+            mx.array(rng.standard_normal((e, n, k)).astype(np.float32) * 0.1),
+            group_size=group_size,
+            bits=bits,
+        )
+        # expert 0 on every token, 1 on most, 2 on a few (row kernel), 3 on none
+        second = np.where(rng.random(tokens) < 0.85, 1, 2).astype(np.uint32)
+        idx = mx.array(np.stack([np.zeros(tokens, np.uint32), second], axis=1))
+        x = mx.array(rng.standard_normal((tokens, 1, 1, k)).astype(np.float32))
+        for threads in (1, 2):
+            spec.set_threads(threads)
+            y = np.array(ext.gather_quantized_matmul(x, wq, scales, biases, idx, group_size, bits, int8=True))
+            for ex, col in ((0, 0), (1, 1), (2, 1)):
+                rows = np.flatnonzero(np.array(idx[:, col]) == ex)
+                xr = x[mx.array(rows), 0, 0]
+                direct = np.array(
+                    ext.quantized_matmul(xr, wq[ex], scales[ex], biases[ex], group_size, bits, int8=True)
+                )
+                assert np.array_equal(y[rows, col, 0], direct), (bits, group_size, ex, threads)
+                ref, mag = oracle(xr, wq[ex], scales[ex], biases[ex], group_size, bits)
+                check(mx.array(y[rows, col, 0]), ref, mag, (bits, group_size, ex, threads))
+    spec.set_threads()

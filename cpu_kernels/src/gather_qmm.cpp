@@ -3,7 +3,8 @@
 //
 // The pairs are sorted by expert (a counting sort, stable), and each expert's x rows are copied into
 // one contiguous block, so an expert's weights are read once per call for all the pairs that chose
-// it: a tile of the kernel holds up to 8 rows of x in registers while the unpacked weights pass.
+// it: a tile of the kernel holds up to 8 rows of x in registers while the unpacked weights pass. With
+// int8 math an expert with as many rows as quantized_matmul gives the int8 GEMM (prefill) takes it.
 // The pool's tasks split (expert, 8-row block of N) units evenly by their cost: a block's weight
 // reading plus its rows of x. x rows are converted (and, for one or two rows on an expert, quantized
 // for the integer kernel; with int8 math, every row to int8 for the int8 kernel) once per distinct
@@ -205,26 +206,86 @@ void run_gather(
     }
   }
 
-  // Units: (active expert, block of 8 output rows), each costing its weights (~4 rows of x's
-  // multiply-adds for the unpacking) plus one per row of x.
-  const int blocks = (N + 7) / 8;
-  std::vector<Active> active;
-  int64_t total = 0;
-  int most = 0;
-  for (int e = 0; e < E; ++e) {
-    if (count[e] > 0) {
-      active.push_back({e, start[e], count[e], total});
-      total += int64_t(blocks) * (4 + count[e]);
-      most = std::max(most, count[e]);
-    }
-  }
-
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
   const DenseBytes bd = dense_bytes(biases);
   const size_t row_bytes = size_t(K) * bits / 8;
   const size_t sbytes = scales.itemsize();
   std::vector<float> y(size_t(sorted) * N);
+
+  // With int8 math an expert with many rows (prefill) takes the int8 GEMM, as quantized_matmul does:
+  // x in element order per run of 32 (for 4-bit weights the rows above are in the row kernel's order,
+  // so they are quantized again, once per distinct row), the expert's rows side by side as one x.
+  const Q8GemmFn gemm = int8 ? q8_gemm_fn() : nullptr;
+  std::vector<char> by_gemm(E, 0);
+  for (int e = 0; e < E; ++e) {
+    by_gemm[e] = takes_q8_gemm(gemm, count[e], bits) ? 1 : 0;
+  }
+  if (std::find(by_gemm.begin(), by_gemm.end(), 1) != by_gemm.end()) {
+    std::vector<int8_t> eq;
+    std::vector<float> eu, es;
+    if (bits != 8) {
+      const Q8QuantizeFn q8 = q8_quantize_fn();
+      eq.resize(size_t(U) * K);
+      eu.resize(size_t(U) * (K / 8));
+      es.resize(size_t(U) * G);
+      std::vector<float> row(static_cast<size_t>(K));
+      for (int u = 0; u < U; ++u) {
+        prepare_x_row(xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, 8, row.data(), es.data() + size_t(u) * G);
+        quantize_row_q8(q8, row.data(), K, group_size, 8, eq.data() + size_t(u) * K, eu.data() + size_t(u) * (K / 8), es.data() + size_t(u) * G);
+      }
+    }
+    const int8_t* qsrc = bits == 8 ? uq.data() : eq.data();
+    const float* usrc = bits == 8 ? ud.data() : eu.data();
+    const float* ssrc = bits == 8 ? xs.data() : es.data();
+    std::vector<int8_t> bq;
+    std::vector<float> bu, bs;
+    for (int e = 0; e < E; ++e) {
+      if (!by_gemm[e]) {
+        continue;
+      }
+      const int rows = count[e];
+      bq.resize(size_t(rows) * K);
+      bu.resize(size_t(rows) * (K / 8));
+      bs.resize(size_t(rows) * G);
+      for (int i = 0; i < rows; ++i) {
+        const int u = source[order[start[e] + i]];
+        std::memcpy(bq.data() + size_t(i) * K, qsrc + size_t(u) * K, size_t(K));
+        std::memcpy(bu.data() + size_t(i) * (K / 8), usrc + size_t(u) * (K / 8), sizeof(float) * (K / 8));
+        std::memcpy(bs.data() + size_t(i) * G, ssrc + size_t(u) * G, sizeof(float) * G);
+      }
+      q8_gemm_on_pool(
+          gemm,
+          {bq.data(),
+           bu.data(),
+           bs.data(),
+           static_cast<const uint8_t*>(wd.data) + size_t(e) * N * row_bytes,
+           static_cast<const uint8_t*>(sd.data) + size_t(e) * N * G * sbytes,
+           static_cast<const uint8_t*>(bd.data) + size_t(e) * N * G * sbytes,
+           y.data() + size_t(start[e]) * N,
+           rows,
+           N,
+           K,
+           group_size,
+           bits,
+           scale_type(scales.dtype())});
+    }
+  }
+
+  // The other experts' units: (active expert, block of 8 output rows), each costing its weights (~4
+  // rows of x's multiply-adds for the unpacking) plus one per row of x.
+  const int blocks = (N + 7) / 8;
+  std::vector<Active> active;
+  int64_t total = 0;
+  int most = 0;
+  for (int e = 0; e < E; ++e) {
+    if (count[e] > 0 && !by_gemm[e]) {
+      active.push_back({e, start[e], count[e], total});
+      total += int64_t(blocks) * (4 + count[e]);
+      most = std::max(most, count[e]);
+    }
+  }
+
   const RowsFn fn = int8 ? q8_rows_fn() : qmm_rows_fn();
   auto args_for = [&](const Active& act) {
     QmmArgs a{

@@ -110,6 +110,27 @@ Q8QuantizeFn q8_quantize_fn() {
   return variant().q8_quantize;
 }
 
+Q8GemmFn q8_gemm_fn() {
+  return variant().q8_gemm;
+}
+
+void q8_gemm_on_pool(Q8GemmFn gemm, const Q8GemmArgs& a) {
+  auto pool = shared_pool();
+  const int panels = (a.N + 31) / 32;
+  const int tasks = std::min(panels, pool->size() * 4);
+  if (tasks <= 1) {
+    gemm(a, 0, a.N);
+    return;
+  }
+  pool->run(tasks, [&](int t) {
+    const int n0 = std::min(a.N, int(int64_t(panels) * t / tasks) * 32);
+    const int n1 = std::min(a.N, int(int64_t(panels) * (t + 1) / tasks) * 32);
+    if (n0 < n1) {
+      gemm(a, n0, n1);
+    }
+  });
+}
+
 bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
@@ -265,20 +286,7 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
   } else {
     pool->run(qtasks, quantize);
   }
-  const Q8GemmArgs a{xq.data(), xunit.data(), xsum.data(), w, scales, biases, y, M, N, K, group_size, bits, scale_type};
-  const int panels = (N + 31) / 32;
-  const int tasks = std::min(panels, pool->size() * 4);
-  if (tasks <= 1) {
-    v.q8_gemm(a, 0, N);
-    return;
-  }
-  pool->run(tasks, [&](int t) {
-    const int n0 = std::min(N, int(int64_t(panels) * t / tasks) * 32);
-    const int n1 = std::min(N, int(int64_t(panels) * (t + 1) / tasks) * 32);
-    if (n0 < n1) {
-      v.q8_gemm(a, n0, n1);
-    }
-  });
+  q8_gemm_on_pool(v.q8_gemm, {xq.data(), xunit.data(), xsum.data(), w, scales, biases, y, M, N, K, group_size, bits, scale_type});
 }
 
 void run_qmm(
@@ -311,7 +319,7 @@ void run_qmm(
   const DenseBytes sd = dense_bytes(scales);
   const DenseBytes bd = dense_bytes(biases);
   const Variant& v = variant();
-  if (int8 && M >= gemm_rows(bits) && v.q8_gemm != nullptr && (bits == 4 || bits == 8)) {
+  if (int8 && takes_q8_gemm(v.q8_gemm, M, bits)) {
     // the GEMM prepares x its own way (element order, on the pool)
     const auto* wb = static_cast<const uint8_t*>(wd.data);
     run_q8_gemm(v, xd, x.dtype(), wb, sd.data, bd.data, scale_type(scales.dtype()), y, M, N, K, group_size, bits);

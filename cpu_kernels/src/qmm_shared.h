@@ -35,9 +35,17 @@ inline int gemm_rows(int bits) {
 }
 RowsFn qmm_rows_fn();
 QuantizeXFn quantize_x_fn();
-// The int8 kernel and its quantization of a row of x (kernels.h: q8_rows, q8_quantize).
+// The int8 kernel and its quantization of a row of x (kernels.h: q8_rows, q8_quantize), and the int8
+// GEMM (null where the variant has none).
 RowsFn q8_rows_fn();
 Q8QuantizeFn q8_quantize_fn();
+Q8GemmFn q8_gemm_fn();
+// Whether int8 math multiplies M rows of x by B-bit weights with the GEMM (where there is one).
+inline bool takes_q8_gemm(Q8GemmFn gemm, int M, int bits) {
+  return gemm != nullptr && (bits == 4 || bits == 8) && M >= gemm_rows(bits);
+}
+// a's product by the GEMM, its panels of 32 weight rows split into tasks on the shared pool
+void q8_gemm_on_pool(Q8GemmFn gemm, const Q8GemmArgs& a);
 
 bool supported_float(mx::Dtype t);
 float load_float(const void* p, size_t i, mx::Dtype t);
