@@ -16,8 +16,9 @@ open it, and an open descriptor stays readable after the ``chmod``).
 - ``unsafe_dir_reason``: why a directory someone else may write to is not safe to read back from
   (not owned by this user, or writable by group or others), or None.
 
-Used by the engine (``kv_cache/prefix_disk.py``) and the app (``app/tui/store.py``,
-``app/service.py``), which is why it lives here (kernels <- mlx_engine <- peer <- app).
+Used by the engine (``kv_cache/prefix_disk.py``), the peers (``peer/trust/keys.py``,
+``peer/rate.py``) and the app (``app/tui/store.py``, ``app/service.py``), which is why it lives here
+(kernels <- mlx_engine <- peer <- app).
 """
 
 from __future__ import annotations
@@ -72,12 +73,16 @@ def private_file(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator
         raise
 
 
-def write_private(path: str | os.PathLike[str], data: bytes | str) -> None:
+def write_private(path: str | os.PathLike[str], data: bytes | str, *, durable: bool = False) -> None:
     """Write ``data`` (text as UTF-8) to ``path``, atomically, as a 0600 file. The directory must
-    exist (``private_dir``)."""
+    exist (``private_dir``). ``durable``: on disk (``fsync``) before it replaces ``path``, for files
+    whose loss after a crash costs more than a rewrite (a peer's identity key, its paired peers)."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
     with private_file(path) as tmp, open(tmp, "wb") as f:  # opening an existing file keeps its 0600
         f.write(raw)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def unsafe_dir_reason(path: str | os.PathLike[str]) -> str | None:

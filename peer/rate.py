@@ -11,7 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from peer.trust.keys import _dir_lock, _private_dir, _write_private, config_dir
+from mlx_engine.private_files import private_dir, write_private
+from peer.trust.keys import config_dir, dir_lock
 
 RATES_FILE = "prefill_rates.json"
 PROBE_TOKENS = 512
@@ -35,9 +36,9 @@ def cached_rate(fingerprint: str, backend: str, device: str, directory: Path | N
 def store_rate(
     fingerprint: str, backend: str, device: str, rate: float, directory: Path | None = None
 ) -> None:
-    d = _private_dir(directory or config_dir())
+    d = private_dir(directory or config_dir())
     path = d / RATES_FILE
-    with _dir_lock(d):
+    with dir_lock(d):
         try:
             rates = json.loads(path.read_text())
             if not isinstance(rates, dict):
@@ -45,7 +46,7 @@ def store_rate(
         except (OSError, ValueError):
             rates = {}
         rates[_key(fingerprint, backend, device)] = round(float(rate), 1)
-        _write_private(path, (json.dumps(rates, indent=2, sort_keys=True) + "\n").encode())
+        write_private(path, (json.dumps(rates, indent=2, sort_keys=True) + "\n").encode(), durable=True)
 
 
 async def _probe(engine: Any, n_tokens: int) -> None:

@@ -186,6 +186,26 @@ def test_thread_counts_and_a_long_context_give_the_same_result(threads):
     np.testing.assert_allclose(got, oracle(case, 0.125, 16, None), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window, sinks", [(None, False), (100, True), (None, True), (700, False)])
+@pytest.mark.parametrize("L", [1, 3])
+def test_one_long_row_split_between_the_threads_matches_float64(window, sinks, L):
+    """One sequence's decode (or verification) over a long context: too few rows for the threads, so
+    its tokens are split between tasks and the stretches' softmax states merged (flash decoding).
+    With a window, most stretches see nothing of it; a sink counts once. Every thread count gives
+    float64's result."""
+    case = make_case([3001], 8, 2, 64, 64, 16, seed=11 + L, sinks=sinks, L=L)
+    want = oracle(case, 0.125, 16, window)
+    outs = []
+    for threads in (1, 2, 4):
+        spec.set_threads(threads)
+        got = run_kernel(case, mx.float32, 0.125, 16, window)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"{threads} threads")
+        outs.append(got)
+    spec.set_threads()
+    # the merge changes the order of the sums, not more
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("window, sinks", [(None, False), (7, False), (20, True)])
 def test_the_mlx_reference_matches_float64_too(window, sinks):
     """``reference`` (the same semantics through MLX's ops) against the oracle: causal queries of a

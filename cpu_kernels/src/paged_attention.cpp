@@ -1,6 +1,7 @@
 #include "paged_attention.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -37,6 +38,17 @@ constexpr int kQueryTile = 16; // query tokens of one row that share each key an
 // a slot sit side by side in the pool, so taking every head of a chunk before the next chunk reads
 // the pool's blocks front to back (one head at a time read every Hkv-th row of scattered blocks:
 // decode at a 1K context ran at ~4 GB/s), and attend_chunk prefetches the next chunk's rows as it goes.
+// One task's unnormalised result when a row's tokens are split between tasks (flash decoding): per
+// query row of the task (head h0.. first, as attend numbers them) its running max m, sum l and Dv
+// accumulator, merged by combine_parts.
+struct Partial {
+  float* m;
+  float* l;
+  float* acc;
+};
+
+// Only tokens [ta, tb) of the row are attended (all of them: 0, INT_MAX); with `part` the result is
+// left unnormalised there instead of written to out, and a sink counts only where `with_sinks`.
 template <typename T, typename KV>
 void attend(
     const T* q,
@@ -51,7 +63,11 @@ void attend(
     int h0,
     int h1,
     int i0,
-    int i1) {
+    int i1,
+    int ta = 0,
+    int tb = std::numeric_limits<int>::max(),
+    const Partial* part = nullptr,
+    bool with_sinks = true) {
   const int G = s.Hq / s.Hkv;
   const int D = s.D, Dv = s.Dv;
   const int R = G * (i1 - i0); // query rows per KV head
@@ -80,11 +96,14 @@ void attend(
           qf[row * D + d] = static_cast<float>(qr[d]) * s.scale;
         }
         // a sink is a logit with no value: it starts the running max and sum
-        m[row] = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
-        l[row] = sinks ? 1.0f : 0.0f;
+        const bool sink = sinks != nullptr && with_sinks;
+        m[row] = sink ? sinks[h] : -std::numeric_limits<float>::infinity();
+        l[row] = sink ? 1.0f : 0.0f;
       }
     }
   }
+  t_begin = std::max(t_begin, ta);
+  t_end = std::min(t_end, tb);
   const int32_t* row_table = table + size_t(b) * s.max_blocks;
   // every chunk hands over kChunk row pointers into the pool; rows past its n point at zeros
   // (attend_chunk scores whole blocks of 8 keys and masks the lanes outside each query's range)
@@ -153,6 +172,12 @@ void attend(
           n_next});
     }
   }
+  if (part != nullptr) {
+    std::copy(m.begin(), m.end(), part->m);
+    std::copy(l.begin(), l.end(), part->l);
+    std::copy(acc.begin(), acc.end(), part->acc);
+    return;
+  }
   for (int hk = h0; hk < h1; ++hk) {
     for (int i = i0; i < i1; ++i) {
       for (int g = 0; g < G; ++g) {
@@ -162,6 +187,87 @@ void attend(
         const float* ag = acc.data() + row * Dv;
         for (int d = 0; d < Dv; ++d) {
           o[d] = static_cast<T>(ag[d] * inv);
+        }
+      }
+    }
+  }
+}
+
+// Tokens a task takes at least when a row's context is split between tasks (run_split): a stretch
+// shorter than this costs more to set up and merge than it saves.
+constexpr int kSplitTokens = 256;
+
+// Flash decoding: each of the (row, query tile) units is split into P stretches of the row's tokens,
+// whole chunks each; a task attends one stretch with all KV heads (the pool read front to back, and
+// every thread busy however few rows there are), leaving m, l and the accumulator per query row;
+// then each query row's stretches are merged: m = max m_p, l = sum l_p e^(m_p - m), acc likewise.
+template <typename T, typename KV>
+void run_split(
+    const T* q,
+    const KV* k,
+    const KV* v,
+    const int32_t* table,
+    const int32_t* lens,
+    const float* sinks,
+    T* out,
+    const Shape& s,
+    int tiles,
+    int longest,
+    ThreadPool& pool) {
+  const int G = s.Hq / s.Hkv;
+  const int P = std::max(2, std::min(pool.size() * 2, longest / kSplitTokens));
+  const int rows = s.Hkv * G * kQueryTile; // query rows of one unit, at most
+  const size_t stride = size_t(rows) * (2 + s.Dv); // one task's m, l and acc
+  const int units = s.B * tiles;
+  std::vector<float> scratch(size_t(units) * P * stride);
+  auto stretch = [&](int b, int p, int* ta, int* tb) {
+    const int len = std::min(lens[b], s.max_blocks * s.block_size);
+    const int chunks = (len + kChunk - 1) / kChunk;
+    *ta = int(int64_t(chunks) * p / P) * kChunk;
+    *tb = p == P - 1 ? std::numeric_limits<int>::max() : int(int64_t(chunks) * (p + 1) / P) * kChunk;
+  };
+  pool.run(units * P, [&](int t) {
+    const int unit = t / P, p = t % P;
+    const int b = unit / tiles, tile = unit % tiles;
+    const int i0 = tile * kQueryTile, i1 = std::min(s.L, i0 + kQueryTile);
+    int ta, tb;
+    stretch(b, p, &ta, &tb);
+    float* base = scratch.data() + size_t(t) * stride;
+    const Partial part{base, base + rows, base + 2 * size_t(rows)};
+    attend<T, KV>(q, k, v, table, lens, sinks, out, s, b, 0, s.Hkv, i0, i1, ta, tb, &part, p == 0);
+  });
+  for (int unit = 0; unit < units; ++unit) {
+    const int b = unit / tiles, tile = unit % tiles;
+    const int i0 = tile * kQueryTile, i1 = std::min(s.L, i0 + kQueryTile);
+    const int R = G * (i1 - i0);
+    std::vector<float> acc(size_t(s.Dv));
+    for (int hk = 0; hk < s.Hkv; ++hk) {
+      for (int i = i0; i < i1; ++i) {
+        for (int g = 0; g < G; ++g) {
+          const size_t row = size_t(hk) * R + (i - i0) * G + g;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int p = 0; p < P; ++p) {
+            m = std::max(m, scratch[size_t(unit * P + p) * stride + row]);
+          }
+          float l = 0.0f;
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int p = 0; p < P; ++p) {
+            const float* base = scratch.data() + size_t(unit * P + p) * stride;
+            if (base[rows + row] <= 0.0f) { // a stretch this query row sees nothing of
+              continue;
+            }
+            const float w = std::exp(base[row] - m);
+            l += base[rows + row] * w;
+            const float* a = base + 2 * size_t(rows) + row * s.Dv;
+            for (int d = 0; d < s.Dv; ++d) {
+              acc[d] += a[d] * w;
+            }
+          }
+          T* o = out + ((size_t(b) * s.Hq + hk * G + g) * s.L + i) * s.Dv;
+          const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+          for (int d = 0; d < s.Dv; ++d) {
+            o[d] = static_cast<T>(acc[d] * inv);
+          }
         }
       }
     }
@@ -188,6 +294,16 @@ void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s)
   }
   auto pool = shared_pool();
   const bool one_thread = pool->size() <= 1 || work < (size_t(1) << 18);
+  int longest = 0;
+  for (int b = 0; b < s.B; ++b) {
+    longest = std::max(longest, std::min(lens.ptr[b], s.max_blocks * s.block_size));
+  }
+  // Too few rows and tiles for the threads (one sequence's decode) over a long enough context: split
+  // each row's tokens between tasks instead, every task taking all KV heads of its stretch
+  if (!one_thread && s.B * tiles < 2 * pool->size() && longest >= 2 * kSplitTokens) {
+    run_split<T, KV>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, tiles, longest, *pool);
+    return;
+  }
   // A task takes every KV head of its rows' tiles (the pool read front to back), unless that leaves
   // too few tasks for the threads (one sequence's decode): then one head per task.
   const int heads = one_thread || s.B * tiles >= 2 * pool->size() ? s.Hkv : 1;

@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mlx_engine.errors import ConfigError
+from mlx_engine.private_files import private_dir, write_private
 
 CERT_FILE = "peer-cert.pem"
 KEY_FILE = "peer-key.pem"
@@ -77,30 +78,8 @@ def check_name(name: str) -> str:
     return name
 
 
-def _private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    return path
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` 0600 atomically (a temporary file, then rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 @contextlib.contextmanager
-def _dir_lock(d: Path) -> Iterator[None]:
+def dir_lock(d: Path) -> Iterator[None]:
     """An exclusive advisory lock (``flock``) on ``d/.lock`` across processes."""
     fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -176,13 +155,13 @@ def _make_certificate(name: str) -> tuple[bytes, bytes]:
 
 def load_identity(directory: Path | None = None, name: str | None = None) -> Identity:
     """This machine's identity, made on first use (certificate and key 0600 in ``directory``)."""
-    d = _private_dir(directory or config_dir())
+    d = private_dir(directory or config_dir())
     cert_path, key_path = d / CERT_FILE, d / KEY_FILE
-    with _lock, _dir_lock(d):  # two processes starting at once make one key pair, not a mix
+    with _lock, dir_lock(d):  # two processes starting at once make one key pair, not a mix
         if not (cert_path.is_file() and key_path.is_file()):
             cert_pem, key_pem = _make_certificate(check_name(name or device_name()))
-            _write_private(key_path, key_pem)
-            _write_private(cert_path, cert_pem)
+            write_private(key_path, key_pem, durable=True)
+            write_private(cert_path, cert_pem, durable=True)
         for p in (cert_path, key_path):
             if p.stat().st_mode & 0o077:
                 os.chmod(p, 0o600)  # never leave a key readable by others
@@ -235,8 +214,8 @@ class PairedPeers:
 
     def _save(self, peers: dict[str, PairedPeer]) -> None:
         data = {p.name: {"fingerprint": p.fingerprint, "certificate": p.cert_pem} for p in peers.values()}
-        _private_dir(self.path.parent)
-        _write_private(self.path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+        private_dir(self.path.parent)
+        write_private(self.path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(), durable=True)
 
     def add(self, name: str, cert_pem: str) -> PairedPeer:
         """Pair with the holder of ``cert_pem`` under ``name`` (another name for the same
@@ -245,7 +224,7 @@ class PairedPeers:
         cert = x509.load_pem_x509_certificate(cert_pem.encode())
         fp = fingerprint(cert.public_bytes(serialization.Encoding.DER))
         pem = cert.public_bytes(serialization.Encoding.PEM).decode()
-        with _dir_lock(_private_dir(self.path.parent)):
+        with dir_lock(private_dir(self.path.parent)):
             peers = {n: p for n, p in self.load().items() if p.fingerprint != fp}
             final, i = name, 1
             while final in peers:
@@ -256,7 +235,7 @@ class PairedPeers:
         return peers[final]
 
     def remove(self, name: str) -> PairedPeer:
-        with _dir_lock(_private_dir(self.path.parent)):
+        with dir_lock(private_dir(self.path.parent)):
             peers = self.load()
             if name not in peers:
                 known = ", ".join(sorted(peers)) or "none"
