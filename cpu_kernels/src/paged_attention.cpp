@@ -38,6 +38,18 @@ constexpr int kQueryTile = 16; // query tokens of one row that share each key an
 // a slot sit side by side in the pool, so taking every head of a chunk before the next chunk reads
 // the pool's blocks front to back (one head at a time read every Hkv-th row of scattered blocks:
 // decode at a 1K context ran at ~4 GB/s), and attend_chunk prefetches the next chunk's rows as it goes.
+// The call's operands, as attend and run_split read them.
+template <typename T, typename KV>
+struct Operands {
+  const T* q;
+  const KV* k;
+  const KV* v;
+  const int32_t* table;
+  const int32_t* lens;
+  const float* sinks; // (Hq,) or null
+  T* out;
+};
+
 // One task's unnormalised result when a row's tokens are split between tasks (flash decoding): per
 // query row of the task (head h0.. first, as attend numbers them) its running max m, sum l and Dv
 // accumulator, merged by combine_parts.
@@ -51,13 +63,7 @@ struct Partial {
 // left unnormalised there instead of written to out, and a sink counts only where `with_sinks`.
 template <typename T, typename KV>
 void attend(
-    const T* q,
-    const KV* k,
-    const KV* v,
-    const int32_t* table,
-    const int32_t* lens,
-    const float* sinks,
-    T* out,
+    const Operands<T, KV>& op,
     const Shape& s,
     int b,
     int h0,
@@ -68,6 +74,7 @@ void attend(
     int tb = std::numeric_limits<int>::max(),
     const Partial* part = nullptr,
     bool with_sinks = true) {
+  const auto [q, k, v, table, lens, sinks, out] = op;
   const int G = s.Hq / s.Hkv;
   const int D = s.D, Dv = s.Dv;
   const int R = G * (i1 - i0); // query rows per KV head
@@ -203,17 +210,13 @@ constexpr int kSplitTokens = 256;
 // then each query row's stretches are merged: m = max m_p, l = sum l_p e^(m_p - m), acc likewise.
 template <typename T, typename KV>
 void run_split(
-    const T* q,
-    const KV* k,
-    const KV* v,
-    const int32_t* table,
-    const int32_t* lens,
-    const float* sinks,
-    T* out,
+    const Operands<T, KV>& op,
     const Shape& s,
     int tiles,
     int longest,
     ThreadPool& pool) {
+  const int32_t* lens = op.lens;
+  T* out = op.out;
   const int G = s.Hq / s.Hkv;
   const int P = std::max(2, std::min(pool.size() * 2, longest / kSplitTokens));
   const int rows = s.Hkv * G * kQueryTile; // query rows of one unit, at most
@@ -234,7 +237,7 @@ void run_split(
     stretch(b, p, &ta, &tb);
     float* base = scratch.data() + size_t(t) * stride;
     const Partial part{base, base + rows, base + 2 * size_t(rows)};
-    attend<T, KV>(q, k, v, table, lens, sinks, out, s, b, 0, s.Hkv, i0, i1, ta, tb, &part, p == 0);
+    attend<T, KV>(op, s, b, 0, s.Hkv, i0, i1, ta, tb, &part, p == 0);
   });
   for (int unit = 0; unit < units; ++unit) {
     const int b = unit / tiles, tile = unit % tiles;
@@ -285,7 +288,7 @@ void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s)
     sink_copy = row_major_copy<float>(in[5]);
     sinks = sink_copy.data();
   }
-  T* o = out.data<T>();
+  const Operands<T, KV> op{q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, out.data<T>()};
   const int tiles = (s.L + kQueryTile - 1) / kQueryTile;
   // the work of the whole call, in multiply-adds: one thread below ~256K (waking the pool costs more)
   size_t work = 0;
@@ -301,7 +304,7 @@ void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s)
   // Too few rows and tiles for the threads (one sequence's decode) over a long enough context: split
   // each row's tokens between tasks instead, every task taking all KV heads of its stretch
   if (!one_thread && s.B * tiles < 2 * pool->size() && longest >= 2 * kSplitTokens) {
-    run_split<T, KV>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, tiles, longest, *pool);
+    run_split<T, KV>(op, s, tiles, longest, *pool);
     return;
   }
   // A task takes every KV head of its rows' tiles (the pool read front to back), unless that leaves
@@ -315,7 +318,7 @@ void run_typed(const std::vector<mx::array>& in, mx::array& out, const Shape& s)
       const int tile = t % tiles, bg = t / tiles;
       const int i0 = tile * kQueryTile, i1 = std::min(s.L, i0 + kQueryTile);
       const int h0 = (bg % groups) * heads;
-      attend<T, KV>(q.ptr, k.ptr, v.ptr, table.ptr, lens.ptr, sinks, o, s, bg / groups, h0, h0 + heads, i0, i1);
+      attend<T, KV>(op, s, bg / groups, h0, h0 + heads, i0, i1);
     }
   };
   if (tasks <= 1) {
