@@ -13,7 +13,9 @@ only when asked. After a model is loaded, :func:`use_huge_pages` marks its weigh
 at once with ``MADV_COLLAPSE`` where the kernel has it (Linux 6.1+; in the calling thread, ~0.1 s a
 GB).
 Only the 2 MiB-aligned middle of each buffer is advised, so no page outside a weight changes and the
-resident size grows by nothing. ``DUET_HUGE_PAGES=0`` turns it off (for a comparison). Elsewhere (macOS, where unified memory is not paged this way; THP
+resident size grows by nothing. When a server unloads a model, :func:`release_huge_pages` takes the
+mark off again (MLX mallocs most buffers from glibc's heap, whose ranges later small allocations
+reuse). ``DUET_HUGE_PAGES=0`` turns it off (for a comparison). Elsewhere (macOS, where unified memory is not paged this way; THP
 ``never``) it does nothing.
 """
 
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
 _MADV_COLLAPSE = 25  # Linux 6.1
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -101,3 +104,20 @@ def use_huge_pages(arrays: Iterable[mx.array]) -> int:
         advised += span[1]
     log.debug("huge pages asked for %.0f MB of weights", advised / 1e6)
     return advised
+
+
+def release_huge_pages(arrays: Iterable[mx.array]) -> int:
+    """Undo :func:`use_huge_pages`'s mark on ``arrays`` (a model being unloaded), so the heap ranges
+    their buffers leave behind take 4 KiB pages again when small allocations reuse them (where THP is
+    ``madvise``; under ``always`` huge pages are the default anyway); returns the bytes released."""
+    if thp_mode() != "madvise":
+        return 0
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    released = 0
+    for a in arrays:
+        span = _aligned_span(a) if a.nbytes >= HUGE_PAGE else None
+        if span is not None and madvise(span[0], span[1], _MADV_NOHUGEPAGE) == 0:
+            released += span[1]
+    return released

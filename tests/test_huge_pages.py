@@ -71,3 +71,16 @@ def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     a = mx.zeros((4096, 2048))
     mx.eval(a)
     assert huge_pages.use_huge_pages([a]) == 0
+
+
+@pytest.mark.skipif(huge_pages.thp_mode() != "madvise", reason="the mark is only undone where THP is madvise")
+def test_an_unloaded_models_buffers_lose_the_mark() -> None:
+    """A server unloading a model takes the mark off its buffers (app/server/registry.py), so heap
+    ranges reused by small allocations take 4 KiB pages again."""
+    a = mx.random.normal((4096, 2048))
+    mx.eval(a)
+    assert huge_pages.use_huge_pages([a]) > 0
+    middle = np.asarray(memoryview(a)).ctypes.data + a.nbytes // 2  # type: ignore[arg-type]
+    assert _smaps_entry(middle).get("THPeligible") == "1"
+    assert huge_pages.release_huge_pages([a]) >= 28 << 20
+    assert _smaps_entry(middle).get("THPeligible") == "0"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import mlx.nn as nn
 import openai
 import pytest
 import uvicorn
@@ -40,6 +41,7 @@ class _Stats:
 @dataclass
 class _Weights:
     weight_bytes: int
+    model: nn.Module = field(default_factory=nn.Module)  # no parameters: nothing on huge pages
 
 
 @dataclass

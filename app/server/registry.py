@@ -27,6 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_engine.huge_pages import release_huge_pages
+from mlx_engine.mlx_tree import flat_parameters
+
 from .common import ServerState
 from .errors import APIError
 from .keep_alive import parse_keep_alive
@@ -382,6 +385,8 @@ class ModelRegistry:
         del self._loaded[loaded.model.name]
         log.info("unloading model %s (%s)", loaded.model.name, why)
         await asyncio.to_thread(loaded.state.engine.shutdown)
+        # its buffers' heap ranges back to small pages (mlx_engine/huge_pages.py)
+        release_huge_pages(v for _, v in flat_parameters(loaded.state.engine.loaded.model))
         self._signal()
 
     # --- the reaper -------------------------------------------------------------------------------
