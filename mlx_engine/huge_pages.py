@@ -25,7 +25,7 @@ import ctypes
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,16 +64,20 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-def _aligned_span(a: mx.array) -> tuple[int, int] | None:
-    """The 2 MiB-aligned (start, length) inside ``a``'s buffer, or None if it holds no whole huge page
-    (or is a strided view, whose bytes are not one span)."""
-    view = np.asarray(memoryview(a))  # type: ignore[arg-type]  # mx.array has the buffer protocol: its own bytes, no copy
-    if not (view.flags["C_CONTIGUOUS"] or view.flags["F_CONTIGUOUS"]):
-        return None
-    address = view.ctypes.data
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + a.nbytes) // HUGE_PAGE * HUGE_PAGE
-    return (start, end - start) if end > start else None
+def _spans(arrays: Iterable[mx.array]) -> Iterator[tuple[int, int]]:
+    """The 2 MiB-aligned (start, length) inside each array's buffer that holds a whole huge page; a
+    smaller array, or a strided view (whose bytes are not one span), has none."""
+    for a in arrays:
+        if a.nbytes < HUGE_PAGE:
+            continue
+        view = np.asarray(memoryview(a))  # type: ignore[arg-type]  # mx.array has the buffer protocol: its own bytes, no copy
+        if not (view.flags["C_CONTIGUOUS"] or view.flags["F_CONTIGUOUS"]):
+            continue
+        address = view.ctypes.data
+        start = -(-address // HUGE_PAGE) * HUGE_PAGE
+        end = (address + a.nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            yield start, end - start
 
 
 def use_huge_pages(arrays: Iterable[mx.array]) -> int:
@@ -88,12 +92,7 @@ def use_huge_pages(arrays: Iterable[mx.array]) -> int:
         return 0
     collapse = True
     advised = 0
-    for a in arrays:
-        if a.nbytes < HUGE_PAGE:
-            continue
-        span = _aligned_span(a)
-        if span is None:
-            continue
+    for span in _spans(arrays):
         # marked for huge pages (khugepaged moves them in the background), then moved now where the
         # kernel can (Linux 6.1+)
         madvise(span[0], span[1], _MADV_HUGEPAGE)
@@ -116,8 +115,7 @@ def release_huge_pages(arrays: Iterable[mx.array]) -> int:
     if madvise is None:
         return 0
     released = 0
-    for a in arrays:
-        span = _aligned_span(a) if a.nbytes >= HUGE_PAGE else None
-        if span is not None and madvise(span[0], span[1], _MADV_NOHUGEPAGE) == 0:
-            released += span[1]
+    for start, length in _spans(arrays):
+        if madvise(start, length, _MADV_NOHUGEPAGE) == 0:
+            released += length
     return released

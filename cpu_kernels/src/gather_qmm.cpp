@@ -221,7 +221,7 @@ void run_gather(
   for (int e = 0; e < E; ++e) {
     by_gemm[e] = takes_q8_gemm(gemm, count[e], bits) ? 1 : 0;
   }
-  if (std::find(by_gemm.begin(), by_gemm.end(), 1) != by_gemm.end()) {
+  if (std::any_of(by_gemm.begin(), by_gemm.end(), [](char g) { return g != 0; })) {
     std::vector<int8_t> eq;
     std::vector<float> eu, es;
     if (bits != 8) {
@@ -231,8 +231,7 @@ void run_gather(
       es.resize(size_t(U) * G);
       std::vector<float> row(static_cast<size_t>(K));
       for (int u = 0; u < U; ++u) {
-        prepare_x_row(xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, 8, row.data(), es.data() + size_t(u) * G);
-        quantize_row_q8(q8, row.data(), K, group_size, 8, eq.data() + size_t(u) * K, eu.data() + size_t(u) * (K / 8), es.data() + size_t(u) * G);
+        q8_gemm_row(q8, xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, row.data(), eq.data() + size_t(u) * K, eu.data() + size_t(u) * (K / 8), es.data() + size_t(u) * G);
       }
     }
     const int8_t* qsrc = bits == 8 ? uq.data() : eq.data();

@@ -52,7 +52,7 @@ struct Operands {
 
 // One task's unnormalised result when a row's tokens are split between tasks (flash decoding): per
 // query row of the task (head h0.. first, as attend numbers them) its running max m, sum l and Dv
-// accumulator, merged by combine_parts.
+// accumulator, which run_split merges (merge_stretches).
 struct Partial {
   float* m;
   float* l;
@@ -204,6 +204,35 @@ void attend(
 // shorter than this costs more to set up and merge than it saves.
 constexpr int kSplitTokens = 256;
 
+// Query row `row`'s result from the P stretches' partial states (each `stride` floats from `parts`:
+// m at [0, rows), l at [rows, 2 rows), the accumulators after): m = max m_p, l = sum l_p e^(m_p - m),
+// the accumulator likewise, then out = acc / l. A stretch the row saw nothing of (l 0) weighs nothing.
+template <typename T>
+void merge_stretches(const float* parts, int P, size_t stride, int rows, size_t row, int Dv, float* acc, T* out) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int p = 0; p < P; ++p) {
+    m = std::max(m, parts[size_t(p) * stride + row]);
+  }
+  float l = 0.0f;
+  std::fill(acc, acc + Dv, 0.0f);
+  for (int p = 0; p < P; ++p) {
+    const float* base = parts + size_t(p) * stride;
+    if (base[rows + row] <= 0.0f) {
+      continue;
+    }
+    const float w = std::exp(base[row] - m);
+    l += base[rows + row] * w;
+    const float* a = base + 2 * size_t(rows) + row * Dv;
+    for (int d = 0; d < Dv; ++d) {
+      acc[d] += a[d] * w;
+    }
+  }
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  for (int d = 0; d < Dv; ++d) {
+    out[d] = static_cast<T>(acc[d] * inv);
+  }
+}
+
 // Flash decoding: each of the (row, query tile) units is split into P stretches of the row's tokens,
 // whole chunks each; a task attends one stretch with all KV heads (the pool read front to back, and
 // every thread busy however few rows there are), leaving m, l and the accumulator per query row;
@@ -239,38 +268,17 @@ void run_split(
     const Partial part{base, base + rows, base + 2 * size_t(rows)};
     attend<T, KV>(op, s, b, 0, s.Hkv, i0, i1, ta, tb, &part, p == 0);
   });
+  std::vector<float> acc(size_t(s.Dv));
   for (int unit = 0; unit < units; ++unit) {
     const int b = unit / tiles, tile = unit % tiles;
     const int i0 = tile * kQueryTile, i1 = std::min(s.L, i0 + kQueryTile);
     const int R = G * (i1 - i0);
-    std::vector<float> acc(size_t(s.Dv));
     for (int hk = 0; hk < s.Hkv; ++hk) {
       for (int i = i0; i < i1; ++i) {
         for (int g = 0; g < G; ++g) {
           const size_t row = size_t(hk) * R + (i - i0) * G + g;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int p = 0; p < P; ++p) {
-            m = std::max(m, scratch[size_t(unit * P + p) * stride + row]);
-          }
-          float l = 0.0f;
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int p = 0; p < P; ++p) {
-            const float* base = scratch.data() + size_t(unit * P + p) * stride;
-            if (base[rows + row] <= 0.0f) { // a stretch this query row sees nothing of
-              continue;
-            }
-            const float w = std::exp(base[row] - m);
-            l += base[rows + row] * w;
-            const float* a = base + 2 * size_t(rows) + row * s.Dv;
-            for (int d = 0; d < s.Dv; ++d) {
-              acc[d] += a[d] * w;
-            }
-          }
           T* o = out + ((size_t(b) * s.Hq + hk * G + g) * s.L + i) * s.Dv;
-          const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-          for (int d = 0; d < s.Dv; ++d) {
-            o[d] = static_cast<T>(acc[d] * inv);
-          }
+          merge_stretches(scratch.data() + size_t(unit) * P * stride, P, stride, rows, row, s.Dv, acc.data(), o);
         }
       }
     }

@@ -169,6 +169,11 @@ int task_count(size_t weight_bytes, int M, int threads) {
   return int(std::min<size_t>(wanted, size_t(threads) * 4));
 }
 
+void q8_gemm_row(Q8QuantizeFn q8, const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, float* row, int8_t* q, float* scale, float* xsum) {
+  prepare_x_row(x, t, first, step, K, group_size, 8, row, xsum); // its float sums, replaced below
+  quantize_row_q8(q8, row, K, group_size, 8, q, scale, xsum);
+}
+
 void quantize_row_q8(Q8QuantizeFn q8, const float* row, int K, int group_size, int bits, int8_t* q, float* scale, float* xsum) {
   std::vector<float> run_sum(size_t(K) / 32);
   q8(row, K, bits, q, scale, run_sum.data());
@@ -274,11 +279,9 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
   const int qtasks = std::min(M, pool->size());
   auto quantize = [&](int t) {
     std::vector<float> row(static_cast<size_t>(K));
-    std::vector<float> plain_sum(static_cast<size_t>(G));
     const int m0 = int(int64_t(M) * t / qtasks), m1 = int(int64_t(M) * (t + 1) / qtasks);
     for (int m = m0; m < m1; ++m) {
-      prepare_x_row(xd.data, xt, size_t(m) * K, 1, K, group_size, 8, row.data(), plain_sum.data());
-      quantize_row_q8(v.q8_quantize, row.data(), K, group_size, 8, xq.data() + size_t(m) * K, xunit.data() + size_t(m) * (K / 8), xsum.data() + size_t(m) * G);
+      q8_gemm_row(v.q8_quantize, xd.data, xt, size_t(m) * K, 1, K, group_size, row.data(), xq.data() + size_t(m) * K, xunit.data() + size_t(m) * (K / 8), xsum.data() + size_t(m) * G);
     }
   };
   if (qtasks <= 1) {
