@@ -66,12 +66,23 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
 
 
 class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
-    # set by ``scales.half_scales`` when it stores the scales in float16: the dtype the lookup's
-    # rows are computed in, the model's (the tied LM head's product is float32 either way)
+    # set by ``scales.half_scales`` / ``two_level_scales`` when they store the scales in float16 or
+    # two levels: the dtype the lookup's rows are computed in, the model's (the tied LM head's
+    # product is float32 either way)
     lookup_dtype: mx.Dtype | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         scales, biases = self["scales"][x], self["biases"][x]
+        ext = extension()
+        if scales.dtype == mx.uint8 and ext is not None:  # two levels (scales.py): the kernel's dequantize
+            rows = ext.dequantize(
+                self["weight"][x].reshape(-1, self["weight"].shape[-1]),
+                scales.reshape(-1, scales.shape[-1]),
+                biases.reshape(-1, biases.shape[-1]),
+                self.group_size,
+                self.bits,
+            )
+            return rows.reshape(*x.shape, rows.shape[-1]).astype(self.lookup_dtype or mx.float32)
         if self.lookup_dtype is not None:
             scales, biases = scales.astype(self.lookup_dtype), biases.astype(self.lookup_dtype)
         return mx.dequantize(

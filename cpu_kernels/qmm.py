@@ -74,7 +74,7 @@ def quantized_matmul(
         k = x.shape[-1]
         if k and x.size // k >= dequantize_rows() and not int8_gemm(bits):
             dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
-            out = x.dtype if x.dtype == scales.dtype else mx.float32
+            out = x.dtype if x.dtype == scales.dtype or scales.dtype == mx.uint8 else mx.float32
             return (x.astype(mx.float32) @ dense.T).astype(out)
         return run(SPEC, x, w, scales, biases, group_size, bits, int8=int8_math())
     return reference(x, w, scales, biases, transpose, group_size, bits, mode)
@@ -89,11 +89,10 @@ def dequantize(
     *,
     backend: str | None = None,
 ) -> mx.array:
-    """The float32 (N, K) weights: ``mx.dequantize``'s result, computed by the CPU kernel."""
-    if (
-        resolve_backend(backend, DEQUANTIZE_SPEC, bits=bits, group_size=group_size, dtype=scales.dtype)
-        == "native"
-    ):
+    """The float32 (N, K) weights: ``mx.dequantize``'s result, computed by the CPU kernel (the only
+    one that reads two-level uint8 scales, ``scales.two_level_scales``)."""
+    dtype = mx.float32 if scales.dtype == mx.uint8 else scales.dtype
+    if resolve_backend(backend, DEQUANTIZE_SPEC, bits=bits, group_size=group_size, dtype=dtype) == "native":
         return run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
     return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(mx.float32)
 

@@ -1,4 +1,8 @@
-"""Hold the kernel layers' scales and biases in float16: fewer bytes for every decoded token.
+"""Hold the kernel layers' scales and biases in fewer bytes: fewer bytes for every decoded token.
+
+``two_level_scales`` (run first) keeps a K-quant's two levels where the loaded float32 scales have
+them exactly; ``half_scales`` stores the rest in float16.
+
 
 A GGUF's blocks load as MLX affine groups of 32 with a float32 scale and bias each (``mlx_engine/
 loading/ggml_blocks.py``): 2 bits of overhead per weight, so a 4-bit layer is read as 6 bits a weight
@@ -24,8 +28,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cpu_kernels.modules import CPUQuantizedEmbedding, is_kernel_layer
+from cpu_kernels.spec import extension
 
 _F16_MAX = 65504.0
+_SUPER_GROUPS = 8  # groups of 32 per K-quant super-block (256 weights)
 
 
 def _kernel_layers(model: nn.Module) -> list[nn.Module]:
@@ -52,5 +58,48 @@ def half_scales(model: nn.Module) -> int:
         layer["scales"] = layer["scales"].astype(mx.float16)
         layer["biases"] = layer["biases"].astype(mx.float16)
         mx.eval(layer["scales"], layer["biases"])  # one layer's float32 copy alive at a time
+        changed += 1
+    return changed
+
+
+def _two_level_candidates(model: nn.Module) -> list[nn.Module]:
+    """Kernel layers that could hold two-level scales: 4- or 5-bit, groups of 32, float32 scales and
+    biases, rows of a multiple of 256 weights."""
+    return [
+        layer
+        for layer in _kernel_layers(model)
+        if layer.bits in (4, 5)
+        and layer.group_size == 32
+        and layer["biases"].dtype == mx.float32
+        and layer["scales"].shape[-1] % _SUPER_GROUPS == 0
+    ]
+
+
+def two_level_scales(model: nn.Module) -> int:
+    """Store the scales and biases of the model's 4- and 5-bit CPU-kernel layers in the K-quants' own
+    two levels (a float16 step per 256 weights and a uint8 multiple per 32), where they are exactly
+    that; returns how many layers changed. Run after ``use_cpu_kernels``, before ``half_scales``.
+
+    A Q4_K or Q5_K tensor loads as float32 scales ``d * sc`` and biases ``-dmin * m`` per group of 32
+    (``mlx_engine/loading/ggml_blocks.py``), products of a float16 and a 6-bit whole number, so this
+    form holds them without loss, where float16 rounds each to 11 bits: 0.625 bits a weight of
+    overhead instead of 1 (a Q4_K layer 4.625 bits a weight to read per token, the file's 4.5)."""
+    ext = extension()
+    if ext is None:
+        return 0
+    changed = 0
+    for layer in _two_level_candidates(model):
+        # the step tried per 8 groups is their largest magnitude / 63, what a Q4_K/Q5_K super-block
+        # holds (llama.cpp rounds its largest 6-bit sub-scale and min to 63); every value is then
+        # checked, so anything else (a Q4_1 file's float16 per group) is left as it is
+        scales, biases = ext.two_level_scales(layer["scales"]), None
+        if scales is not None:
+            biases = ext.two_level_scales(layer["biases"])
+        if scales is None or biases is None:
+            continue
+        if isinstance(layer, CPUQuantizedEmbedding):
+            layer.lookup_dtype = layer["scales"].dtype
+        layer["scales"], layer["biases"] = scales, biases
+        mx.eval(scales, biases)
         changed += 1
     return changed

@@ -11,6 +11,7 @@
 #include "rms_norm.h"
 #include "rope.h"
 #include "swiglu.h"
+#include "two_level.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -57,6 +58,13 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "dequantize(w, scales, biases) as float32 (N, K), multi-threaded.");
+  m.def(
+      "two_level_scales",
+      &duet_cpu::two_level_scales,
+      "values"_a,
+      "float32 per-group scales or biases (..., G) as the kernels' two-level uint8 form (..., G / 8 * 10): "
+      "per 8 groups a float16 step (their largest magnitude / 63) and 8 uint8 multiples; None unless "
+      "exact.");
   m.def(
       "rms_norm",
       &duet_cpu::rms_norm,

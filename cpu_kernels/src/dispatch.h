@@ -36,10 +36,21 @@ void with_float_type(mlx::core::Dtype t, F&& f) {
   }
 }
 
-// A float dtype as the kernels' ScaleType (kernels.h: kF32, kF16, kBF16): the type of a quantized
-// matrix's scales, or of a KV pool's rows.
+// A dtype as the kernels' ScaleType (kernels.h): the type of a quantized matrix's scales (uint8: the
+// two-level kSuper form), or of a KV pool's rows.
 inline int scale_type(mlx::core::Dtype t) {
+  if (t == mlx::core::uint8) {
+    return kSuper;
+  }
   return t == mlx::core::float32 ? kF32 : (t == mlx::core::float16 ? kF16 : kBF16);
+}
+
+// Bytes of scales (or biases) per weight row of G groups in ScaleType st.
+inline size_t scale_row_bytes(int st, int G) {
+  if (st == kSuper) {
+    return size_t(G / kSuperGroups) * kSuperBytes;
+  }
+  return size_t(G) * (st == kF32 ? 4 : 2);
 }
 
 } // namespace duet_cpu

@@ -210,7 +210,7 @@ void run_gather(
   const DenseBytes sd = dense_bytes(scales);
   const DenseBytes bd = dense_bytes(biases);
   const size_t row_bytes = size_t(K) * bits / 8;
-  const size_t sbytes = scales.itemsize();
+  const size_t srow = scale_row_bytes(scale_type(scales.dtype()), G); // bytes of scales per weight row
   std::vector<float> y(size_t(sorted) * N);
 
   // With int8 math an expert with many rows (prefill) takes the int8 GEMM, as quantized_matmul does:
@@ -259,8 +259,8 @@ void run_gather(
            bu.data(),
            bs.data(),
            static_cast<const uint8_t*>(wd.data) + size_t(e) * N * row_bytes,
-           static_cast<const uint8_t*>(sd.data) + size_t(e) * N * G * sbytes,
-           static_cast<const uint8_t*>(bd.data) + size_t(e) * N * G * sbytes,
+           static_cast<const uint8_t*>(sd.data) + size_t(e) * N * srow,
+           static_cast<const uint8_t*>(bd.data) + size_t(e) * N * srow,
            y.data() + size_t(start[e]) * N,
            rows,
            N,
@@ -291,8 +291,8 @@ void run_gather(
         int8 ? nullptr : xsorted.data() + size_t(act.p0) * K, // the int8 kernel reads x8 instead
         gsorted.data() + size_t(act.p0) * G,
         static_cast<const uint8_t*>(wd.data) + size_t(act.expert) * N * row_bytes,
-        static_cast<const uint8_t*>(sd.data) + size_t(act.expert) * N * G * sbytes,
-        static_cast<const uint8_t*>(bd.data) + size_t(act.expert) * N * G * sbytes,
+        static_cast<const uint8_t*>(sd.data) + size_t(act.expert) * N * srow,
+        static_cast<const uint8_t*>(bd.data) + size_t(act.expert) * N * srow,
         y.data() + size_t(act.p0) * N,
         act.count,
         N,
@@ -311,7 +311,7 @@ void run_gather(
   };
 
   auto pool = shared_pool();
-  const size_t weight_bytes = active.size() * size_t(N) * (row_bytes + 2 * G * sbytes);
+  const size_t weight_bytes = active.size() * size_t(N) * (row_bytes + 2 * srow);
   const int tasks = std::min<int64_t>(task_count(weight_bytes, most, pool->size()), std::max<int64_t>(1, total));
   // Task t runs the units whose cost starts in [total * t / tasks, total * (t + 1) / tasks): the first
   // block j of an expert with cost0 + j * c >= total * t / tasks.
@@ -383,9 +383,7 @@ mx::array gather_quantized_matmul(
   if (w.dtype() != mx::uint32 || w.ndim() != 3) {
     throw std::invalid_argument("w must be a 3-D uint32 array (experts, N, K * bits / 32)");
   }
-  if (!supported_float(scales.dtype()) || biases.dtype() != scales.dtype()) {
-    throw std::invalid_argument("scales and biases must share one float dtype");
-  }
+  check_scale_format(scales, biases, group_size, bits);
   if (x.ndim() < 2 || !supported_float(x.dtype())) {
     throw std::invalid_argument("x must be float32, float16 or bfloat16 (..., M, K)");
   }
@@ -401,9 +399,14 @@ mx::array gather_quantized_matmul(
   if (K % group_size != 0) {
     throw std::invalid_argument("K must be a multiple of group_size");
   }
-  const mx::Shape sshape = {w.shape(0), w.shape(1), K / group_size};
+  if (scales.dtype() == mx::uint8 && K % (group_size * kSuperGroups) != 0) {
+    throw std::invalid_argument("two-level (uint8) scales need K a multiple of 256");
+  }
+  const mx::Shape sshape = {w.shape(0), w.shape(1), scale_columns(scales.dtype(), K / group_size)};
   if (scales.shape() != sshape || biases.shape() != sshape) {
-    throw std::invalid_argument("scales and biases must be (experts, N, K / group_size)");
+    throw std::invalid_argument(
+        "scales and biases must be (experts, N, K / group_size), or (experts, N, K / 256 * 10) uint8 for "
+        "two-level scales");
   }
   // Broadcasting happens in eval_cpu, not through broadcast ops: those fix their shapes, and
   // mx.compile(shapeless=True) could not reuse the graph for another number of tokens.

@@ -10,14 +10,21 @@
 
 namespace duet_cpu {
 
-enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+// How a quantized matrix's scales and biases are stored (for a KV pool's rows, the first three are its
+// dtype). kSuper: a K-quant's two levels as they are (Q4_K, Q5_K; groups of 32, K a multiple of 256):
+// per row, per super-block of 8 groups, 10 bytes: a float16 step, then 8 uint8 multiples of it, each
+// group's scale (or bias) being step * multiple. That is 4.625 bits a 4-bit weight to read, where a
+// float16 scale and bias per group are 5.
+enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kSuper = 3 };
+constexpr int kSuperGroups = 8; // groups per super-block
+constexpr int kSuperBytes = 10; // bytes per super-block: the float16 step, 8 multiples
 
 struct QmmArgs {
   const float* x; // (M, K) float32; for bits == 4 each run of 32 is stored evens first, then odds
   const float* xsum; // (M, K / group_size): sum of x over each group
   const uint8_t* w; // (N, K * bits / 8) bytes, a little-endian bitstream per row
-  const void* scales; // (N, K / group_size) of scale_type
-  const void* biases; // (N, K / group_size) of scale_type
+  const void* scales; // (N, K / group_size) of scale_type (kSuper: (N, K / 256 * kSuperBytes) bytes)
+  const void* biases; // (N, K / group_size) of scale_type, likewise
   float* y; // (M, N)
   int M;
   int N;
@@ -42,8 +49,8 @@ struct Q8GemmArgs {
   const float* xd; // (M, K / 8): each run's scale d four times over (q8_quantize's layout)
   const float* xsum; // (M, K / group_size): each group's sum of d * q
   const uint8_t* w; // (N, K * bits / 8) bytes, a little-endian bitstream per row; bits 4 or 8
-  const void* scales; // (N, K / group_size) of scale_type
-  const void* biases; // (N, K / group_size) of scale_type
+  const void* scales; // (N, K / group_size) of scale_type (kSuper: (N, K / 256 * kSuperBytes) bytes)
+  const void* biases; // (N, K / group_size) of scale_type, likewise
   float* y; // (M, N), written
   int M;
   int N;

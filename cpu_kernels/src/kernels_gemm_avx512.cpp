@@ -209,6 +209,9 @@ void gemm(const Q8GemmArgs& a, int n0, int n1) {
 
 void q8_gemm(const Q8GemmArgs& a, int n0, int n1) {
   switch (a.scale_type) {
+    case kSuper:
+      gemm<kSuper>(a, n0, n1);
+      break;
     case kF16:
       gemm<kF16>(a, n0, n1);
       break;

@@ -135,6 +135,25 @@ bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
+void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument("scales and biases must share one dtype");
+  }
+  if (scales.dtype() == mx::uint8) {
+    if (group_size != 32 || (bits != 4 && bits != 5)) {
+      throw std::invalid_argument("two-level (uint8) scales are for 4- and 5-bit weights in groups of 32");
+    }
+    return;
+  }
+  if (!supported_float(scales.dtype())) {
+    throw std::invalid_argument("scales and biases must be float32, float16, bfloat16 or two-level uint8");
+  }
+}
+
+int scale_columns(mx::Dtype t, int G) {
+  return t == mx::uint8 ? G / kSuperGroups * kSuperBytes : G;
+}
+
 float load_float(const void* p, size_t i, mx::Dtype t) {
   if (t == mx::float32) {
     return static_cast<const float*>(p)[i];
@@ -412,18 +431,20 @@ void check_format(const mx::array& w, const mx::array& scales, const mx::array& 
   if (w.dtype() != mx::uint32 || w.ndim() != 2) {
     throw std::invalid_argument("w must be a 2-D uint32 array (N, K * bits / 32)");
   }
-  if (!supported_float(scales.dtype()) || biases.dtype() != scales.dtype()) {
-    throw std::invalid_argument("scales and biases must share one float dtype");
-  }
+  check_scale_format(scales, biases, group_size, bits);
 }
 
 void check_groups(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size) {
   if (K % group_size != 0) {
     throw std::invalid_argument("K must be a multiple of group_size");
   }
-  const mx::Shape sshape = {w.shape(0), K / group_size};
+  if (scales.dtype() == mx::uint8 && K % (group_size * kSuperGroups) != 0) {
+    throw std::invalid_argument("two-level (uint8) scales need K a multiple of 256");
+  }
+  const mx::Shape sshape = {w.shape(0), scale_columns(scales.dtype(), K / group_size)};
   if (scales.shape() != sshape || biases.shape() != sshape) {
-    throw std::invalid_argument("scales and biases must be (N, K / group_size)");
+    throw std::invalid_argument(
+        "scales and biases must be (N, K / group_size), or (N, K / 256 * 10) uint8 for two-level scales");
   }
 }
 

@@ -48,6 +48,12 @@ inline bool takes_q8_gemm(Q8GemmFn gemm, int M, int bits) {
 void q8_gemm_on_pool(Q8GemmFn gemm, const Q8GemmArgs& a);
 
 bool supported_float(mx::Dtype t);
+// Throws unless scales and biases are one float dtype, or the two-level uint8 form (kernels.h: kSuper)
+// of 4- or 5-bit weights in groups of 32.
+void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits);
+// The columns of a weight row's scales (or biases) of dtype t for G groups (uint8: two-level, G a
+// multiple of kSuperGroups).
+int scale_columns(mx::Dtype t, int G);
 float load_float(const void* p, size_t i, mx::Dtype t);
 
 // One row of x as the int8 kernel reads it (q8 the variant's q8_quantize): from the float row as
