@@ -71,14 +71,20 @@ def _logical_shape(t: TensorInfo) -> tuple[int, ...]:
 
 def held_bytes(t: TensorInfo, scale_bits: int = 16) -> float:
     """Bytes the tensor takes as Duet holds it with weights kept quantized, its scales and biases
-    ``scale_bits`` wide (16: the CPU kernels')."""
+    ``scale_bits`` wide (16: the CPU kernels', which hold Q4_K's and Q5_K's in their two levels, a
+    float16 step per 256 weights and a uint8 multiple per 32: ``cpu_kernels.scales``)."""
     n = 1
     for d in t.shape:
         n *= d
     if t.ggml_type in _FLOAT_BITS or len(t.shape) < 2:
         return n * _FLOAT_BITS.get(t.ggml_type, 32) / 8
     bits, _ = HELD_BITS[t.ggml_type]
-    overhead = 8 / 32 if t.ggml_type == "MXFP4" else 2 * scale_bits / 32
+    if t.ggml_type == "MXFP4":
+        overhead = 8 / 32
+    elif t.ggml_type in ("Q4_K", "Q5_K") and scale_bits == 16:
+        overhead = 2 * (8 / 32 + 16 / 256)
+    else:
+        overhead = 2 * scale_bits / 32
     return n * (bits + overhead) / 8
 
 
