@@ -54,6 +54,25 @@ def test_k_quant_scales_convert_exactly_and_back(ext):  # noqa: F811
     assert ext.two_level_scales(mx.array(stacked)).shape == (3, 4, 20)
 
 
+def test_a_large_tensor_converts_on_every_thread_and_one_bad_value_anywhere_refuses_it(ext):  # noqa: F811
+    """Past 65536 super-blocks the check runs on the pool's threads: the same bytes at 1 and 2
+    threads, and an inexact value in the first, a middle or the last super-block refuses the whole
+    tensor."""
+    rng = np.random.default_rng(2)
+    values, packed = _blocks(rng, (2048,), 48, 1.0, exact16=False)  # 98304 super-blocks
+    try:
+        for threads in (1, 2):
+            spec.set_threads(threads)
+            got = ext.two_level_scales(mx.array(values))
+            assert got is not None and (np.array(got) == packed).all(), threads
+            for row, col in ((0, 0), (1024, 200), (2047, 383)):
+                broken = values.copy()
+                broken[row, col] = np.float32(0.1) * (broken[row, col] + np.float32(1e-3))
+                assert ext.two_level_scales(mx.array(broken)) is None, (threads, row, col)
+    finally:
+        spec.set_threads()
+
+
 def test_values_that_are_not_two_level_are_refused(ext):  # noqa: F811
     """Anything not exactly step * multiple (a Q4_1 file's float16 per group, one value a float32 ulp
     off, a NaN, an infinity, a multiple past 255, mixed signs) gives None: the layer keeps its
