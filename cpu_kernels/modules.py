@@ -6,7 +6,9 @@
 MLX's), and every ``nn.RMSNorm`` into a :class:`CPURMSNorm` (one op instead of MLX's ~8-op CPU
 fallback) and every ``nn.RoPE`` into a :class:`CPURoPE` (one op instead of ~25), and every mlx-lm MLP
 that is exactly ``down_proj(swiglu(gate_proj(x), up_proj(x)))`` into a subclass whose activation is
-the ``swiglu`` kernel (vectorised instead of a scalar exp per element), and every mlx-lm
+the ``swiglu`` kernel (vectorised instead of a scalar exp per element), likewise the activation
+of mlx-lm's ``SwitchGLU`` (a mixture of experts' ``SwiGLU`` module), mlx-lm's Qwen3-MoE block
+into a subclass whose routing of a few tokens is one op (``route.moe_route``), and every mlx-lm
 ``QuantizedSwitchLinear`` (the experts of a mixture-of-experts layer) of a supported format into a
 ``CPUQuantizedSwitchLinear`` whose product is the ``gather_qmm`` kernel, only when the extension is
 built. Only the class changes: parameters, names and ``nn.quantize``'s bookkeeping stay as they are,
@@ -25,6 +27,7 @@ from cpu_kernels.gather_qmm import gather_qmm
 from cpu_kernels.norm import rms_norm
 from cpu_kernels.qmm import SPEC, dequantize_rows, int8_gemm, quantized_matmul
 from cpu_kernels.rope import rope
+from cpu_kernels.route import ROUTE_ROWS
 from cpu_kernels.spec import FLOATS, available, extension, int8_math
 from cpu_kernels.swiglu import swiglu
 
@@ -129,6 +132,92 @@ def _swiglu_mlp(cls: type) -> type | None:
     return _SWIGLU_MLPS[cls]
 
 
+# mlx-lm's SwiGLU activation module (a mixture of experts' SwitchGLU: ``swiglu(gate, x)``, its
+# ``mx.compile``d ``silu(gate) * x``) -> its subclass through the swiglu kernel; made on first use.
+_SWITCH_SWIGLUS: dict[type, type] = {}
+
+
+def _switch_swiglu(cls: type) -> type | None:
+    """The kernel's subclass of ``cls`` when ``cls`` is exactly mlx-lm's ``switch_layers.SwiGLU`` and
+    the ``swiglu`` it calls is mlx-lm's own."""
+    module = sys.modules.get("mlx_lm.models.switch_layers")
+    activations = sys.modules.get("mlx_lm.models.activations")
+    if (
+        module is None
+        or activations is None
+        or cls is not getattr(module, "SwiGLU", None)
+        or getattr(module, "swiglu", None) is not getattr(activations, "swiglu", False)
+    ):
+        return None
+    if cls not in _SWITCH_SWIGLUS:
+
+        def __call__(self: nn.Module, x: mx.array, gate: mx.array) -> mx.array:
+            return swiglu(gate, x)
+
+        _SWITCH_SWIGLUS[cls] = type("CPUSwitchSwiGLU", (cls,), {"__call__": __call__})
+    return _SWITCH_SWIGLUS[cls]
+
+
+# mlx-lm's Qwen3-MoE block -> its subclass routing through the moe_route kernel; made on first use.
+_MOE_BLOCKS: dict[type, type] = {}
+# the names Qwen3MoeSparseMoeBlock.__call__ uses (mlx-lm 0.31): any other code keeps its own call
+_QWEN3_MOE_CALL_NAMES = {
+    "all_sum",
+    "argpartition",
+    "astype",
+    "distributed",
+    "dtype",
+    "gate",
+    "mx",
+    "norm_topk_prob",
+    "sharding_group",
+    "softmax",
+    "stop_gradient",
+    "sum",
+    "sum_gradients",
+    "switch_mlp",
+    "take_along_axis",
+    "top_k",
+}
+
+
+def _moe_block(cls: type) -> type | None:
+    """The kernel's subclass of ``cls`` when ``cls`` is exactly mlx-lm's ``Qwen3MoeSparseMoeBlock``
+    with the ``__call__`` this was written against."""
+    module = sys.modules.get("mlx_lm.models.qwen3_moe")
+    code = getattr(cls.__call__, "__code__", None)
+    if (
+        module is None
+        or cls is not getattr(module, "Qwen3MoeSparseMoeBlock", None)
+        or code is None
+        or set(code.co_names) != _QWEN3_MOE_CALL_NAMES
+    ):
+        return None
+    if cls not in _MOE_BLOCKS:
+        own = cls.__call__
+
+        def __call__(self: nn.Module, x: mx.array) -> mx.array:
+            """mlx-lm's block with the routing as one op, for a few tokens (decode) on one machine
+            with a dense router; anything else (a prefill, a quantized or sharded router) its own."""
+            ext = extension()
+            gate = self.gate
+            if (
+                ext is None
+                or self.sharding_group is not None
+                or type(gate) is not nn.Linear
+                or "bias" in gate
+                or x.dtype not in FLOATS
+                or x.size > ROUTE_ROWS * x.shape[-1]
+            ):
+                return own(self, x)
+            inds, scores = ext.moe_route(x, gate["weight"], self.top_k, self.norm_topk_prob)
+            y = self.switch_mlp(x, inds)
+            return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+        _MOE_BLOCKS[cls] = type(f"CPU{cls.__name__}", (cls,), {"__call__": __call__})
+    return _MOE_BLOCKS[cls]
+
+
 # mlx-lm's QuantizedSwitchLinear -> its subclass CPUQuantizedSwitchLinear. Made on first use from the
 # class the model's own modules are (mlx-lm is not imported here: importing it pulls in transformers).
 _SWITCH_LINEARS: dict[type, type] = {}
@@ -222,6 +311,16 @@ def use_cpu_kernels(model: nn.Module) -> int:
         mlp = _swiglu_mlp(type(layer)) if norms else None
         if mlp is not None:
             layer.__class__ = mlp
+            switched += 1
+            continue
+        block = _moe_block(type(layer)) if norms else None
+        if block is not None:
+            layer.__class__ = block
+            switched += 1
+            continue
+        activation = _switch_swiglu(type(layer)) if norms else None
+        if activation is not None:
+            layer.__class__ = activation
             switched += 1
             continue
         switch = _switch_linear(type(layer)) if norms else None

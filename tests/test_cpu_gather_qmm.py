@@ -303,7 +303,7 @@ def logits_and_step(model: nn.Module, tokens: mx.array) -> tuple[np.ndarray, np.
 
 
 def test_moe_model_switches_and_logits_match(ext):
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU
 
     model = tiny_moe()
     rng = np.random.default_rng(0)
@@ -317,6 +317,10 @@ def test_moe_model_switches_and_logits_match(ext):
             assert len(switched) == 3 * MOE_CONFIG["num_hidden_layers"]  # gate, up, down per layer
             assert QuantizedSwitchLinear not in kinds
             assert all(issubclass(c, QuantizedSwitchLinear) for c in switched)
+            # each SwitchGLU's activation is the swiglu kernel (not mlx-lm's compiled scalar exp)
+            activations = [c for c in kinds if c.__name__ == "CPUSwitchSwiGLU"]
+            assert len(activations) == MOE_CONFIG["num_hidden_layers"]
+            assert SwiGLU not in kinds
         after = logits_and_step(model, tokens)
         # (1, 40): 120 (token, slot) pairs, mlx-lm's sorted path; the decode step: unsorted, one token
         for a, b in zip(after, before, strict=True):

@@ -3,8 +3,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "gather_qmm.h"
+#include "moe_route.h"
 #include "paged_attention.h"
 #include "pool.h"
 #include "qmm.h"
@@ -58,6 +60,17 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "dequantize(w, scales, biases) as float32 (N, K), multi-threaded.");
+  m.def(
+      "moe_route",
+      &duet_cpu::moe_route,
+      "x"_a,
+      "w"_a,
+      "k"_a,
+      "normalize"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "A mixture of experts' routing in one op: softmax(x @ w.T)'s k largest probabilities (renormalised "
+      "to sum to 1 with normalize) and their experts; returns [indices (..., k) uint32, scores (..., k)].");
   m.def(
       "two_level_scales",
       &duet_cpu::two_level_scales,

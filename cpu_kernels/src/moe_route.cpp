@@ -1,0 +1,130 @@
+#include "moe_route.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "strided.h"
+
+namespace duet_cpu {
+
+namespace {
+
+bool supported_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+// dot(a, b) over n floats, in 8 partial sums (a vectorisable order; float32 as MLX's matmul sums).
+float dot(const float* a, const float* b, int n) {
+  float part[8] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      part[j] += a[i + j] * b[i + j];
+    }
+  }
+  float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; i < n; ++i) {
+    s += a[i] * b[i];
+  }
+  return s;
+}
+
+template <typename T>
+void route(const mx::array& x, const mx::array& w, mx::array& inds, mx::array& scores, int k, bool normalize) {
+  const int D = x.shape(-1);
+  const int E = w.shape(0);
+  const size_t rows = D == 0 ? 0 : x.size() / size_t(D);
+  const std::vector<float> xf = x.dtype() == mx::float32 ? row_major_copy<float>(x)
+                                : x.dtype() == mx::float16 ? row_major_copy<float, mx::float16_t>(x)
+                                                           : row_major_copy<float, mx::bfloat16_t>(x);
+  const std::vector<float> wf = w.dtype() == mx::float32 ? row_major_copy<float>(w)
+                                : w.dtype() == mx::float16 ? row_major_copy<float, mx::float16_t>(w)
+                                                           : row_major_copy<float, mx::bfloat16_t>(w);
+  auto* out_i = inds.data<uint32_t>();
+  T* out_s = scores.data<T>();
+  std::vector<float> p(static_cast<size_t>(E));
+  std::vector<int> order(static_cast<size_t>(E));
+  for (size_t r = 0; r < rows; ++r) {
+    const float* xr = xf.data() + r * size_t(D);
+    float top = -INFINITY;
+    for (int e = 0; e < E; ++e) {
+      p[e] = dot(xr, wf.data() + size_t(e) * D, D);
+      top = std::max(top, p[e]);
+    }
+    double sum = 0.0; // the softmax in float32 against the largest logit, summed in double
+    for (int e = 0; e < E; ++e) {
+      p[e] = std::exp(p[e] - top);
+      sum += p[e];
+    }
+    for (int e = 0; e < E; ++e) {
+      p[e] = float(p[e] / sum);
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+      return p[a] > p[b] || (p[a] == p[b] && a < b); // a NaN row keeps the experts' order
+    });
+    double chosen = 0.0;
+    for (int j = 0; j < k; ++j) {
+      chosen += p[order[j]];
+    }
+    for (int j = 0; j < k; ++j) {
+      out_i[r * k + j] = uint32_t(order[j]);
+      const float v = p[order[j]];
+      out_s[r * k + j] = static_cast<T>(normalize ? float(v / chosen) : v);
+    }
+  }
+}
+
+} // namespace
+
+std::vector<mx::array> moe_route(const mx::array& x, const mx::array& w, int k, bool normalize, mx::StreamOrDevice s) {
+  if (!supported_float(x.dtype()) || !supported_float(w.dtype())) {
+    throw std::invalid_argument("x and w must be float32, float16 or bfloat16");
+  }
+  if (x.ndim() < 1 || w.ndim() != 2 || w.shape(1) != x.shape(-1)) {
+    throw std::invalid_argument("x must be (..., D) and w (experts, D)");
+  }
+  if (k < 1 || k > w.shape(0)) {
+    throw std::invalid_argument("k must be between 1 and the number of experts");
+  }
+  mx::Shape shape = x.shape();
+  shape.back() = k;
+  return mx::array::make_arrays(
+      {shape, shape},
+      {mx::uint32, mx::promote_types(x.dtype(), w.dtype())},
+      std::make_shared<MoeRouteCPU>(mx::to_stream(s, mx::Device::cpu), k, normalize),
+      {x, w});
+}
+
+void MoeRouteCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& inds = outputs[0];
+  auto& scores = outputs[1];
+  inds.set_data(mx::allocator::malloc(inds.nbytes()));
+  scores.set_data(mx::allocator::malloc(scores.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(inds);
+  encoder.set_output_array(scores);
+  encoder.dispatch([x = inputs[0], w = inputs[1], inds, scores, k = k_, normalize = normalize_]() mutable {
+    if (scores.dtype() == mx::float32) {
+      route<float>(x, w, inds, scores, k, normalize);
+    } else if (scores.dtype() == mx::float16) {
+      route<mx::float16_t>(x, w, inds, scores, k, normalize);
+    } else {
+      route<mx::bfloat16_t>(x, w, inds, scores, k, normalize);
+    }
+  });
+}
+
+void MoeRouteCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DuetMoeRouteCPU runs on the CPU stream only");
+}
+
+} // namespace duet_cpu
