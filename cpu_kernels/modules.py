@@ -69,15 +69,18 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
 
 
 class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
-    # set by ``scales.half_scales`` / ``two_level_scales`` when they store the scales in float16 or
-    # two levels: the dtype the lookup's rows are computed in, the model's (the tied LM head's
-    # product is float32 either way)
+    # set by ``scales.half_scales`` / ``two_level_scales`` / ``implicit_biases`` when they store the
+    # scales in float16, two levels or without biases: the dtype the lookup's rows are computed in,
+    # the model's (the tied LM head's product is float32 either way)
     lookup_dtype: mx.Dtype | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        scales, biases = self["scales"][x], self["biases"][x]
+        ratio = self["biases"] if self["biases"].size == 1 else None  # scales.implicit_biases
+        scales = self["scales"][x]
+        biases = self["biases"][x] if ratio is None else None
         ext = extension()
-        if scales.dtype == mx.uint8 and ext is not None:  # two levels (scales.py): the kernel's dequantize
+        if scales.dtype == mx.uint8 and ext is not None and biases is not None:
+            # two levels (scales.two_level_scales): the kernel's dequantize
             rows = ext.dequantize(
                 self["weight"][x].reshape(-1, self["weight"].shape[-1]),
                 scales.reshape(-1, scales.shape[-1]),
@@ -87,7 +90,11 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
             )
             return rows.reshape(*x.shape, rows.shape[-1]).astype(self.lookup_dtype or mx.float32)
         if self.lookup_dtype is not None:
-            scales, biases = scales.astype(self.lookup_dtype), biases.astype(self.lookup_dtype)
+            scales = scales.astype(self.lookup_dtype)
+        if ratio is not None:  # a symmetric type: each bias is the ratio times its scale
+            biases = scales * ratio.astype(scales.dtype)
+        elif self.lookup_dtype is not None and biases is not None:
+            biases = biases.astype(self.lookup_dtype)
         return mx.dequantize(
             self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits, mode=self.mode
         )

@@ -103,3 +103,37 @@ def two_level_scales(model: nn.Module) -> int:
         mx.eval(scales, biases)
         changed += 1
     return changed
+
+
+def _zero_point(scales: mx.array, biases: mx.array) -> float | None:
+    """The ratio r with every bias exactly r times its group's scale in float32 (a symmetric type's
+    -zero: Q8_0's -128, Q4_0's -8, IQ3_XXS's -31), or None."""
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    at = mx.argmax(mx.abs(s32).reshape(-1))
+    s, b = float(s32.reshape(-1)[at].item()), float(b32.reshape(-1)[at].item())  # type: ignore[arg-type]
+    if not s or not b or not -256 < b / s < 0:
+        return None
+    r = float(round(b / s))  # the candidate zero point (b is s * r rounded); then checked exactly
+    return r if mx.array_equal(b32, s32 * r).item() else None
+
+
+def implicit_biases(model: nn.Module) -> int:
+    """Drop the biases of the model's CPU-kernel layers where each is exactly a fixed multiple of its
+    scale (a symmetric type: Q8_0, Q4_0, Q5_0, IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS), keeping that ratio as
+    a one-element ``biases``: the kernels then compute each bias as ratio * scale (bit for bit the
+    stored value), and the layer reads half the bytes of overhead (Q8_0 8.5 bits a weight with float16
+    scales, the file's, instead of 9). Returns how many layers changed. Run after ``two_level_scales``,
+    before ``half_scales``."""
+    changed = 0
+    for layer in _kernel_layers(model):
+        biases = layer["biases"]
+        if biases.size == 1 or biases.shape != layer["scales"].shape:
+            continue
+        r = _zero_point(layer["scales"], biases)
+        if r is None:
+            continue
+        if isinstance(layer, CPUQuantizedEmbedding) and layer.lookup_dtype is None:
+            layer.lookup_dtype = biases.dtype
+        layer["biases"] = mx.array([r], dtype=biases.dtype)
+        changed += 1
+    return changed

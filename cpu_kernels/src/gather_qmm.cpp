@@ -208,9 +208,13 @@ void run_gather(
 
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
-  const DenseBytes bd = dense_bytes(biases);
+  const Biases bd = biases_of(biases);
   const size_t row_bytes = size_t(K) * bits / 8;
   const size_t srow = scale_row_bytes(scale_type(scales.dtype()), G); // bytes of scales per weight row
+  // an expert's biases (null for the one-element form, whose ratio serves every expert)
+  auto expert_biases = [&](int e) -> const void* {
+    return bd.data == nullptr ? nullptr : static_cast<const uint8_t*>(bd.data) + size_t(e) * N * srow;
+  };
   std::vector<float> y(size_t(sorted) * N);
 
   // With int8 math an expert with many rows (prefill) takes the int8 GEMM, as quantized_matmul does:
@@ -260,14 +264,15 @@ void run_gather(
            bs.data(),
            static_cast<const uint8_t*>(wd.data) + size_t(e) * N * row_bytes,
            static_cast<const uint8_t*>(sd.data) + size_t(e) * N * srow,
-           static_cast<const uint8_t*>(bd.data) + size_t(e) * N * srow,
+           expert_biases(e),
            y.data() + size_t(start[e]) * N,
            rows,
            N,
            K,
            group_size,
            bits,
-           scale_type(scales.dtype())});
+           scale_type(scales.dtype()),
+           bd.ratio});
     }
   }
 
@@ -292,7 +297,7 @@ void run_gather(
         gsorted.data() + size_t(act.p0) * G,
         static_cast<const uint8_t*>(wd.data) + size_t(act.expert) * N * row_bytes,
         static_cast<const uint8_t*>(sd.data) + size_t(act.expert) * N * srow,
-        static_cast<const uint8_t*>(bd.data) + size_t(act.expert) * N * srow,
+        expert_biases(act.expert),
         y.data() + size_t(act.p0) * N,
         act.count,
         N,
@@ -300,6 +305,7 @@ void run_gather(
         group_size,
         bits,
         scale_type(scales.dtype())};
+    a.bias_ratio = bd.ratio;
     if (int8) {
       a.x8 = xq.data() + size_t(act.p0) * K;
       a.x8_scale = xunit.data() + size_t(act.p0) * (K / 8);
@@ -403,7 +409,7 @@ mx::array gather_quantized_matmul(
     throw std::invalid_argument("two-level (uint8) scales need K a multiple of 256");
   }
   const mx::Shape sshape = {w.shape(0), w.shape(1), scale_columns(scales.dtype(), K / group_size)};
-  if (scales.shape() != sshape || biases.shape() != sshape) {
+  if (scales.shape() != sshape || (biases.shape() != sshape && !implicit_biases(biases))) {
     throw std::invalid_argument(
         "scales and biases must be (experts, N, K / group_size), or (experts, N, K / 256 * 10) uint8 for "
         "two-level scales");

@@ -24,7 +24,7 @@ struct QmmArgs {
   const float* xsum; // (M, K / group_size): sum of x over each group
   const uint8_t* w; // (N, K * bits / 8) bytes, a little-endian bitstream per row
   const void* scales; // (N, K / group_size) of scale_type (kSuper: (N, K / 256 * kSuperBytes) bytes)
-  const void* biases; // (N, K / group_size) of scale_type, likewise
+  const void* biases; // (N, K / group_size) of scale_type, likewise; null: bias_ratio * each scale
   float* y; // (M, N)
   int M;
   int N;
@@ -40,6 +40,9 @@ struct QmmArgs {
   // and K / 8 floats of scales per row, as q8_quantize writes them), or null.
   const int8_t* x8 = nullptr;
   const float* x8_scale = nullptr;
+  // With biases null, each group's bias is this times its scale (a symmetric type's -zero point:
+  // Q8_0's -128, Q4_0's -8; a power of two, so the product is the stored bias exactly).
+  float bias_ratio = 0.0f;
 };
 
 // The int8 GEMM (kernels_gemm_avx512.cpp): y (M, N) = the product of many rows of x, quantized per run
@@ -50,7 +53,7 @@ struct Q8GemmArgs {
   const float* xsum; // (M, K / group_size): each group's sum of d * q
   const uint8_t* w; // (N, K * bits / 8) bytes, a little-endian bitstream per row; bits 4 or 8
   const void* scales; // (N, K / group_size) of scale_type (kSuper: (N, K / 256 * kSuperBytes) bytes)
-  const void* biases; // (N, K / group_size) of scale_type, likewise
+  const void* biases; // (N, K / group_size) of scale_type, likewise; null: bias_ratio * each scale
   float* y; // (M, N), written
   int M;
   int N;
@@ -58,6 +61,7 @@ struct Q8GemmArgs {
   int group_size; // 32, 64 or 128
   int bits;
   int scale_type;
+  float bias_ratio = 0.0f; // as QmmArgs::bias_ratio
 };
 
 // One chunk of n <= 32 keys for the paged attention kernel (paged_attention.cpp): R query rows (scaled

@@ -99,7 +99,7 @@ void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
       p.scales[r * kNB + l] = scale_at<ST>(a.scales, at + (r * 32) / a.group_size);
     }
     for (int g = 0; g < groups; ++g) {
-      p.biases[g * kNB + l] = scale_at<ST>(a.biases, at + g);
+      p.biases[g * kNB + l] = bias_at<ST>(a.biases, a.scales, a.bias_ratio, at + g);
     }
   }
 }

@@ -136,6 +136,12 @@ bool supported_float(mx::Dtype t) {
 }
 
 void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (implicit_biases(biases)) {
+    if (!supported_float(scales.dtype()) || !supported_float(biases.dtype())) {
+      throw std::invalid_argument("a one-element biases (a ratio to the scales) needs float scales and a float ratio");
+    }
+    return;
+  }
   if (biases.dtype() != scales.dtype()) {
     throw std::invalid_argument("scales and biases must share one dtype");
   }
@@ -162,6 +168,15 @@ float load_float(const void* p, size_t i, mx::Dtype t) {
     return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
   }
   return static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[i]);
+}
+
+Biases biases_of(const mx::array& biases) {
+  if (implicit_biases(biases)) {
+    return {{nullptr, {}}, nullptr, load_float(biases.data<void>(), 0, biases.dtype())};
+  }
+  DenseBytes bytes = dense_bytes(biases);
+  const void* data = bytes.data;
+  return {std::move(bytes), data, 0.0f};
 }
 
 DenseBytes dense_bytes(const mx::array& a) {
@@ -288,7 +303,7 @@ void write_out(mx::array& out, const std::vector<float>& yf) {
 
 // Many rows of x with int8 math (prefill): the GEMM on packed panels (kernels_gemm_avx512.cpp). x is
 // quantized in element order per run of 32, as the row kernel's other widths are.
-void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const void* biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
+void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
   const int G = K / group_size;
   std::vector<int8_t> xq(size_t(M) * K);
   std::vector<float> xunit(size_t(M) * (K / 8));
@@ -308,7 +323,7 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
   } else {
     pool->run(qtasks, quantize);
   }
-  q8_gemm_on_pool(v.q8_gemm, {xq.data(), xunit.data(), xsum.data(), w, scales, biases, y, M, N, K, group_size, bits, scale_type});
+  q8_gemm_on_pool(v.q8_gemm, {xq.data(), xunit.data(), xsum.data(), w, scales, biases.data, y, M, N, K, group_size, bits, scale_type, biases.ratio});
 }
 
 void run_qmm(
@@ -339,12 +354,12 @@ void run_qmm(
   }
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
-  const DenseBytes bd = dense_bytes(biases);
+  const Biases bd = biases_of(biases);
   const Variant& v = variant();
   if (int8 && takes_q8_gemm(v.q8_gemm, M, bits)) {
     // the GEMM prepares x its own way (element order, on the pool)
     const auto* wb = static_cast<const uint8_t*>(wd.data);
-    run_q8_gemm(v, xd, x.dtype(), wb, sd.data, bd.data, scale_type(scales.dtype()), y, M, N, K, group_size, bits);
+    run_q8_gemm(v, xd, x.dtype(), wb, sd.data, bd, scale_type(scales.dtype()), y, M, N, K, group_size, bits);
     write_out(out, yf);
     return;
   }
@@ -369,6 +384,7 @@ void run_qmm(
       group_size,
       bits,
       scale_type(scales.dtype())};
+  a.bias_ratio = bd.ratio;
   // A few rows of x (decode, verification of proposed tokens, small batches): as bytes for the
   // integer dot-product kernel where there is one. With int8 math, every row as int8 (once, before
   // the threads start) for the int8 kernel.
@@ -442,7 +458,7 @@ void check_groups(const mx::array& w, const mx::array& scales, const mx::array& 
     throw std::invalid_argument("two-level (uint8) scales need K a multiple of 256");
   }
   const mx::Shape sshape = {w.shape(0), scale_columns(scales.dtype(), K / group_size)};
-  if (scales.shape() != sshape || biases.shape() != sshape) {
+  if (scales.shape() != sshape || (biases.shape() != sshape && !implicit_biases(biases))) {
     throw std::invalid_argument(
         "scales and biases must be (N, K / group_size), or (N, K / 256 * 10) uint8 for two-level scales");
   }
@@ -462,7 +478,7 @@ void run_dequant(
   }
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
-  const DenseBytes bd = dense_bytes(biases);
+  const Biases bd = biases_of(biases);
   QmmArgs a{
       nullptr,
       nullptr,
@@ -476,6 +492,7 @@ void run_dequant(
       group_size,
       bits,
       scale_type(scales.dtype())};
+  a.bias_ratio = bd.ratio;
   const DequantFn fn = variant().dequant;
   float* o = out.data<float>();
   auto pool = shared_pool();

@@ -51,6 +51,10 @@ bool supported_float(mx::Dtype t);
 // Throws unless scales and biases are one float dtype, or the two-level uint8 form (kernels.h: kSuper)
 // of 4- or 5-bit weights in groups of 32.
 void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits);
+// Whether biases is the one-element form (a ratio to the scales) rather than one per group.
+inline bool implicit_biases(const mx::array& biases) {
+  return biases.ndim() <= 1 && biases.size() == 1;
+}
 // The columns of a weight row's scales (or biases) of dtype t for G groups (uint8: two-level, G a
 // multiple of kSuperGroups).
 int scale_columns(mx::Dtype t, int G);
@@ -71,6 +75,16 @@ struct DenseBytes {
   std::vector<uint8_t> copy;
 };
 DenseBytes dense_bytes(const mx::array& a);
+
+// The biases as the kernels take them (QmmArgs::biases, bias_ratio): their bytes, or, for a
+// one-element biases array (a symmetric type's, which scales.implicit_biases leaves), null and that
+// element, each group's bias being it times the group's scale.
+struct Biases {
+  DenseBytes bytes;
+  const void* data;
+  float ratio;
+};
+Biases biases_of(const mx::array& biases);
 
 // Splits work over weight_bytes into tasks that each read at least ~16 KB of weights (8 KB when
 // M > 1 rows of x share them), up to 4 per thread: the pool's threads claim them in turn, so a late

@@ -33,6 +33,9 @@ HELD_BITS: dict[str, tuple[int, str]] = {
     "IQ3_XXS": (6, "exact"), "IQ3_S": (4, "exact"), "IQ1_S": (2, "exact"),
     "MXFP4": (4, "exact (MLX mxfp4)"),
 }  # fmt: skip
+# types whose bias is a fixed multiple of the scale (-zero * d): the CPU kernels store no biases
+# (cpu_kernels/scales.py, implicit_biases)
+SYMMETRIC = {"Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"}
 _FLOAT_BITS = {"F32": 32, "F16": 16, "BF16": 16}
 
 
@@ -72,7 +75,8 @@ def _logical_shape(t: TensorInfo) -> tuple[int, ...]:
 def held_bytes(t: TensorInfo, scale_bits: int = 16) -> float:
     """Bytes the tensor takes as Duet holds it with weights kept quantized, its scales and biases
     ``scale_bits`` wide (16: the CPU kernels', which hold Q4_K's and Q5_K's in their two levels, a
-    float16 step per 256 weights and a uint8 multiple per 32: ``cpu_kernels.scales``)."""
+    float16 step per 256 weights and a uint8 multiple per 32, and store no biases for ``SYMMETRIC``
+    types: ``cpu_kernels.scales``)."""
     n = 1
     for d in t.shape:
         n *= d
@@ -83,6 +87,8 @@ def held_bytes(t: TensorInfo, scale_bits: int = 16) -> float:
         overhead = 8 / 32
     elif t.ggml_type in ("Q4_K", "Q5_K") and scale_bits == 16:
         overhead = 2 * (8 / 32 + 16 / 256)
+    elif t.ggml_type in SYMMETRIC and scale_bits == 16:
+        overhead = scale_bits / 32  # the bias is a fixed multiple of the scale: not stored
     else:
         overhead = 2 * scale_bits / 32
     return n * (bits + overhead) / 8

@@ -92,11 +92,12 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
         _input_major_weights(model)
         if not dense:
             from cpu_kernels.modules import use_cpu_kernels
-            from cpu_kernels.scales import half_scales, two_level_scales
+            from cpu_kernels.scales import half_scales, implicit_biases, two_level_scales
 
             use_cpu_kernels(model)  # quantized layers run through the CPU kernels (weight_policy.py)
             two_level_scales(model)  # K-quants: 1.375 bits a weight less to read per token
-            half_scales(model)  # the rest: 1 bit a weight less
+            implicit_biases(model)  # symmetric types (Q8_0, Q4_0, ...): no biases to read
+            half_scales(model)  # float16 scales (and biases): 1 bit a weight less
         use_huge_pages(v for _, v in flat_parameters(model))  # fewer TLB misses per decode step
     _evaluate_constants(model)
     layers, kv, hd = _attention_shape(model)
