@@ -134,3 +134,44 @@ def test_free_minimums_keep_their_biases(ext):  # noqa: F811
     layers = [m for _, m in model.named_modules() if "scales" in m]
     assert implicit_biases(model) == len(layers) - 2
     assert layer["biases"].shape == layer["scales"].shape and free["biases"].shape == free["scales"].shape
+
+
+def test_a_gguf_s_symmetric_and_k_quant_layers_load_in_their_compact_forms(ext, tmp_path):  # noqa: F811
+    """Through ``load_model`` on the CPU: Q8_0 and Q6_K (re-coded symmetric at 8 bits) layers keep no
+    biases, Q4_K layers two-level scales, Q4_1 (free minimums) float16 biases; the logits are the
+    file's values' (the float32 model ``write_tiny_gguf`` returns) within Q6_K's re-coding error."""
+    from cpu_kernels.modules import is_kernel_layer
+    from mlx_engine.loading.loader import load_model
+    from tests.gguf_quantize import TINY_IDS, Q, write_tiny_gguf
+
+    path = tmp_path / "mixed.gguf"
+    qtypes = {
+        "token_embd": Q.Q8_0,
+        "output": Q.Q6_K,
+        "attn_q": Q.Q4_K,
+        "attn_k": Q.Q4_1,
+        "attn_v": Q.Q8_0,
+        "attn_output": Q.Q4_K,
+        "ffn_gate": Q.Q4_K,
+        "ffn_up": Q.Q6_K,
+        "ffn_down": Q.Q8_0,
+    }
+    config = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    expected = write_tiny_gguf(path, "llama", qtypes=qtypes, config=config)
+    model = load_model(str(path)).model
+    layer = model.model.layers[0]
+    for m in (
+        model.model.embed_tokens,
+        model.lm_head,
+        layer.self_attn.v_proj,
+        layer.mlp.up_proj,
+        layer.mlp.down_proj,
+    ):
+        assert is_kernel_layer(m) and m["biases"].shape == (1,) and m["biases"].item() == -128
+    for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj):
+        assert m["scales"].dtype == m["biases"].dtype == mx.uint8
+    assert layer.self_attn.k_proj["biases"].shape == layer.self_attn.k_proj["scales"].shape
+    ours, want = np.array(model(TINY_IDS)), np.array(expected(TINY_IDS))
+    # measured 0.7% of the logits' range (Q6_K's re-coding: within 1/8 of a step), every top-1 the same
+    assert np.abs(ours - want).max() <= 2e-2 * np.abs(want).max()
+    assert (ours.argmax(-1) == want.argmax(-1)).mean() >= 0.9

@@ -449,7 +449,9 @@ def to_8bit_groups_of_32(codes: Codes) -> Codes:
     the nearest level, off by at most ``S / 2``. Per group we take the largest m of 4, 2, 1 that is
     exact, else m = 4 (it always fits unless the two sub-scales are opposite and equal in size, and
     then m = 2 is exact). So every weight is exact (to float32 rounding: ``S * q + bias`` rounds where
-    ``d * sc * k`` did not) or within 1/8 of its group's larger Q6_K step ``b``.
+    ``d * sc * k`` did not) or within 1/8 of its group's larger Q6_K step ``b``. The result is symmetric
+    like Q6_K itself: codes are level + 128 and every bias is ``-128 * S`` (zero point 128), so the CPU
+    kernels keep no biases for it (``cpu_kernels.scales.implicit_biases``: 8.5 bits a weight, not 9).
     """
     assert codes.group == 16
     if codes.zero is None:
@@ -470,43 +472,45 @@ def to_8bit_groups_of_32(codes: Codes) -> Codes:
             )
         )
     q = np.concatenate([p[0] for p in parts])
-    step, bias = (np.concatenate([p[i] for p in parts]) for i in (1, 2))
-    return Codes(q, step, bias, 8, 32, None)
+    step = np.concatenate([p[1] for p in parts])
+    return Codes(q, step, -128 * step, 8, 32, 128)
 
 
 _ROW_BLOCK = 512  # rows of a 16-weight-group tensor re-coded at once (to_8bit_groups_of_32)
 
 
-def _q6_rows_to_8bit(
-    q16: np.ndarray, scales: np.ndarray, zero: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``to_8bit_groups_of_32`` for some rows of a symmetric 16-weight-group tensor: (codes, steps,
-    biases). Each group takes the largest m of 4, 2, 1 whose rounded levels fit in 256 codes, trying
-    each m only on the groups still open. That is the largest exact m wherever one is exact: the
-    levels at m are exactly half those at 2m (one more division by a power of two), so a group exact
-    at some m is exact at every larger one, and rounding levels that are whole numbers leaves them
-    as they are."""
+def _q6_rows_to_8bit(q16: np.ndarray, scales: np.ndarray, zero: int) -> tuple[np.ndarray, np.ndarray]:
+    """``to_8bit_groups_of_32`` for some rows of a symmetric 16-weight-group tensor: (codes, steps),
+    symmetric again: codes = level + 128, each bias -128 steps (so the CPU kernels store none:
+    ``cpu_kernels.scales.implicit_biases``). Each group takes the largest m of 4, 2, 1 whose rounded
+    levels lie in [-128, 127], trying each m only on the groups still open. That is the largest exact
+    m wherever one is exact: the levels at m are exactly half those at 2m (one more division by a
+    power of two), so a group exact at some m is exact at every larger one, and rounding levels that
+    are whole numbers leaves them as they are."""
     rows, cols = q16.shape
     steps = scales.reshape(rows * (cols // 32), 2, 1)
     values = (steps * (q16.reshape(-1, 2, 16).astype(np.float32) - np.float32(zero))).reshape(-1, 32)
-    big = np.abs(steps).max(axis=(1, 2))  # one per group of 32
-    chosen_q = np.zeros(values.shape, np.float32)
-    chosen_step, chosen_low = np.zeros_like(big), np.zeros_like(big)
-    unsized = (big != 0) & ~(big > 0)  # a NaN scale: codes 0, its step NaN (as the float weights are)
-    chosen_step[unsized] = big[unsized] / np.float32(4)
-    idx = np.flatnonzero(big > 0)  # all-zero groups keep step 0, codes 0
+    # one per group of 32: the larger sub-block's step with its sign, so that its levels 4k (k in
+    # [-32, 31]) lie in [-128, 124] whichever its sign
+    pair = steps[..., 0]
+    big = np.where(np.abs(pair[:, 0]) >= np.abs(pair[:, 1]), pair[:, 0], pair[:, 1])
+    chosen_q = np.full(values.shape, 128, np.float32)  # level 0
+    chosen_step = np.zeros_like(big)
+    unsized = ~np.isfinite(pair).all(axis=1)  # a NaN or infinite scale: its step NaN
+    chosen_step[unsized] = np.float32(np.nan)
+    idx = np.flatnonzero((big != 0) & ~unsized)  # all-zero groups keep step 0
     for m in (4, 2, 1):
         step = big[idx] / np.float32(m)  # exact: m is a power of two
         rounded = np.rint(values[idx] / step[:, None])
-        low, high = rounded.min(axis=1), rounded.max(axis=1)
-        ok = high - low <= 255
+        # at m = 4 the larger sub-block's levels 4k lie in [-128, 124]; only a smaller one of the
+        # opposite sign and the same size reaches 128, and m = 2 then holds both exactly
+        ok = (rounded.min(axis=1) >= -128) & (rounded.max(axis=1) <= 127)
         take = idx[ok]
-        chosen_q[take] = rounded[ok] - low[ok][:, None]
-        chosen_step[take], chosen_low[take] = step[ok], low[ok]
+        chosen_q[take] = rounded[ok] + 128
+        chosen_step[take] = step[ok]
         idx = idx[~ok]
-    assert idx.size == 0  # m = 1: 64 levels a sub-block, at most 127 apart
-    q = chosen_q.reshape(rows, cols).astype(np.uint8)
-    return q, chosen_step.reshape(rows, -1), (chosen_step * chosen_low).reshape(rows, -1)
+    assert idx.size == 0  # m = 1: levels in [-32, 31]
+    return chosen_q.reshape(rows, cols).astype(np.uint8), chosen_step.reshape(rows, -1)
 
 
 def _round_to_8_bits(w: np.ndarray) -> Codes:

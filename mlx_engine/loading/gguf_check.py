@@ -35,7 +35,7 @@ HELD_BITS: dict[str, tuple[int, str]] = {
 }  # fmt: skip
 # types whose bias is a fixed multiple of the scale (-zero * d): the CPU kernels store no biases
 # (cpu_kernels/scales.py, implicit_biases)
-SYMMETRIC = {"Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"}
+SYMMETRIC = {"Q4_0", "Q5_0", "Q8_0", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"}
 _FLOAT_BITS = {"F32": 32, "F16": 16, "BF16": 16}
 
 
