@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_engine import heap
 from mlx_engine.backend import backend_name
 from mlx_engine.errors import ModelLoadError
 from mlx_engine.huge_pages import use_huge_pages
@@ -98,6 +99,10 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
             two_level_scales(model)  # K-quants: 1.375 bits a weight less to read per token
             implicit_biases(model)  # symmetric types (Q8_0, Q4_0, ...): no biases to read
             half_scales(model)  # float16 scales (and biases): 1 bit a weight less
+            # the float32 scales and biases just replaced go back to the system, not kept free in
+            # glibc's heap (the synthetic 1B Q8_0 model: 1622 -> 1290 MB resident after the load)
+            mx.clear_cache()
+            heap.release_free()
         use_huge_pages(v for _, v in flat_parameters(model))  # fewer TLB misses per decode step
     _evaluate_constants(model)
     layers, kv, hd = _attention_shape(model)
