@@ -293,6 +293,9 @@ def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
     )
 
 
+_SUBCLASSES = (_swiglu_mlp, _moe_block, _switch_swiglu)
+
+
 def is_kernel_layer(layer: nn.Module) -> bool:
     """Whether ``use_cpu_kernels`` switched this layer: its products are the CPU kernels'."""
     return (
@@ -315,19 +318,10 @@ def use_cpu_kernels(model: nn.Module) -> int:
             layer.__class__ = CPURoPE
             switched += 1
             continue
-        mlp = _swiglu_mlp(type(layer)) if norms else None
-        if mlp is not None:
-            layer.__class__ = mlp
-            switched += 1
-            continue
-        block = _moe_block(type(layer)) if norms else None
-        if block is not None:
-            layer.__class__ = block
-            switched += 1
-            continue
-        activation = _switch_swiglu(type(layer)) if norms else None
-        if activation is not None:
-            layer.__class__ = activation
+        # mlx-lm classes whose __call__ gets a kernel subclass: the MLP, the MoE block, its activation
+        kernel_class = next((c for find in _SUBCLASSES if norms and (c := find(type(layer)))), None)
+        if kernel_class is not None:
+            layer.__class__ = kernel_class
             switched += 1
             continue
         switch = _switch_linear(type(layer)) if norms else None

@@ -18,6 +18,7 @@ from cpu_kernels.modules import CPUQuantizedEmbedding, use_cpu_kernels
 from cpu_kernels.qmm import dequantize_rows
 from cpu_kernels.scales import half_scales, implicit_biases
 from tests.test_cpu_kernels import ext, variants  # noqa: F401
+from tests.test_cpu_two_level_scales import quantized_llama
 
 pytestmark = pytest.mark.skipif(
     mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
@@ -67,22 +68,7 @@ def test_a_ratio_needs_float_scales(ext):  # noqa: F811
 
 
 def _symmetric_llama(zero: int, bits: int) -> nn.Module:
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=300,
-        tie_word_embeddings=True,
-    )
-    mx.random.seed(5)
-    model = llama.Model(args)
-    nn.quantize(model, group_size=32, bits=bits)
+    model = quantized_llama(128, 256, bits, seed=5)
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             m["biases"] = m["scales"] * -zero  # a symmetric type's biases (the weights change: no matter)

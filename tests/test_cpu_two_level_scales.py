@@ -171,23 +171,29 @@ def _k_quant_like(layer: nn.Module) -> None:
         layer[name] = mx.array((sign * d * mult).astype(np.float32).reshape(layer[name].shape))
 
 
-def _tiny_llama() -> nn.Module:
+def quantized_llama(hidden: int, intermediate: int, bits: int, seed: int) -> nn.Module:
+    """A 2-layer mlx-lm llama with a tied embedding, random weights, quantized in groups of 32."""
     from mlx_lm.models import llama
 
     args = llama.ModelArgs(
         model_type="llama",
-        hidden_size=256,
+        hidden_size=hidden,
         num_hidden_layers=2,
-        intermediate_size=512,
+        intermediate_size=intermediate,
         num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
         vocab_size=300,
         tie_word_embeddings=True,
     )
-    mx.random.seed(3)
+    mx.random.seed(seed)
     model = llama.Model(args)
-    nn.quantize(model, group_size=32, bits=4)
+    nn.quantize(model, group_size=32, bits=bits)
+    return model
+
+
+def _tiny_llama() -> nn.Module:
+    model = quantized_llama(256, 512, 4, seed=3)
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             _k_quant_like(m)
