@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import FLOATS, KernelSpec, choose_backend, extension
+from cpu_kernels.spec import FLOATS, choose_backend, extension
 
-SPEC = KernelSpec("moe_route", bits=(), group_sizes=())
 ROUTE_ROWS = 16  # tokens up to which the block routes through the op; a prefill keeps BLAS's GEMM
 
 

@@ -133,3 +133,22 @@ def test_duet_doctor_model(tmp_path):
     assert refused.returncode == 1
     assert "loads:               no" in refused.stdout
     assert "bad.gguf is truncated or corrupt" in refused.stderr
+
+
+def test_the_types_held_without_biases_are_the_symmetric_ones():
+    """``SYMMETRIC`` (held_bytes: no biases on the CPU kernels) is exactly the types the loader
+    decodes, and re-codes, with a fixed zero point."""
+    from mlx_engine.loading.ggml_blocks import BLOCK_TYPES, Codes, decode, to_8bit_groups_of_32
+    from mlx_engine.loading.gguf_check import SYMMETRIC
+    from tests.gguf_quantize import random_blocks
+
+    rng = np.random.default_rng(0)
+    symmetric = set()
+    for name, block in BLOCK_TYPES.items():
+        raw = random_blocks(gguf.GGMLQuantizationType[name], 2, 1, rng)
+        codes = decode(raw.reshape(-1), name, 2, block.weights)
+        if isinstance(codes, Codes) and codes.group != 32:
+            codes = to_8bit_groups_of_32(codes)
+        if isinstance(codes, Codes) and codes.zero is not None:
+            symmetric.add(name)
+    assert symmetric == SYMMETRIC

@@ -24,6 +24,20 @@ void dispatch_cpu(const mlx::core::Stream& stream, const std::vector<mlx::core::
   encoder.dispatch(std::forward<F>(work));
 }
 
+// The same for a primitive with several outputs.
+template <typename F>
+void dispatch_cpu(const mlx::core::Stream& stream, const std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& outputs, F&& work) {
+  auto& encoder = mlx::core::cpu::get_command_encoder(stream);
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  for (auto& out : outputs) {
+    out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
+  encoder.dispatch(std::forward<F>(work));
+}
+
 // f(T{}) with T the C++ type of a float dtype: float, float16_t or bfloat16_t (the kernels' three).
 template <typename F>
 void with_float_type(mlx::core::Dtype t, F&& f) {

@@ -211,7 +211,10 @@ void run_gather(
   const Biases bd = biases_of(biases);
   const size_t row_bytes = size_t(K) * bits / 8;
   const size_t srow = scale_row_bytes(scale_type(scales.dtype()), G); // bytes of scales per weight row
-  // an expert's biases (null for the one-element form, whose ratio serves every expert)
+  // an expert's scales and biases (null for the one-element form, whose ratio serves every expert)
+  auto expert_scales = [&](int e) -> const void* {
+    return static_cast<const uint8_t*>(sd.data) + size_t(e) * N * srow;
+  };
   auto expert_biases = [&](int e) -> const void* {
     return bd.data == nullptr ? nullptr : static_cast<const uint8_t*>(bd.data) + size_t(e) * N * srow;
   };
@@ -263,7 +266,7 @@ void run_gather(
            bu.data(),
            bs.data(),
            static_cast<const uint8_t*>(wd.data) + size_t(e) * N * row_bytes,
-           static_cast<const uint8_t*>(sd.data) + size_t(e) * N * srow,
+           expert_scales(e),
            expert_biases(e),
            y.data() + size_t(start[e]) * N,
            rows,
@@ -296,7 +299,7 @@ void run_gather(
         int8 ? nullptr : xsorted.data() + size_t(act.p0) * K, // the int8 kernel reads x8 instead
         gsorted.data() + size_t(act.p0) * G,
         static_cast<const uint8_t*>(wd.data) + size_t(act.expert) * N * row_bytes,
-        static_cast<const uint8_t*>(sd.data) + size_t(act.expert) * N * srow,
+        expert_scales(act.expert),
         expert_biases(act.expert),
         y.data() + size_t(act.p0) * N,
         act.count,
@@ -405,15 +408,7 @@ mx::array gather_quantized_matmul(
   if (K % group_size != 0) {
     throw std::invalid_argument("K must be a multiple of group_size");
   }
-  if (scales.dtype() == mx::uint8 && K % (group_size * kSuperGroups) != 0) {
-    throw std::invalid_argument("two-level (uint8) scales need K a multiple of 256");
-  }
-  const mx::Shape sshape = {w.shape(0), w.shape(1), scale_columns(scales.dtype(), K / group_size)};
-  if (scales.shape() != sshape || (biases.shape() != sshape && !implicit_biases(biases))) {
-    throw std::invalid_argument(
-        "scales and biases must be (experts, N, K / group_size), or (experts, N, K / 256 * 10) uint8 for "
-        "two-level scales");
-  }
+  check_scale_shapes(scales, biases, {w.shape(0), w.shape(1)}, K, group_size);
   // Broadcasting happens in eval_cpu, not through broadcast ops: those fix their shapes, and
   // mx.compile(shapeless=True) could not reuse the graph for another number of tokens.
   const auto stream = mx::to_stream(s, mx::Device::cpu);

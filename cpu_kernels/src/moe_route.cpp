@@ -6,17 +6,28 @@
 #include <stdexcept>
 #include <vector>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
+#include "dispatch.h"
+#include "qmm_shared.h"
 #include "strided.h"
 
 namespace duet_cpu {
 
 namespace {
 
-bool supported_float(mx::Dtype t) {
-  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
-}
+// An input's elements as float32 in row-major order: the array itself when it is float32 and row
+// contiguous (the router's weights and a decode step's x), else a converted copy.
+struct Floats {
+  std::vector<float> copy;
+  const float* ptr;
+  explicit Floats(const mx::array& a) {
+    if (a.dtype() == mx::float32 && a.flags().row_contiguous) {
+      ptr = a.data<float>();
+      return;
+    }
+    with_float_type(a.dtype(), [&](auto t) { copy = row_major_copy<float, decltype(t)>(a); });
+    ptr = copy.data();
+  }
+};
 
 // dot(a, b) over n floats, in 8 partial sums (a vectorisable order; float32 as MLX's matmul sums).
 float dot(const float* a, const float* b, int n) {
@@ -39,21 +50,16 @@ void route(const mx::array& x, const mx::array& w, mx::array& inds, mx::array& s
   const int D = x.shape(-1);
   const int E = w.shape(0);
   const size_t rows = D == 0 ? 0 : x.size() / size_t(D);
-  const std::vector<float> xf = x.dtype() == mx::float32 ? row_major_copy<float>(x)
-                                : x.dtype() == mx::float16 ? row_major_copy<float, mx::float16_t>(x)
-                                                           : row_major_copy<float, mx::bfloat16_t>(x);
-  const std::vector<float> wf = w.dtype() == mx::float32 ? row_major_copy<float>(w)
-                                : w.dtype() == mx::float16 ? row_major_copy<float, mx::float16_t>(w)
-                                                           : row_major_copy<float, mx::bfloat16_t>(w);
+  const Floats xf(x), wf(w);
   auto* out_i = inds.data<uint32_t>();
   T* out_s = scores.data<T>();
   std::vector<float> p(static_cast<size_t>(E));
   std::vector<int> order(static_cast<size_t>(E));
   for (size_t r = 0; r < rows; ++r) {
-    const float* xr = xf.data() + r * size_t(D);
+    const float* xr = xf.ptr + r * size_t(D);
     float top = -INFINITY;
     for (int e = 0; e < E; ++e) {
-      p[e] = dot(xr, wf.data() + size_t(e) * D, D);
+      p[e] = dot(xr, wf.ptr + size_t(e) * D, D);
       top = std::max(top, p[e]);
     }
     double sum = 0.0; // the softmax in float32 against the largest logit, summed in double
@@ -102,24 +108,8 @@ std::vector<mx::array> moe_route(const mx::array& x, const mx::array& w, int k, 
 }
 
 void MoeRouteCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& inds = outputs[0];
-  auto& scores = outputs[1];
-  inds.set_data(mx::allocator::malloc(inds.nbytes()));
-  scores.set_data(mx::allocator::malloc(scores.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  encoder.set_output_array(inds);
-  encoder.set_output_array(scores);
-  encoder.dispatch([x = inputs[0], w = inputs[1], inds, scores, k = k_, normalize = normalize_]() mutable {
-    if (scores.dtype() == mx::float32) {
-      route<float>(x, w, inds, scores, k, normalize);
-    } else if (scores.dtype() == mx::float16) {
-      route<mx::float16_t>(x, w, inds, scores, k, normalize);
-    } else {
-      route<mx::bfloat16_t>(x, w, inds, scores, k, normalize);
-    }
+  dispatch_cpu(stream(), inputs, outputs, [x = inputs[0], w = inputs[1], inds = outputs[0], scores = outputs[1], k = k_, normalize = normalize_]() mutable {
+    with_float_type(scores.dtype(), [&](auto t) { route<decltype(t)>(x, w, inds, scores, k, normalize); });
   });
 }
 

@@ -156,8 +156,17 @@ void check_scale_format(const mx::array& scales, const mx::array& biases, int gr
   }
 }
 
-int scale_columns(mx::Dtype t, int G) {
-  return t == mx::uint8 ? G / kSuperGroups * kSuperBytes : G;
+void check_scale_shapes(const mx::array& scales, const mx::array& biases, mx::Shape lead, int K, int group_size) {
+  const bool two_level = scales.dtype() == mx::uint8;
+  if (two_level && K % (group_size * kSuperGroups) != 0) {
+    throw std::invalid_argument("two-level (uint8) scales need K a multiple of 256");
+  }
+  lead.push_back(two_level ? K / group_size / kSuperGroups * kSuperBytes : K / group_size);
+  if (scales.shape() != lead || (biases.shape() != lead && !implicit_biases(biases))) {
+    throw std::invalid_argument(
+        "scales and biases must be (..., N, K / group_size), or (..., N, K / 256 * 10) uint8 for two-level "
+        "scales; biases may be one element (a ratio to the scales)");
+  }
 }
 
 float load_float(const void* p, size_t i, mx::Dtype t) {
@@ -454,14 +463,7 @@ void check_groups(const mx::array& w, const mx::array& scales, const mx::array& 
   if (K % group_size != 0) {
     throw std::invalid_argument("K must be a multiple of group_size");
   }
-  if (scales.dtype() == mx::uint8 && K % (group_size * kSuperGroups) != 0) {
-    throw std::invalid_argument("two-level (uint8) scales need K a multiple of 256");
-  }
-  const mx::Shape sshape = {w.shape(0), scale_columns(scales.dtype(), K / group_size)};
-  if (scales.shape() != sshape || (biases.shape() != sshape && !implicit_biases(biases))) {
-    throw std::invalid_argument(
-        "scales and biases must be (N, K / group_size), or (N, K / 256 * 10) uint8 for two-level scales");
-  }
+  check_scale_shapes(scales, biases, {w.shape(0)}, K, group_size);
 }
 
 void run_dequant(

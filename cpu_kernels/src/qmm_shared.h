@@ -55,9 +55,9 @@ void check_scale_format(const mx::array& scales, const mx::array& biases, int gr
 inline bool implicit_biases(const mx::array& biases) {
   return biases.ndim() <= 1 && biases.size() == 1;
 }
-// The columns of a weight row's scales (or biases) of dtype t for G groups (uint8: two-level, G a
-// multiple of kSuperGroups).
-int scale_columns(mx::Dtype t, int G);
+// Throws unless scales (and biases, or a one-element ratio) are lead + (K / group_size) floats, or
+// lead + (K / 256 * 10) bytes in the two-level form.
+void check_scale_shapes(const mx::array& scales, const mx::array& biases, mx::Shape lead, int K, int group_size);
 float load_float(const void* p, size_t i, mx::Dtype t);
 
 // One row of x as the int8 kernel reads it (q8 the variant's q8_quantize): from the float row as

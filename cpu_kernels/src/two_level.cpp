@@ -1,12 +1,11 @@
 #include "two_level.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
-
-#include <atomic>
 
 #include "kernels.h"
 #include "pool.h"
