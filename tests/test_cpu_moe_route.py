@@ -49,6 +49,24 @@ def test_the_chosen_experts_and_scores_are_mlx_lm_s(ext, dtype):  # noqa: F811
                 assert np.allclose(got_s.sum(-1), 1.0, atol=tol)
 
 
+def test_a_router_in_any_layout_gives_the_same_bits(ext):  # noqa: F811
+    # the loader keeps a dense float32 Linear's weight input-major (the transpose of a contiguous
+    # (D, E) array); the op reads that layout in place, a strided one through a copy
+    rng = np.random.default_rng(1)
+    for shape, experts, k in (((1, 1, 2048), 16, 4), ((3, 1, 100), 128, 8), ((2, 37), 5, 2)):
+        x = mx.array(rng.standard_normal(shape).astype(np.float32))
+        w = (rng.standard_normal((experts, shape[-1])) * 0.05).astype(np.float32)
+        row_major = mx.array(w)
+        input_major = mx.array(np.ascontiguousarray(w.T)).T
+        spread = np.zeros((experts, 2 * shape[-1]), np.float32)
+        spread[:, ::2] = w
+        strided = mx.array(spread)[:, ::2]
+        want_i, want_s = (np.array(a) for a in ext.moe_route(x, row_major, k, True))
+        for layout in (input_major, strided):
+            got_i, got_s = (np.array(a) for a in ext.moe_route(x, layout, k, True))
+            assert (got_i == want_i).all() and (got_s == want_s).all()
+
+
 def test_ties_take_the_lower_expert_and_bad_arguments_raise(ext):  # noqa: F811
     x = mx.ones((1, 8))
     w = mx.zeros((6, 8))  # every expert equally likely

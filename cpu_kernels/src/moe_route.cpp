@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -29,6 +30,23 @@ struct Floats {
   }
 };
 
+// The router's weights (E, D) as float32, read where they are in either of the layouts a loaded model
+// has: row-major, or input-major (the transpose of a row-major (D, E), which is how the loader keeps a
+// dense float32 Linear's weight for OpenBLAS: loader.py _input_major_weights). Anything else is copied
+// to row-major: once per call, so a layout only a caller makes (a routing weight of 16 x 2048 copied
+// element by element through its strides cost 55 us a layer, a third of a MoE decode step's routing).
+struct RouterWeights {
+  std::optional<Floats> rows; // row-major (E, D), when not input-major
+  const float* input_major = nullptr; // (D, E) row-major, or null
+  explicit RouterWeights(const mx::array& w) {
+    if (w.dtype() == mx::float32 && w.ndim() == 2 && !w.flags().row_contiguous && w.flags().col_contiguous) {
+      input_major = w.data<float>();
+    } else {
+      rows.emplace(w);
+    }
+  }
+};
+
 // dot(a, b) over n floats, in 8 partial sums (a vectorisable order; float32 as MLX's matmul sums).
 float dot(const float* a, const float* b, int n) {
   float part[8] = {};
@@ -45,12 +63,39 @@ float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+// dot(a, w[:, e]) for every e of a row-major (n, E) w, each in dot's order of additions: the same
+// float32 results as dot on the row-major transpose, with w read once, row by row.
+void dot_input_major(const float* a, const float* w, int n, int E, float* out) {
+  std::vector<float> part(size_t(E) * 8, 0.0f); // part[j * E + e]: a row of w against 8 lanes
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float ai = a[i + j];
+      const float* wr = w + size_t(i + j) * E;
+      float* pj = part.data() + size_t(j) * E;
+      for (int e = 0; e < E; ++e) {
+        pj[e] += ai * wr[e];
+      }
+    }
+  }
+  for (int e = 0; e < E; ++e) {
+    const auto q = [&](int j) { return part[size_t(j) * E + e]; };
+    out[e] = ((q(0) + q(1)) + (q(2) + q(3))) + ((q(4) + q(5)) + (q(6) + q(7)));
+  }
+  for (; i < n; ++i) {
+    for (int e = 0; e < E; ++e) {
+      out[e] += a[i] * w[size_t(i) * E + e];
+    }
+  }
+}
+
 template <typename T>
 void route(const mx::array& x, const mx::array& w, mx::array& inds, mx::array& scores, int k, bool normalize) {
   const int D = x.shape(-1);
   const int E = w.shape(0);
   const size_t rows = D == 0 ? 0 : x.size() / size_t(D);
-  const Floats xf(x), wf(w);
+  const Floats xf(x);
+  const RouterWeights wf(w);
   auto* out_i = inds.data<uint32_t>();
   T* out_s = scores.data<T>();
   std::vector<float> p(static_cast<size_t>(E));
@@ -58,8 +103,14 @@ void route(const mx::array& x, const mx::array& w, mx::array& inds, mx::array& s
   for (size_t r = 0; r < rows; ++r) {
     const float* xr = xf.ptr + r * size_t(D);
     float top = -INFINITY;
+    if (wf.input_major != nullptr) {
+      dot_input_major(xr, wf.input_major, D, E, p.data());
+    } else {
+      for (int e = 0; e < E; ++e) {
+        p[e] = dot(xr, wf.rows->ptr + size_t(e) * D, D);
+      }
+    }
     for (int e = 0; e < E; ++e) {
-      p[e] = dot(xr, wf.ptr + size_t(e) * D, D);
       top = std::max(top, p[e]);
     }
     double sum = 0.0; // the softmax in float32 against the largest logit, summed in double
