@@ -289,13 +289,15 @@ def parameter_name(name: str, spec: GGUFArch) -> str:
 
 
 def load_gguf(
-    path: str | Path, *, dense: bool, dtype: mx.Dtype = mx.float32
+    path: str | Path, *, dense: bool, dtype: mx.Dtype = mx.float32, evaluate: bool = True
 ) -> tuple[nn.Module, Tokenizer, dict]:
     """Load a GGUF model: returns (mlx-lm model with evaluated weights, tokenizer, info).
 
     ``dense=True`` expands quantized tensors to ``dtype`` (fast on CPU); ``dense=False`` keeps them as
     ``QuantizedLinear``/``QuantizedEmbedding`` with each tensor's own bits. ``info`` has ``model_type``,
-    ``context_length``, ``weight_format`` and ``name``. Raises ``GGUFError`` with a readable reason."""
+    ``context_length``, ``weight_format`` and ``name``. Raises ``GGUFError`` with a readable reason.
+    ``evaluate=False`` leaves weights read from the converted-weights cache unread until first used:
+    the caller converts them layer by layer, then evaluates the model."""
     path = Path(path)
     contents = read_gguf(path)
     tensors, md = contents.tensors, contents.metadata
@@ -325,7 +327,9 @@ def load_gguf(
     if dense:
         dequantize_model(model, dtype)
     model.eval()
-    mx.eval(model.parameters())
+    del weights, mlx_weights  # the model holds the only references: a converted array frees its source
+    if evaluate:
+        mx.eval(model.parameters())
 
     info = {
         "model_type": spec.module,

@@ -16,11 +16,13 @@ user cache directory (``~/.cache/duet/converted-weights`` on Linux); it holds at
 least recently used entries removed first (an entry as large as the whole cap is kept, alone; a
 larger one is not stored), and
 ``DUET_WEIGHT_CACHE=0`` turns it off. Writing is best effort: a full disk or a read-only directory
-only means the next start decodes again. A damaged entry is deleted and rebuilt.
+only means the next start decodes again. An entry that is not whole (its header against its size) is
+deleted and rebuilt. A hit is returned unevaluated: each array is read when first used.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -87,17 +89,36 @@ def load_or_build(model: str | os.PathLike, variant: str, build: Callable[[], We
     entry = entry_path(model, variant)
     if entry.is_file():
         try:
+            _check_whole(entry)
+            # not evaluated: each array is read from the file when first used, so a loader that
+            # converts the model layer by layer (loader.py, the CPU's scales) never holds all of the
+            # unconverted arrays at once (a 1B Q8_0 model's load peaked 330 MB above its final size)
             weights = mx.load(str(entry))
             assert isinstance(weights, dict)
-            mx.eval(list(weights.values()))
             os.utime(entry)  # most recently used
             return weights
-        except (RuntimeError, ValueError, OSError, AssertionError) as e:
+        except (RuntimeError, ValueError, OSError, AssertionError, KeyError, TypeError, IndexError) as e:
             log.warning("converted-weights cache entry %s is damaged (%s); converting again", entry.name, e)
             entry.unlink(missing_ok=True)
     weights = build()
     _store(entry, weights)
     return weights
+
+
+def _check_whole(entry: Path) -> None:
+    """Raise ``ValueError`` unless ``entry`` is a whole safetensors file: its header parses and its
+    tensors' data ends exactly where the file does (a torn write, a truncated copy)."""
+    with entry.open("rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("no safetensors header")
+        n = int.from_bytes(head, "little")
+        if not 0 < n <= min(100 << 20, entry.stat().st_size - 8):
+            raise ValueError("header length out of range")
+        header = json.loads(f.read(n))
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    if 8 + n + max(ends, default=0) != entry.stat().st_size:
+        raise ValueError("the data does not end where the file does")
 
 
 def _store(entry: Path, weights: Weights) -> None:
