@@ -92,6 +92,7 @@ def test_matches_float64_every_variant_shape_batch_and_thread_count(ext, bits, g
         (16, 67, 5 * group_size),
         (9, 1031, group_size),
         (2, 19, 20 * group_size),
+        (1, 67, 64 * group_size),  # one row, K a multiple of 256: the integer kernels' 512-bit loops
     ]
     for isa in variants(ext):
         ext.set_isa(isa)
@@ -134,8 +135,8 @@ def test_integer_kernel_for_one_or_two_rows_keeps_float32_accuracy(ext, bits):
     a block is all zeros, and with a NaN in x (NaN out, as in float arithmetic); K that is not a whole
     number of the integer kernel's steps takes the float kernel."""
     rng = np.random.default_rng(40 + bits)
-    for group_size, m in ((32, 1), (64, 2), (128, 1), (32, 2)):
-        k = 6 * 64 if group_size != 128 else 4 * 128
+    # one row of 4-bit codes with K a multiple of 256 takes the 512-bit loop (kernels_impl.inc)
+    for group_size, m, k in ((32, 1, 384), (32, 1, 512), (64, 2, 384), (128, 1, 512), (32, 2, 384)):
         x, wq, scales, biases = case(rng, m, 71, k, group_size, bits)
         xs = np.array(x)
         xs[:, :32] *= 1e-4
