@@ -160,7 +160,10 @@ def test_an_entry_larger_than_half_the_cap_is_kept_and_the_others_make_room(
 def test_a_cached_model_loads_without_holding_its_unconverted_scales(tmp_path, cache, decodes):
     """A cache hit is read as the CPU's passes convert it, layer by layer: the float32 scales and
     biases of a Q8_0 model (0.25 bytes a weight beside its 1-byte codes, where the model keeps 0.0625)
-    never all sit in memory at once, so the load's peak stays near the model's own size."""
+    never all sit in memory beside the codes, so the load's peak stays near the model's own size.
+    Holding them all is 1.20x the model's bytes (the order before); the load measures 1.01x or 1.08x
+    (two orders MLX evaluates the last pass's arrays in, the second with some layers' float32 scales
+    still alive at the peak), so the bound is 1.12x."""
     import gc
 
     from mlx.utils import tree_flatten
@@ -190,4 +193,4 @@ def test_a_cached_model_loads_without_holding_its_unconverted_scales(tmp_path, c
     # a float32 scale and bias per group, as the entry holds them
     unconverted = sum(v.size * 8 for k, v in tree_flatten(loaded.model.parameters()) if k.endswith("scales"))
     assert unconverted > 0.15 * held  # what holding them all would add: the bound below can fail
-    assert mx.get_peak_memory() - before <= held * 1.06
+    assert mx.get_peak_memory() - before <= held * 1.12
