@@ -86,7 +86,7 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
 
         # unevaluated: the CPU's passes below read each layer's float32 scales and biases and
         # replace them, so they never all sit in memory beside the model (the synthetic 1B Q8_0
-        # model's load peaked at 1596 MB against 1265 after it; now ~1290)
+        # model's load peaked at 1596 MB against 1265 after it; now 1316-1338)
         model, tokenizer, info = load_gguf(src.path, dense=dense, evaluate=False)
         model_type, ctx, fmt = info["model_type"], info["context_length"], info["weight_format"]
     else:
