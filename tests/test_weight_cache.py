@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 
 from mlx_engine.loading import gguf_loader, weight_cache
 from tests.gguf_quantize import TINY_IDS, write_tiny_gguf
+from tests.test_cpu_kernels import ext  # noqa: F401  (the built CPU kernels; missing is a failed setup)
 
 Q = gguf.GGMLQuantizationType
 QTYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "ffn_down": Q.Q8_0, "ffn_up": Q.Q5_0}
@@ -157,7 +158,7 @@ def test_an_entry_larger_than_half_the_cap_is_kept_and_the_others_make_room(
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="the CPU kernels' scale passes run on the CPU")
-def test_a_cached_model_loads_without_holding_its_unconverted_scales(tmp_path, cache, decodes):
+def test_a_cached_model_loads_without_holding_its_unconverted_scales(tmp_path, cache, decodes, ext):  # noqa: F811
     """A cache hit is read as the CPU's passes convert it, layer by layer: the float32 scales and
     biases of a Q8_0 model (0.25 bytes a weight beside its 1-byte codes, where the model keeps 0.0625)
     never all sit in memory beside the codes, so the load's peak stays near the model's own size.
@@ -168,11 +169,8 @@ def test_a_cached_model_loads_without_holding_its_unconverted_scales(tmp_path, c
 
     from mlx.utils import tree_flatten
 
-    from cpu_kernels import spec
     from mlx_engine.loading.loader import load_model
 
-    if spec.extension() is None:
-        pytest.skip("the CPU kernels are not built")
     path = tmp_path / "q8.gguf"
     kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
     write_tiny_gguf(

@@ -64,9 +64,10 @@ float dot(const float* a, const float* b, int n) {
 }
 
 // dot(a, w[:, e]) for every e of a row-major (n, E) w, each in dot's order of additions: the same
-// float32 results as dot on the row-major transpose, with w read once, row by row.
-void dot_input_major(const float* a, const float* w, int n, int E, float* out) {
-  std::vector<float> part(size_t(E) * 8, 0.0f); // part[j * E + e]: a row of w against 8 lanes
+// float32 results as dot on the row-major transpose, with w read once, row by row. part: 8 * E floats
+// of scratch (part[j * E + e]: a row of w against 8 lanes).
+void dot_input_major(const float* a, const float* w, int n, int E, std::vector<float>& part, float* out) {
+  part.assign(size_t(E) * 8, 0.0f);
   int i = 0;
   for (; i + 8 <= n; i += 8) {
     for (int j = 0; j < 8; ++j) {
@@ -100,11 +101,12 @@ void route(const mx::array& x, const mx::array& w, mx::array& inds, mx::array& s
   T* out_s = scores.data<T>();
   std::vector<float> p(static_cast<size_t>(E));
   std::vector<int> order(static_cast<size_t>(E));
+  std::vector<float> part; // dot_input_major's scratch
   for (size_t r = 0; r < rows; ++r) {
     const float* xr = xf.ptr + r * size_t(D);
     float top = -INFINITY;
     if (wf.input_major != nullptr) {
-      dot_input_major(xr, wf.input_major, D, E, p.data());
+      dot_input_major(xr, wf.input_major, D, E, part, p.data());
     } else {
       for (int e = 0; e < E; ++e) {
         p[e] = dot(xr, wf.rows->ptr + size_t(e) * D, D);
