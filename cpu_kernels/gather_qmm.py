@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from cpu_kernels.spec import KernelSpec, int8_math, resolve_backend, run
 
-SPEC = KernelSpec("gather_quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
+SPEC = KernelSpec("gather_quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(16, 32, 64, 128))  # 16: Q6_K
 
 
 def fits(

@@ -79,12 +79,12 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
         scales = self["scales"][x]
         biases = self["biases"][x] if ratio is None else None
         ext = extension()
-        if scales.dtype == mx.uint8 and ext is not None and biases is not None:
-            # two levels (scales.two_level_scales): the kernel's dequantize
+        if scales.dtype == mx.uint8 and ext is not None:
+            # two levels (scales.two_level_scales) or Q6_K's own (biases the ratio): the kernel's dequantize
             rows = ext.dequantize(
                 self["weight"][x].reshape(-1, self["weight"].shape[-1]),
                 scales.reshape(-1, scales.shape[-1]),
-                biases.reshape(-1, biases.shape[-1]),
+                ratio if biases is None else biases.reshape(-1, biases.shape[-1]),
                 self.group_size,
                 self.bits,
             )
@@ -275,13 +275,20 @@ def _switch_linear(cls: type) -> type | None:
     return _SWITCH_LINEARS[cls]
 
 
+def _scales_dtype(layer: nn.Module) -> mx.Dtype:
+    """The dtype the kernels read a layer's scales as: Q6_K's own form (groups of 16, uint8: the
+    loader's ``q6k``) is float32 steps times int8 multiples."""
+    dtype = layer["scales"].dtype
+    return mx.float32 if dtype == mx.uint8 and layer.group_size == 16 else dtype
+
+
 def _switch_supported(layer: nn.Module) -> bool:
     return (
         layer.mode == "affine"
         and layer.get("biases") is not None
         and getattr(layer, "global_scale", None) is None
         and layer["weight"].ndim == 3
-        and GATHER_SPEC.supports(bits=layer.bits, group_size=layer.group_size, dtype=layer["scales"].dtype)
+        and GATHER_SPEC.supports(bits=layer.bits, group_size=layer.group_size, dtype=_scales_dtype(layer))
     )
 
 
@@ -289,7 +296,7 @@ def _supported(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
     return (
         layer.mode == "affine"
         and layer.get("biases") is not None
-        and SPEC.supports(bits=layer.bits, group_size=layer.group_size, dtype=layer["scales"].dtype)
+        and SPEC.supports(bits=layer.bits, group_size=layer.group_size, dtype=_scales_dtype(layer))
     )
 
 

@@ -23,8 +23,8 @@ import mlx.core as mx
 
 from cpu_kernels.spec import KernelSpec, extension, int8_math, kernel_threads, resolve_backend, run
 
-SPEC = KernelSpec("quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
-DEQUANTIZE_SPEC = KernelSpec("dequantize", bits=(4, 5, 6, 8), group_sizes=(32, 64, 128))
+SPEC = KernelSpec("quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(16, 32, 64, 128))  # 16: Q6_K
+DEQUANTIZE_SPEC = KernelSpec("dequantize", bits=(4, 5, 6, 8), group_sizes=(16, 32, 64, 128))
 # Rows of x per kernel thread from which dequantize + GEMM beats the fused kernel. One thread, 1536 x
 # 576, 4-bit: 16 rows 0.53 vs 0.70 ms, 32 rows 1.07 vs 1.00 ms, 256 rows 8.5 vs 5.3 ms. The fused
 # kernel's threads split its work, the other path gains less from them: two threads (wall) 45 rows

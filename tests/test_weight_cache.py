@@ -32,9 +32,9 @@ def decodes(monkeypatch) -> list[bool]:
     calls: list[bool] = []
     real = gguf_loader.read_tensors
 
-    def counted(path, tensors, dense):
+    def counted(path, tensors, dense, *rest):
         calls.append(dense)
-        return real(path, tensors, dense)
+        return real(path, tensors, dense, *rest)
 
     monkeypatch.setattr(gguf_loader, "read_tensors", counted)
     return calls

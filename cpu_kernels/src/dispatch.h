@@ -51,10 +51,10 @@ void with_float_type(mlx::core::Dtype t, F&& f) {
 }
 
 // A dtype as the kernels' ScaleType (kernels.h): the type of a quantized matrix's scales (uint8: the
-// two-level kSuper form), or of a KV pool's rows.
-inline int scale_type(mlx::core::Dtype t) {
+// two-level kSuper form, or in groups of 16 Q6_K's kSuper16), or of a KV pool's rows.
+inline int scale_type(mlx::core::Dtype t, int group_size = 32) {
   if (t == mlx::core::uint8) {
-    return kSuper;
+    return group_size == 16 ? kSuper16 : kSuper;
   }
   return t == mlx::core::float32 ? kF32 : (t == mlx::core::float16 ? kF16 : kBF16);
 }
@@ -63,6 +63,9 @@ inline int scale_type(mlx::core::Dtype t) {
 inline size_t scale_row_bytes(int st, int G) {
   if (st == kSuper) {
     return size_t(G / kSuperGroups) * kSuperBytes;
+  }
+  if (st == kSuper16) {
+    return size_t(G / kSuper16Groups) * kSuper16Bytes;
   }
   return size_t(G) * (st == kF32 ? 4 : 2);
 }

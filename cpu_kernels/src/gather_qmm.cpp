@@ -210,7 +210,7 @@ void run_gather(
   const DenseBytes sd = dense_bytes(scales);
   const Biases bd = biases_of(biases);
   const size_t row_bytes = size_t(K) * bits / 8;
-  const size_t srow = scale_row_bytes(scale_type(scales.dtype()), G); // bytes of scales per weight row
+  const size_t srow = scale_row_bytes(scale_type(scales.dtype(), group_size), G); // bytes of scales per weight row
   // an expert's scales and biases (null for the one-element form, whose ratio serves every expert)
   auto expert_scales = [&](int e) -> const void* {
     return static_cast<const uint8_t*>(sd.data) + size_t(e) * N * srow;
@@ -274,7 +274,7 @@ void run_gather(
            K,
            group_size,
            bits,
-           scale_type(scales.dtype()),
+           scale_type(scales.dtype(), group_size),
            bd.ratio});
     }
   }
@@ -307,7 +307,7 @@ void run_gather(
         K,
         group_size,
         bits,
-        scale_type(scales.dtype())};
+        scale_type(scales.dtype(), group_size)};
     a.bias_ratio = bd.ratio;
     if (int8) {
       a.x8 = xq.data() + size_t(act.p0) * K;
@@ -386,8 +386,8 @@ mx::array gather_quantized_matmul(
   if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
   }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size must be 32, 64 or 128 (16: Q6_K's form), got " + std::to_string(group_size));
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 3) {
     throw std::invalid_argument("w must be a 3-D uint32 array (experts, N, K * bits / 32)");

@@ -15,9 +15,15 @@ namespace duet_cpu {
 // per row, per super-block of 8 groups, 10 bytes: a float16 step, then 8 uint8 multiples of it, each
 // group's scale (or bias) being step * multiple. That is 4.625 bits a 4-bit weight to read, where a
 // float16 scale and bias per group are 5.
-enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kSuper = 3 };
+// kSuper16: Q6_K's scales as its file holds them (6-bit codes in groups of 16, K a multiple of 256):
+// per row, per super-block of 16 groups, 18 bytes: a float16 step, then 16 int8 multiples of it, each
+// group's scale being step * multiple; no biases (each is -32 times its scale: a one-element ratio).
+// 6.5625 bits a weight to read, the file's, where the 8-bit re-code in groups of 32 is 8.5.
+enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kSuper = 3, kSuper16 = 4 };
 constexpr int kSuperGroups = 8; // groups per super-block
 constexpr int kSuperBytes = 10; // bytes per super-block: the float16 step, 8 multiples
+constexpr int kSuper16Groups = 16; // groups of 16 per kSuper16 super-block
+constexpr int kSuper16Bytes = 18; // bytes per kSuper16 super-block: the float16 step, 16 int8 multiples
 
 struct QmmArgs {
   const float* x; // (M, K) float32; for bits == 4 each run of 32 is stored evens first, then odds
@@ -40,6 +46,10 @@ struct QmmArgs {
   // and K / 8 floats of scales per row, as q8_quantize writes them), or null.
   const int8_t* x8 = nullptr;
   const float* x8_scale = nullptr;
+  // With x8 and Q6_K's scales (kSuper16): per row of x, K / 4 int32, bias_ratio times the sum of each
+  // four values of x8, so that a dot product started from them is that of the codes less 32 (the
+  // bias term in integers, where the 512-bit loop reads it), or null.
+  const int32_t* x8_offset = nullptr;
   // With biases null, each group's bias is this times its scale (a symmetric type's -zero point:
   // Q8_0's -128, Q4_0's -8; a power of two, so the product is the stored bias exactly).
   float bias_ratio = 0.0f;

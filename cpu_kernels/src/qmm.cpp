@@ -3,6 +3,7 @@
 #include "qmm_shared.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstring>
 #include <stdexcept>
@@ -136,6 +137,16 @@ bool supported_float(mx::Dtype t) {
 }
 
 void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (group_size == 16) {
+    // Q6_K's form (kSuper16): nothing else comes in groups of 16, and it has no biases to store
+    if (group_size != 16 || bits != 6 || scales.dtype() != mx::uint8 || !implicit_biases(biases) ||
+        !supported_float(biases.dtype())) {
+      throw std::invalid_argument(
+          "group_size 16 is Q6_K's form only: 6-bit codes, uint8 scales (a float16 step and 16 int8 multiples per "
+          "256 weights) and a one-element float biases (the ratio -32)");
+    }
+    return;
+  }
   if (implicit_biases(biases)) {
     if (!supported_float(scales.dtype()) || !supported_float(biases.dtype())) {
       throw std::invalid_argument("a one-element biases (a ratio to the scales) needs float scales and a float ratio");
@@ -158,14 +169,14 @@ void check_scale_format(const mx::array& scales, const mx::array& biases, int gr
 
 void check_scale_shapes(const mx::array& scales, const mx::array& biases, mx::Shape lead, int K, int group_size) {
   const bool two_level = scales.dtype() == mx::uint8;
-  if (two_level && K % (group_size * kSuperGroups) != 0) {
+  if (two_level && K % 256 != 0) {
     throw std::invalid_argument("two-level (uint8) scales need K a multiple of 256");
   }
-  lead.push_back(two_level ? K / group_size / kSuperGroups * kSuperBytes : K / group_size);
+  lead.push_back(two_level ? int(scale_row_bytes(scale_type(scales.dtype(), group_size), K / group_size)) : K / group_size);
   if (scales.shape() != lead || (biases.shape() != lead && !implicit_biases(biases))) {
     throw std::invalid_argument(
         "scales and biases must be (..., N, K / group_size), or (..., N, K / 256 * 10) uint8 for two-level "
-        "scales; biases may be one element (a ratio to the scales)");
+        "scales (K / 256 * 18 in groups of 16); biases may be one element (a ratio to the scales)");
   }
 }
 
@@ -220,6 +231,16 @@ void q8_gemm_row(Q8QuantizeFn q8, const void* x, mx::Dtype t, size_t first, int6
 void quantize_row_q8(Q8QuantizeFn q8, const float* row, int K, int group_size, int bits, int8_t* q, float* scale, float* xsum) {
   std::vector<float> run_sum(size_t(K) / 32);
   q8(row, K, bits, q, scale, run_sum.data());
+  if (group_size == 16) { // each half run's sum of d * q, as q8 sums a run (q in element order)
+    for (int g = 0; g < K / 16; ++g) {
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) {
+        s += q[size_t(g) * 16 + i];
+      }
+      xsum[g] = scale[size_t(g / 2) * 4] * float(s);
+    }
+    return;
+  }
   const int per = group_size / 32;
   for (int g = 0; g < K / group_size; ++g) {
     float s = 0.0f;
@@ -368,7 +389,7 @@ void run_qmm(
   if (int8 && takes_q8_gemm(v.q8_gemm, M, bits)) {
     // the GEMM prepares x its own way (element order, on the pool)
     const auto* wb = static_cast<const uint8_t*>(wd.data);
-    run_q8_gemm(v, xd, x.dtype(), wb, sd.data, bd, scale_type(scales.dtype()), y, M, N, K, group_size, bits);
+    run_q8_gemm(v, xd, x.dtype(), wb, sd.data, bd, scale_type(scales.dtype(), group_size), y, M, N, K, group_size, bits);
     write_out(out, yf);
     return;
   }
@@ -392,13 +413,14 @@ void run_qmm(
       K,
       group_size,
       bits,
-      scale_type(scales.dtype())};
+      scale_type(scales.dtype(), group_size)};
   a.bias_ratio = bd.ratio;
   // A few rows of x (decode, verification of proposed tokens, small batches): as bytes for the
   // integer dot-product kernel where there is one. With int8 math, every row as int8 (once, before
   // the threads start) for the int8 kernel.
   std::vector<int8_t> xq;
   std::vector<float> xunit;
+  std::vector<int32_t> x8_offset;
   if (int8) {
     xq.resize(size_t(M) * K);
     xunit.resize(size_t(M) * (K / 8));
@@ -415,6 +437,15 @@ void run_qmm(
     }
     a.x8 = xq.data();
     a.x8_scale = xunit.data();
+    // Q6_K: the bias term as integer offsets (kernels.h), for its whole-number ratio (-32)
+    if (group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && std::fabs(bd.ratio) <= 256.0f) {
+      x8_offset.resize(size_t(M) * (K / 4));
+      const auto ratio = int32_t(bd.ratio);
+      for (size_t j = 0; j < x8_offset.size(); ++j) {
+        x8_offset[j] = ratio * (int32_t(xq[4 * j]) + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3]);
+      }
+      a.x8_offset = x8_offset.data();
+    }
   } else if (v.quantize_x != nullptr && M <= kIntegerRows && K % (bits == 4 ? 64 : 32) == 0) {
     xq.resize(size_t(3) * K * M);
     xunit.resize(size_t(K) / 8 * M);
@@ -450,8 +481,8 @@ void check_format(const mx::array& w, const mx::array& scales, const mx::array& 
   if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
   }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size must be 32, 64 or 128 (16: Q6_K's form), got " + std::to_string(group_size));
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2) {
     throw std::invalid_argument("w must be a 2-D uint32 array (N, K * bits / 32)");
@@ -493,7 +524,7 @@ void run_dequant(
       K,
       group_size,
       bits,
-      scale_type(scales.dtype())};
+      scale_type(scales.dtype(), group_size)};
   a.bias_ratio = bd.ratio;
   const DequantFn fn = variant().dequant;
   float* o = out.data<float>();

@@ -27,7 +27,7 @@ from mlx_engine.loading.gguf_tensors import read_tensors
 HELD_BITS: dict[str, tuple[int, str]] = {
     "Q4_0": (4, "exact"), "Q4_1": (4, "exact"), "Q4_K": (4, "exact"), "Q5_0": (5, "exact"),
     "Q5_1": (5, "exact"), "Q5_K": (5, "exact"), "Q8_0": (8, "exact"), "Q3_K": (8, "exact"),
-    "Q6_K": (8, "exact where it can be, else within 1/8 of a step"),
+    "Q6_K": (8, "exact where it can be, else within 1/8 of a step"),  # MLX's kernels; the CPU's: Q6K_CPU
     "Q2_K": (8, "rounded to 256 levels per group"),
     "IQ4_NL": (8, "exact"), "IQ4_XS": (8, "exact"), "IQ2_XXS": (8, "exact"),
     "IQ3_XXS": (6, "exact"), "IQ3_S": (4, "exact"), "IQ1_S": (2, "exact"),
@@ -37,6 +37,9 @@ HELD_BITS: dict[str, tuple[int, str]] = {
 # (cpu_kernels/scales.py, implicit_biases)
 SYMMETRIC = {"Q4_0", "Q5_0", "Q8_0", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"}
 _FLOAT_BITS = {"F32": 32, "F16": 16, "BF16": 16}
+# Q6_K on the CPU kernels: as the file holds it (gguf_tensors, q6k), 6-bit codes in groups of 16 and
+# per 256 weights a float16 step and 16 int8 multiples
+Q6K_CPU = "6-bit in groups of 16 as the file holds it, exact (the CPU kernels; MLX's: 8-bit, group 32, {})"
 
 
 @dataclass
@@ -75,8 +78,8 @@ def _logical_shape(t: TensorInfo) -> tuple[int, ...]:
 def held_bytes(t: TensorInfo, scale_bits: int = 16) -> float:
     """Bytes the tensor takes as Duet holds it with weights kept quantized, its scales and biases
     ``scale_bits`` wide (16: the CPU kernels', which hold Q4_K's and Q5_K's in their two levels, a
-    float16 step per 256 weights and a uint8 multiple per 32, and store no biases for ``SYMMETRIC``
-    types: ``cpu_kernels.scales``)."""
+    float16 step per 256 weights and a uint8 multiple per 32, Q6_K's as the file does, and store no
+    biases for ``SYMMETRIC`` types: ``cpu_kernels.scales``)."""
     n = 1
     for d in t.shape:
         n *= d
@@ -87,6 +90,8 @@ def held_bytes(t: TensorInfo, scale_bits: int = 16) -> float:
         overhead = 8 / 32
     elif t.ggml_type in ("Q4_K", "Q5_K") and scale_bits == 16:
         overhead = 2 * (8 / 32 + 16 / 256)
+    elif t.ggml_type == "Q6_K" and scale_bits == 16:
+        bits, overhead = 6, 8 / 16 + 16 / 256
     elif t.ggml_type in SYMMETRIC and scale_bits == 16:
         overhead = scale_bits / 32  # the bias is a fixed multiple of the scale: not stored
     else:
@@ -98,6 +103,8 @@ def _held_as(ggml_type: str) -> str:
     if ggml_type in _FLOAT_BITS:
         return f"{ggml_type} values"
     bits, exactness = HELD_BITS[ggml_type]
+    if ggml_type == "Q6_K":
+        return Q6K_CPU.format(exactness)
     kind = "mxfp4" if ggml_type == "MXFP4" else f"{bits}-bit affine"
     return f"{kind}, group 32, {exactness}"
 

@@ -36,7 +36,13 @@ from mlx_engine.loading import mlx_lm_lazy, weight_cache
 from mlx_engine.loading.dequantize import dequantize_model
 from mlx_engine.loading.gguf_archs import ARCHITECTURES, GGUFArch, Meta
 from mlx_engine.loading.gguf_file import GGUFError, TensorInfo, read_gguf
-from mlx_engine.loading.gguf_tensors import GROUP_SIZE, REQUANTIZED_BITS, quantization_of, read_tensors
+from mlx_engine.loading.gguf_tensors import (
+    GROUP_SIZE,
+    Q6K_GROUP,
+    REQUANTIZED_BITS,
+    quantization_of,
+    read_tensors,
+)
 from mlx_engine.tokenization.gguf_tokenizer import tokenizer_from_gguf
 from mlx_engine.tokenization.tokenizer import Tokenizer
 
@@ -193,6 +199,25 @@ def _mlx_weights(
     return out, quant
 
 
+def _quantize(model: nn.Module, quant: dict[str, dict]) -> None:
+    """``nn.quantize`` with each layer's parameters. A Q6_K layer in its own form (groups of 16, which
+    ``mx.quantize`` refuses) is made as 6-bit groups of 32, the same packed codes, then given its group
+    size and scales' and biases' shapes, so that ``load_weights`` checks its arrays as any others."""
+    q6k = {p for p, q in quant.items() if q["group_size"] == Q6K_GROUP}
+    nn.quantize(
+        model,
+        class_predicate=lambda p, _m: (
+            {"group_size": GROUP_SIZE, "bits": 6} if p in q6k else quant.get(p, False)
+        ),
+    )
+    for path, layer in model.named_modules():
+        if path in q6k:
+            k = layer["weight"].shape[-1] * 32 // 6
+            layer.group_size = Q6K_GROUP
+            layer["scales"] = mx.zeros((*layer["weight"].shape[:-1], k // 256 * 18), dtype=mx.uint8)
+            layer["biases"] = mx.zeros((1,), dtype=layer["biases"].dtype)
+
+
 class _ScaledRoPE(nn.Module):
     """Rotary embedding with explicit per-pair periods: Llama 3 rope scaling as GGUF stores it."""
 
@@ -230,7 +255,8 @@ def _apply_yarn(model: nn.Module, config: dict) -> None:
 
 def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dtype: mx.Dtype) -> str:
     """E.g. "quantized 4/8-bit affine, group 32 (GGUF Q4_K/Q6_K/Q8_0; Q6_K re-quantized to 8-bit)", or
-    "... affine + mxfp4 ..." where MXFP4 tensors (gpt-oss's experts) stay in MLX's mxfp4 mode."""
+    "... affine + mxfp4 ..." where MXFP4 tensors (gpt-oss's experts) stay in MLX's mxfp4 mode; on the
+    CPU "...; Q6_K as it is, 6-bit in groups of 16"."""
     matrix_types = sorted({t.ggml_type for t in tensors if len(t.shape) in (2, 3)})
     source = "/".join(matrix_types)
     dtype_name = str(dtype).removeprefix("mlx.core.")
@@ -241,9 +267,14 @@ def _weight_format(tensors: list[TensorInfo], model: nn.Module, dense: bool, dty
     if dense or not layers:
         return f"dense {dtype_name} (from GGUF {source})"
     kinds = ([f"{'/'.join(map(str, bits))}-bit affine"] if bits else []) + (["mxfp4"] if mxfp4 else [])
-    recoded = "/".join(t for t in ("Q2_K", "Q6_K") if t in matrix_types)
-    requantized = f"; {recoded} re-quantized to {REQUANTIZED_BITS}-bit" if recoded else ""
-    return f"quantized {' + '.join(kinds)}, group {GROUP_SIZE} (GGUF {source}{requantized})"
+    native = any(m.group_size == Q6K_GROUP for m in layers)
+    recoded = "/".join(t for t in ("Q2_K", "Q6_K") if t in matrix_types and not (native and t == "Q6_K"))
+    notes = ([f"{recoded} re-quantized to {REQUANTIZED_BITS}-bit"] if recoded else []) + (
+        [f"Q6_K as it is, 6-bit in groups of {Q6K_GROUP}"] if native else []
+    )
+    return (
+        f"quantized {' + '.join(kinds)}, group {GROUP_SIZE} (GGUF {source}{''.join('; ' + n for n in notes)})"
+    )
 
 
 def architecture(file_name: str, md: dict) -> str:
@@ -289,7 +320,7 @@ def parameter_name(name: str, spec: GGUFArch) -> str:
 
 
 def load_gguf(
-    path: str | Path, *, dense: bool, dtype: mx.Dtype = mx.float32, evaluate: bool = True
+    path: str | Path, *, dense: bool, dtype: mx.Dtype = mx.float32, evaluate: bool = True, q6k: bool = False
 ) -> tuple[nn.Module, Tokenizer, dict]:
     """Load a GGUF model: returns (mlx-lm model with evaluated weights, tokenizer, info).
 
@@ -297,22 +328,24 @@ def load_gguf(
     ``QuantizedLinear``/``QuantizedEmbedding`` with each tensor's own bits. ``info`` has ``model_type``,
     ``context_length``, ``weight_format`` and ``name``. Raises ``GGUFError`` with a readable reason.
     ``evaluate=False`` leaves weights read from the converted-weights cache unread until first used:
-    the caller converts them layer by layer, then evaluates the model."""
+    the caller converts them layer by layer, then evaluates the model. ``q6k=True`` (the CPU with its
+    kernels) keeps Q6_K weights as the file holds them, in groups of 16 that only those kernels read
+    (``gguf_tensors``), instead of re-coding them at 8 bits."""
     path = Path(path)
     contents = read_gguf(path)
     tensors, md = contents.tensors, contents.metadata
     arch = architecture(path.name, md)  # before any tensor is decoded
     # decoded once per model, variant and loader version; later starts read the result back
-    weights = weight_cache.load_or_build(
-        path, "dense" if dense else "quantized", lambda: read_tensors(path, tensors, dense)
-    )
+    q6k = q6k and not dense
+    variant = "dense" if dense else ("quantized-q6k" if q6k else "quantized")
+    weights = weight_cache.load_or_build(path, variant, lambda: read_tensors(path, tensors, dense, q6k))
     spec, config, model = build_model(path.name, arch, md, weights)
     rope_freqs = weights.pop("rope_freqs.weight", None)
     for name in CONFIG_TENSORS:
         weights.pop(name, None)  # read into the config above
     try:
         mlx_weights, quant = _mlx_weights(weights, spec, config, dtype)
-        nn.quantize(model, class_predicate=lambda p, _m: quant.get(p, False))
+        _quantize(model, quant)
         model.load_weights(list(mlx_weights.items()), strict=True)
     except GGUFError:
         raise
