@@ -370,7 +370,7 @@ needs_vnni = pytest.mark.skipif(_isa() != "avx512", reason="the int8 GEMM needs 
 
 
 @needs_vnni
-@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group_size", GROUPS)
 def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size):
     """Prefill-sized products (src/kernels_gemm_avx512.cpp, AVX-512 VNNI): panels of 32 weight rows
@@ -385,7 +385,7 @@ def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size
         for dtype in (mx.float32, mx.float16):
             wq, scales, biases = weights(rng, n, k, group_size, bits)
             scales, biases = scales.astype(dtype), biases.astype(dtype)
-            for m in (8, 26, 45, 130):  # from 24 rows (8-bit) and 40 (4-bit) the GEMM: src/qmm_shared.h
+            for m in (8, 26, 45, 130):  # from 24 rows (8-bit) and 40 (4- to 6-bit) the GEMM: src/qmm_shared.h
                 x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
                 ref, mag = oracle(x, wq, scales, biases, group_size, bits)
                 outs = []

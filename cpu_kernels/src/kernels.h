@@ -42,6 +42,10 @@ struct QmmArgs {
   // per 32 (quantize_x, row after row), or null for the float kernel.
   const int8_t* xq = nullptr;
   const float* xunit = nullptr;
+  // With xq and Q6_K's scales (kSuper16): per row of x, K / 4 int32, bias_ratio times the sum of each
+  // four values of x as integers (x1 * 2^14 + x2 * 2^7 + x3), added to the dot products so that they
+  // are those of the codes less 32 (no bias term left), or null.
+  const int32_t* xq_offset = nullptr;
   // The rows of x as int8 for the int8 kernel (q8_rows, int8_impl.inc: one byte per value, K per row,
   // and K / 8 floats of scales per row, as q8_quantize writes them), or null.
   const int8_t* x8 = nullptr;
@@ -56,19 +60,19 @@ struct QmmArgs {
 };
 
 // The int8 GEMM (kernels_gemm_avx512.cpp): y (M, N) = the product of many rows of x, quantized per run
-// of 32 in element order (q8_quantize with bits != 4), with the 4- or 8-bit weights.
+// of 32 in element order (q8_quantize with bits != 4), with the 4-, 5-, 6- or 8-bit weights.
 struct Q8GemmArgs {
   const int8_t* xq; // (M, K) int8, element order
   const float* xd; // (M, K / 8): each run's scale d four times over (q8_quantize's layout)
   const float* xsum; // (M, K / group_size): each group's sum of d * q
-  const uint8_t* w; // (N, K * bits / 8) bytes, a little-endian bitstream per row; bits 4 or 8
+  const uint8_t* w; // (N, K * bits / 8) bytes, a little-endian bitstream per row; bits 4, 5, 6 or 8
   const void* scales; // (N, K / group_size) of scale_type (kSuper: (N, K / 256 * kSuperBytes) bytes)
   const void* biases; // (N, K / group_size) of scale_type, likewise; null: bias_ratio * each scale
   float* y; // (M, N), written
   int M;
   int N;
   int K; // a multiple of 32
-  int group_size; // 32, 64 or 128
+  int group_size; // 32, 64 or 128 (16: Q6_K's kSuper16)
   int bits;
   int scale_type;
   float bias_ratio = 0.0f; // as QmmArgs::bias_ratio

@@ -48,6 +48,14 @@ inline void row_codes(const uint8_t* row, int bits, int k0, int kc, uint8_t* out
     std::memcpy(out, row + k0, size_t(kc));
     return;
   }
+  if (bits == 5 || bits == 6) { // 4 * bits bytes per run of 32 (kc and k0 are whole runs)
+    for (int j = 0; j < kc; j += 32) {
+      const uint8_t* p = row + size_t(k0 + j) * bits / 8;
+      const __m256i v = bits == 5 ? unpack32_u8<5>(p, std::make_index_sequence<32>{}) : unpack32_u8<6>(p, std::make_index_sequence<32>{});
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), v);
+    }
+    return;
+  }
   // 4-bit: byte j holds values 2j (low nibble) and 2j + 1 (high); kc is a multiple of 32
   const uint8_t* p = row + k0 / 2;
   const __m128i low4 = _mm_set1_epi8(15);
@@ -61,12 +69,12 @@ inline void row_codes(const uint8_t* row, int bits, int k0, int kc, uint8_t* out
 }
 
 // A panel: rows [n, n + rows) of the weights over K values [k0, k0 + kc), as codes (for quad q and
-// lane l, the four codes of row n + l at values 4q..4q + 3) and, per run and per group, the rows'
-// scales and biases as float lanes. Lanes past `rows` are zero.
+// lane l, the four codes of row n + l at values 4q..4q + 3) and, per run (per half run in groups of
+// 16: Q6_K's) and per group, the rows' scales and biases as float lanes. Lanes past `rows` are zero.
 struct Panel {
   alignas(64) uint32_t codes[kKC / 4 * kNB];
-  alignas(64) float scales[kKC / 32 * kNB];
-  alignas(64) float biases[kKC / 32 * kNB];
+  alignas(64) float scales[kKC / 16 * kNB];
+  alignas(64) float biases[kKC / 16 * kNB];
   alignas(64) uint8_t row[kKC];
 };
 
@@ -75,12 +83,13 @@ void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
   const size_t row_bytes = size_t(a.K) * a.bits / 8;
   const int G = a.K / a.group_size;
   const int runs = kc / 32, quads = kc / 4, groups = kc / a.group_size, g0 = k0 / a.group_size;
+  const int parts = a.group_size == 16 ? 2 : 1; // scales per run
   for (int l = 0; l < kNB; ++l) {
     if (l >= rows) {
       for (int q = 0; q < quads; ++q) {
         p.codes[q * kNB + l] = 0;
       }
-      for (int r = 0; r < runs; ++r) {
+      for (int r = 0; r < runs * parts; ++r) {
         p.scales[r * kNB + l] = 0.0f;
       }
       for (int g = 0; g < groups; ++g) {
@@ -95,8 +104,8 @@ void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
       p.codes[q * kNB + l] = quad[q];
     }
     const size_t at = size_t(n + l) * G + g0;
-    for (int r = 0; r < runs; ++r) {
-      p.scales[r * kNB + l] = scale_at<ST>(a.scales, at + (r * 32) / a.group_size);
+    for (int r = 0; r < runs * parts; ++r) {
+      p.scales[r * kNB + l] = scale_at<ST>(a.scales, at + (r * 32 / parts) / a.group_size);
     }
     for (int g = 0; g < groups; ++g) {
       p.biases[g * kNB + l] = bias_at<ST>(a.biases, a.scales, a.bias_ratio, at + g);
@@ -104,8 +113,9 @@ void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
   }
 }
 
-// y[m..m+R, n..n+rows) += the panel's part of the product, for R rows of x.
-template <int R>
+// y[m..m+R, n..n+rows) += the panel's part of the product, for R rows of x. HALF: groups of 16 (Q6_K),
+// each half run's dot products scaled on their own.
+template <int R, bool HALF>
 void micro(const Q8GemmArgs& a, const Panel& p, int m, int k0, int kc, int n, __mmask16 mask0, __mmask16 mask1) {
   const int runs = kc / 32, groups = kc / a.group_size;
   const int G = a.K / a.group_size;
@@ -127,6 +137,18 @@ void micro(const Q8GemmArgs& a, const Panel& p, int m, int k0, int kc, int n, __
       dot[i][1] = _mm512_setzero_si512();
     }
     const uint32_t* codes = p.codes + size_t(r) * 8 * kNB;
+    // the dot products so far times scale set `at` (a run's, or with HALF a half run's)
+    const auto scale_in = [&](int at) __attribute__((always_inline)) {
+      const __m512 s0 = _mm512_load_ps(p.scales + at * kNB);
+      const __m512 s1 = _mm512_load_ps(p.scales + at * kNB + 16);
+      for (int i = 0; i < R; ++i) {
+        const __m512 d = _mm512_set1_ps(drow[i][r * 4]);
+        acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][0]), _mm512_mul_ps(s0, d), acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][1]), _mm512_mul_ps(s1, d), acc[i][1]);
+        dot[i][0] = _mm512_setzero_si512();
+        dot[i][1] = _mm512_setzero_si512();
+      }
+    };
     for (int q = 0; q < 8; ++q) {
       const __m512i w0 = _mm512_load_si512(codes + q * kNB);
       const __m512i w1 = _mm512_load_si512(codes + q * kNB + 16);
@@ -137,14 +159,11 @@ void micro(const Q8GemmArgs& a, const Panel& p, int m, int k0, int kc, int n, __
         dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], w0, xb);
         dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], w1, xb);
       }
+      if (HALF && q == 3) {
+        scale_in(2 * r);
+      }
     }
-    const __m512 s0 = _mm512_load_ps(p.scales + r * kNB);
-    const __m512 s1 = _mm512_load_ps(p.scales + r * kNB + 16);
-    for (int i = 0; i < R; ++i) {
-      const __m512 d = _mm512_set1_ps(drow[i][r * 4]);
-      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][0]), _mm512_mul_ps(s0, d), acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][1]), _mm512_mul_ps(s1, d), acc[i][1]);
-    }
+    scale_in(HALF ? 2 * r + 1 : r);
   }
   const int g0 = k0 / a.group_size;
   for (int g = 0; g < groups; ++g) {
@@ -168,7 +187,7 @@ void micro(const Q8GemmArgs& a, const Panel& p, int m, int k0, int kc, int n, __
   }
 }
 
-template <int ST>
+template <int ST, bool HALF>
 void gemm(const Q8GemmArgs& a, int n0, int n1) {
   static thread_local Panel panel;
   for (int n = n0; n < n1; n += kNB) {
@@ -180,23 +199,23 @@ void gemm(const Q8GemmArgs& a, int n0, int n1) {
       pack<ST>(a, n, rows, k0, kc, panel);
       int m = 0;
       for (; m + kMB <= a.M; m += kMB) {
-        micro<kMB>(a, panel, m, k0, kc, n, mask0, mask1);
+        micro<kMB, HALF>(a, panel, m, k0, kc, n, mask0, mask1);
       }
       switch (a.M - m) {
         case 5:
-          micro<5>(a, panel, m, k0, kc, n, mask0, mask1);
+          micro<5, HALF>(a, panel, m, k0, kc, n, mask0, mask1);
           break;
         case 4:
-          micro<4>(a, panel, m, k0, kc, n, mask0, mask1);
+          micro<4, HALF>(a, panel, m, k0, kc, n, mask0, mask1);
           break;
         case 3:
-          micro<3>(a, panel, m, k0, kc, n, mask0, mask1);
+          micro<3, HALF>(a, panel, m, k0, kc, n, mask0, mask1);
           break;
         case 2:
-          micro<2>(a, panel, m, k0, kc, n, mask0, mask1);
+          micro<2, HALF>(a, panel, m, k0, kc, n, mask0, mask1);
           break;
         case 1:
-          micro<1>(a, panel, m, k0, kc, n, mask0, mask1);
+          micro<1, HALF>(a, panel, m, k0, kc, n, mask0, mask1);
           break;
         default:
           break;
@@ -209,17 +228,20 @@ void gemm(const Q8GemmArgs& a, int n0, int n1) {
 
 void q8_gemm(const Q8GemmArgs& a, int n0, int n1) {
   switch (a.scale_type) {
+    case kSuper16: // Q6_K's (groups of 16)
+      gemm<kSuper16, true>(a, n0, n1);
+      break;
     case kSuper:
-      gemm<kSuper>(a, n0, n1);
+      gemm<kSuper, false>(a, n0, n1);
       break;
     case kF16:
-      gemm<kF16>(a, n0, n1);
+      gemm<kF16, false>(a, n0, n1);
       break;
     case kBF16:
-      gemm<kBF16>(a, n0, n1);
+      gemm<kBF16, false>(a, n0, n1);
       break;
     default:
-      gemm<kF32>(a, n0, n1);
+      gemm<kF32, false>(a, n0, n1);
       break;
   }
 }

@@ -29,7 +29,7 @@ struct Variant {
   QuantizeXFn quantize_x = nullptr; // one row of x as bytes for the integer dot-product kernel
   RowsFn q8_rows = nullptr; // the int8 kernel (cpu_math "int8") and its quantization of x
   Q8QuantizeFn q8_quantize = nullptr;
-  Q8GemmFn q8_gemm = nullptr; // the int8 GEMM for many rows of x (4- and 8-bit weights)
+  Q8GemmFn q8_gemm = nullptr; // the int8 GEMM for many rows of x (4-, 5-, 6- and 8-bit weights)
 };
 
 // The best variant's name (its functions: variant_named).
@@ -454,6 +454,23 @@ void run_qmm(
     }
     a.xq = xq.data();
     a.xunit = xunit.data();
+    // Q6_K: the bias term as integer offsets (kernels.h), for its whole-number ratio (-32)
+    if (group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && std::fabs(bd.ratio) <= 256.0f) {
+      x8_offset.resize(size_t(M) * (K / 4));
+      const auto ratio = int32_t(bd.ratio);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* q = xq.data() + size_t(3) * K * m; // per run of 32: x1, x2, x3 (32 bytes each)
+        for (int j = 0; j < K / 4; ++j) {
+          const int8_t* p = q + size_t(j / 8) * 96 + (j % 8) * 4;
+          int32_t sum = 0;
+          for (int i = 0; i < 4; ++i) {
+            sum += int32_t(p[i]) * 16384 + int32_t(p[32 + i]) * 128 + int32_t(p[64 + i]);
+          }
+          x8_offset[size_t(m) * (K / 4) + j] = ratio * sum;
+        }
+      }
+      a.xq_offset = x8_offset.data();
+    }
   }
   const RowsFn fn = int8 ? v.q8_rows : v.fn;
   auto pool = shared_pool();
