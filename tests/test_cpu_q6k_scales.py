@@ -183,3 +183,54 @@ def test_other_formats_in_groups_of_16_are_refused_with_a_reason(ext):  # noqa: 
     for w, s, b, gs, bits in wrong:
         with pytest.raises(ValueError):
             mx.eval(ext.quantized_matmul(x, w, s, b, gs, bits))
+
+
+_SHAPES = {"hidden_size": 256, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _q6k_layers(model) -> list:
+    return [m for _, m in model.named_modules() if getattr(m, "group_size", None) == 16]
+
+
+def test_a_q6_k_llama_loads_as_the_file_holds_it(ext, tmp_path):  # noqa: F811
+    """Every matrix Q6_K (a "Q6_K" file): llama.cpp's permuted attn_q/attn_k rows put back with their
+    scales (the one-element biases left as it is), the embedding's rows looked up through the kernel's
+    dequantize, the output layer a kernel product; through ``load_model`` on the CPU the logits are
+    the file's values' to float32 rounding."""
+    from mlx_engine.loading.loader import load_model
+    from tests.gguf_quantize import TINY_IDS, Q, write_tiny_gguf
+
+    path = tmp_path / "q6k.gguf"
+    config = _SHAPES | {"intermediate_size": 512}
+    expected = write_tiny_gguf(
+        path, "llama", qtypes=lambda name: Q.F32 if "norm" in name else Q.Q6_K, config=config
+    )
+    loaded = load_model(str(path))
+    assert "Q6_K as it is" in loaded.weight_format
+    layers = _q6k_layers(loaded.model)
+    assert len(layers) == 2 + 2 * 7  # embedding, output, 7 matrices a layer
+    assert all(m["scales"].dtype == mx.uint8 and m["biases"].shape == (1,) for m in layers)
+    ours, want = np.array(loaded.model(TINY_IDS)), np.array(expected(TINY_IDS))
+    assert np.abs(ours - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_q6_k_experts_load_as_the_file_holds_them(ext, tmp_path):  # noqa: F811
+    """A Qwen3-MoE whose experts (and every other matrix) are Q6_K: the expert stacks go through the
+    gather kernel in their own form, the logits the file's values' to float32 rounding."""
+    from cpu_kernels.modules import is_kernel_layer
+    from mlx_engine.loading.loader import load_model
+    from tests.gguf_families import write_family_gguf
+    from tests.gguf_quantize import TINY_IDS, Q
+
+    def qtype(name: str, shape: tuple[int, ...]) -> Q:
+        return (
+            Q.Q6_K if len(shape) >= 2 and name.endswith(".weight") and ".ffn_gate_inp" not in name else Q.F32
+        )
+
+    path = tmp_path / "moe-q6k.gguf"
+    expected = write_family_gguf(path, "qwen3moe", qtype_of=qtype, moe_intermediate_size=256, **_SHAPES)
+    model = load_model(str(path)).model
+    experts = [m for m in _q6k_layers(model) if m["weight"].ndim == 3]
+    assert len(experts) == 2 * 3 and all(is_kernel_layer(m) for m in experts)
+    ours, want = np.array(model(TINY_IDS)), np.array(expected(TINY_IDS))
+    assert np.abs(ours - want).max() <= 1e-4 * np.abs(want).max()

@@ -437,8 +437,9 @@ void run_qmm(
     }
     a.x8 = xq.data();
     a.x8_scale = xunit.data();
-    // Q6_K: the bias term as integer offsets (kernels.h), for its whole-number ratio (-32)
-    if (group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && std::fabs(bd.ratio) <= 256.0f) {
+    // Q6_K: the bias term as integer offsets (kernels.h), for its whole-number ratio (-32; any in
+    // [-128, 0] keeps the offset dot products within int32)
+    if (group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && bd.ratio >= -128.0f && bd.ratio <= 0.0f) {
       x8_offset.resize(size_t(M) * (K / 4));
       const auto ratio = int32_t(bd.ratio);
       for (size_t j = 0; j < x8_offset.size(); ++j) {
@@ -454,8 +455,9 @@ void run_qmm(
     }
     a.xq = xq.data();
     a.xunit = xunit.data();
-    // Q6_K: the bias term as integer offsets (kernels.h), for its whole-number ratio (-32)
-    if (group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && std::fabs(bd.ratio) <= 256.0f) {
+    // Q6_K: the bias term as integer offsets (kernels.h), for its whole-number ratio (-32; any in
+    // [-128, 0] keeps the offset dot products within int32)
+    if (group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && bd.ratio >= -128.0f && bd.ratio <= 0.0f) {
       x8_offset.resize(size_t(M) * (K / 4));
       const auto ratio = int32_t(bd.ratio);
       for (int m = 0; m < M; ++m) {

@@ -185,7 +185,11 @@ def _mlx_weights(
         key = _mlx_name(name, spec)
         if (m := _BLOCK_TENSOR.fullmatch(name)) and (fix := spec.reshape.get(f"{m.group(2)}.{m.group(3)}")):
             value = fix(value)
-        if spec.permuted_qk and (m := _BLOCK_TENSOR.fullmatch(name)) and m.group(2) in ("attn_q", "attn_k"):
+        permuted = (
+            spec.permuted_qk and (m := _BLOCK_TENSOR.fullmatch(name)) and m.group(2) in ("attn_q", "attn_k")
+        )
+        if permuted and value.size > 1:  # whole rows (not a Q6_K layer's one-element biases, its ratio)
+            assert m is not None
             value = _unpermute_rows(
                 value, config["num_attention_heads" if m.group(2) == "attn_q" else "num_key_value_heads"]
             )
