@@ -383,12 +383,7 @@ mx::array gather_quantized_matmul(
     int bits,
     bool int8,
     mx::StreamOrDevice s) {
-  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
-    throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
-  }
-  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("group_size must be 32, 64 or 128 (16: Q6_K's form), got " + std::to_string(group_size));
-  }
+  check_bits_and_groups(bits, group_size);
   if (w.dtype() != mx::uint32 || w.ndim() != 3) {
     throw std::invalid_argument("w must be a 3-D uint32 array (experts, N, K * bits / 32)");
   }

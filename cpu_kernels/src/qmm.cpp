@@ -136,11 +136,19 @@ bool supported_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
+void check_bits_and_groups(int bits, int group_size) {
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size must be 32, 64 or 128 (16: Q6_K's form), got " + std::to_string(group_size));
+  }
+}
+
 void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits) {
   if (group_size == 16) {
     // Q6_K's form (kSuper16): nothing else comes in groups of 16, and it has no biases to store
-    if (group_size != 16 || bits != 6 || scales.dtype() != mx::uint8 || !implicit_biases(biases) ||
-        !supported_float(biases.dtype())) {
+    if (bits != 6 || scales.dtype() != mx::uint8 || !implicit_biases(biases) || !supported_float(biases.dtype())) {
       throw std::invalid_argument(
           "group_size 16 is Q6_K's form only: 6-bit codes, uint8 scales (a float16 step and 16 int8 multiples per "
           "256 weights) and a one-element float biases (the ratio -32)");
@@ -356,6 +364,40 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
   q8_gemm_on_pool(v.q8_gemm, {xq.data(), xunit.data(), xsum.data(), w, scales, biases.data, y, M, N, K, group_size, bits, scale_type, biases.ratio});
 }
 
+// Whether Q6_K's bias term goes into the integer dot products (QmmArgs::x8_offset, xq_offset): a
+// whole-number ratio (-32) in [-128, 0], which keeps the offset sums within int32.
+bool integer_offsets(int group_size, const Biases& bd) {
+  return group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && bd.ratio >= -128.0f &&
+         bd.ratio <= 0.0f;
+}
+
+// ratio times the sum of each four values of M int8 rows of x (q8_quantize's element order), into out.
+const int32_t* offsets_int8(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
+  out.resize(size_t(M) * (K / 4));
+  for (size_t j = 0; j < out.size(); ++j) {
+    out[j] = ratio * (int32_t(xq[4 * j]) + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3]);
+  }
+  return out.data();
+}
+
+// The same for M rows of x as three bytes a value (quantize_x, bits != 4: per run of 32, x1, x2 and x3
+// 32 bytes each), each value as the integer x1 * 2^14 + x2 * 2^7 + x3.
+const int32_t* offsets_three_byte(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
+  out.resize(size_t(M) * (K / 4));
+  for (int m = 0; m < M; ++m) {
+    const int8_t* q = xq.data() + size_t(3) * K * m;
+    for (int j = 0; j < K / 4; ++j) {
+      const int8_t* p = q + size_t(j / 8) * 96 + (j % 8) * 4;
+      int32_t sum = 0;
+      for (int i = 0; i < 4; ++i) {
+        sum += int32_t(p[i]) * 16384 + int32_t(p[32 + i]) * 128 + int32_t(p[64 + i]);
+      }
+      out[size_t(m) * (K / 4) + j] = ratio * sum;
+    }
+  }
+  return out.data();
+}
+
 void run_qmm(
     const mx::array& x,
     const mx::array& w,
@@ -420,7 +462,7 @@ void run_qmm(
   // the threads start) for the int8 kernel.
   std::vector<int8_t> xq;
   std::vector<float> xunit;
-  std::vector<int32_t> x8_offset;
+  std::vector<int32_t> offsets; // Q6_K's bias term in integers (QmmArgs::x8_offset, xq_offset)
   if (int8) {
     xq.resize(size_t(M) * K);
     xunit.resize(size_t(M) * (K / 8));
@@ -437,15 +479,8 @@ void run_qmm(
     }
     a.x8 = xq.data();
     a.x8_scale = xunit.data();
-    // Q6_K: the bias term as integer offsets (kernels.h), for its whole-number ratio (-32; any in
-    // [-128, 0] keeps the offset dot products within int32)
-    if (group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && bd.ratio >= -128.0f && bd.ratio <= 0.0f) {
-      x8_offset.resize(size_t(M) * (K / 4));
-      const auto ratio = int32_t(bd.ratio);
-      for (size_t j = 0; j < x8_offset.size(); ++j) {
-        x8_offset[j] = ratio * (int32_t(xq[4 * j]) + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3]);
-      }
-      a.x8_offset = x8_offset.data();
+    if (integer_offsets(group_size, bd)) {
+      a.x8_offset = offsets_int8(xq, M, K, int32_t(bd.ratio), offsets);
     }
   } else if (v.quantize_x != nullptr && M <= kIntegerRows && K % (bits == 4 ? 64 : 32) == 0) {
     xq.resize(size_t(3) * K * M);
@@ -455,23 +490,8 @@ void run_qmm(
     }
     a.xq = xq.data();
     a.xunit = xunit.data();
-    // Q6_K: the bias term as integer offsets (kernels.h), for its whole-number ratio (-32; any in
-    // [-128, 0] keeps the offset dot products within int32)
-    if (group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && bd.ratio >= -128.0f && bd.ratio <= 0.0f) {
-      x8_offset.resize(size_t(M) * (K / 4));
-      const auto ratio = int32_t(bd.ratio);
-      for (int m = 0; m < M; ++m) {
-        const int8_t* q = xq.data() + size_t(3) * K * m; // per run of 32: x1, x2, x3 (32 bytes each)
-        for (int j = 0; j < K / 4; ++j) {
-          const int8_t* p = q + size_t(j / 8) * 96 + (j % 8) * 4;
-          int32_t sum = 0;
-          for (int i = 0; i < 4; ++i) {
-            sum += int32_t(p[i]) * 16384 + int32_t(p[32 + i]) * 128 + int32_t(p[64 + i]);
-          }
-          x8_offset[size_t(m) * (K / 4) + j] = ratio * sum;
-        }
-      }
-      a.xq_offset = x8_offset.data();
+    if (integer_offsets(group_size, bd)) {
+      a.xq_offset = offsets_three_byte(xq, M, K, int32_t(bd.ratio), offsets);
     }
   }
   const RowsFn fn = int8 ? v.q8_rows : v.fn;
@@ -497,12 +517,7 @@ void run_qmm(
 }
 
 void check_format(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
-  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
-    throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
-  }
-  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("group_size must be 32, 64 or 128 (16: Q6_K's form), got " + std::to_string(group_size));
-  }
+  check_bits_and_groups(bits, group_size);
   if (w.dtype() != mx::uint32 || w.ndim() != 2) {
     throw std::invalid_argument("w must be a 2-D uint32 array (N, K * bits / 32)");
   }

@@ -48,6 +48,9 @@ inline bool takes_q8_gemm(Q8GemmFn gemm, int M, int bits) {
 void q8_gemm_on_pool(Q8GemmFn gemm, const Q8GemmArgs& a);
 
 bool supported_float(mx::Dtype t);
+// Throws unless bits is 4, 5, 6 or 8 and group_size 32, 64 or 128 (or 16, Q6_K's: check_scale_format
+// holds it to that form).
+void check_bits_and_groups(int bits, int group_size);
 // Throws unless scales and biases are one float dtype, or the two-level uint8 form (kernels.h: kSuper)
 // of 4- or 5-bit weights in groups of 32.
 void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits);
