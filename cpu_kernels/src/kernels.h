@@ -50,9 +50,10 @@ struct QmmArgs {
   // and K / 8 floats of scales per row, as q8_quantize writes them), or null.
   const int8_t* x8 = nullptr;
   const float* x8_scale = nullptr;
-  // With x8 and Q6_K's scales (kSuper16): per row of x, K / 4 int32, bias_ratio times the sum of each
-  // four values of x8, so that a dot product started from them is that of the codes less 32 (the
-  // bias term in integers, where the 512-bit loop reads it), or null.
+  // With x8 and Q6_K's scales (kSuper16): per row of x, K / 16 int32, bias_ratio times the sum of each
+  // group's 16 values of x8, so that a group's dot products started from them (in its first lane)
+  // are those of the codes less 32 (the bias term in integers, where the 512-bit loop reads it), or
+  // null.
   const int32_t* x8_offset = nullptr;
   // With biases null, each group's bias is this times its scale (a symmetric type's -zero point:
   // Q8_0's -128, Q4_0's -8; a power of two, so the product is the stored bias exactly).

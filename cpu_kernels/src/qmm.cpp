@@ -371,11 +371,16 @@ bool integer_offsets(int group_size, const Biases& bd) {
          bd.ratio <= 0.0f;
 }
 
-// ratio times the sum of each four values of M int8 rows of x (q8_quantize's element order), into out.
+// ratio times the sum of each group of 16 values of M int8 rows of x (q8_quantize's element order),
+// into out: one int32 a group, which the kernel adds to its group's first lane.
 const int32_t* offsets_int8(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
-  out.resize(size_t(M) * (K / 4));
+  out.resize(size_t(M) * (K / 16));
   for (size_t j = 0; j < out.size(); ++j) {
-    out[j] = ratio * (int32_t(xq[4 * j]) + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3]);
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) {
+      sum += xq[16 * j + i];
+    }
+    out[j] = ratio * sum;
   }
   return out.data();
 }
