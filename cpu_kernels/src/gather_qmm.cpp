@@ -209,6 +209,16 @@ void run_gather(
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
   const Biases bd = biases_of(biases);
+  // Q6_K's bias term in integers, as quantized_matmul takes it (QmmArgs::x8_offset, xq_offset)
+  std::vector<int32_t> bias_offsets;
+  const int32_t* offset = nullptr;
+  if (integer_offsets(group_size, bd)) {
+    if (int8) {
+      offset = offsets_int8(xq, sorted, K, int32_t(bd.ratio), bias_offsets);
+    } else if (!xq.empty()) {
+      offset = offsets_three_byte(xq, sorted, K, int32_t(bd.ratio), bias_offsets);
+    }
+  }
   const size_t row_bytes = size_t(K) * bits / 8;
   const size_t srow = scale_row_bytes(scale_type(scales.dtype(), group_size), G); // bytes of scales per weight row
   // an expert's scales and biases (null for the one-element form, whose ratio serves every expert)
@@ -312,9 +322,11 @@ void run_gather(
     if (int8) {
       a.x8 = xq.data() + size_t(act.p0) * K;
       a.x8_scale = xunit.data() + size_t(act.p0) * (K / 8);
+      a.x8_offset = offset == nullptr ? nullptr : offset + size_t(act.p0) * (K / 16);
     } else if (integer && act.count <= kIntegerRows) {
       a.xq = xq.data() + size_t(3) * K * act.p0;
       a.xunit = xunit.data() + size_t(K) / 8 * act.p0;
+      a.xq_offset = offset == nullptr ? nullptr : offset + size_t(act.p0) * (K / 4);
     }
     return a;
   };

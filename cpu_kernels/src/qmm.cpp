@@ -322,6 +322,45 @@ void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K
   }
 }
 
+// Whether Q6_K's bias term goes into the integer dot products (QmmArgs::x8_offset, xq_offset): a
+// whole-number ratio (-32) in [-128, 0], which keeps the offset sums within int32.
+bool integer_offsets(int group_size, const Biases& bd) {
+  return group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && bd.ratio >= -128.0f &&
+         bd.ratio <= 0.0f;
+}
+
+// ratio times the sum of each group of 16 values of M int8 rows of x (q8_quantize's element order),
+// into out: one int32 a group, which the kernel adds to its group's first lane.
+const int32_t* offsets_int8(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
+  out.resize(size_t(M) * (K / 16));
+  for (size_t j = 0; j < out.size(); ++j) {
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) {
+      sum += xq[16 * j + i];
+    }
+    out[j] = ratio * sum;
+  }
+  return out.data();
+}
+
+// The same for M rows of x as three bytes a value (quantize_x, bits != 4: per run of 32, x1, x2 and x3
+// 32 bytes each), each value as the integer x1 * 2^14 + x2 * 2^7 + x3.
+const int32_t* offsets_three_byte(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
+  out.resize(size_t(M) * (K / 4));
+  for (int m = 0; m < M; ++m) {
+    const int8_t* q = xq.data() + size_t(3) * K * m;
+    for (int j = 0; j < K / 4; ++j) {
+      const int8_t* p = q + size_t(j / 8) * 96 + (j % 8) * 4;
+      int32_t sum = 0;
+      for (int i = 0; i < 4; ++i) {
+        sum += int32_t(p[i]) * 16384 + int32_t(p[32 + i]) * 128 + int32_t(p[64 + i]);
+      }
+      out[size_t(m) * (K / 4) + j] = ratio * sum;
+    }
+  }
+  return out.data();
+}
+
 namespace {
 
 // y, computed in float32 (yf) for a float16 or bfloat16 out, into out.
@@ -362,45 +401,6 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
     pool->run(qtasks, quantize);
   }
   q8_gemm_on_pool(v.q8_gemm, {xq.data(), xunit.data(), xsum.data(), w, scales, biases.data, y, M, N, K, group_size, bits, scale_type, biases.ratio});
-}
-
-// Whether Q6_K's bias term goes into the integer dot products (QmmArgs::x8_offset, xq_offset): a
-// whole-number ratio (-32) in [-128, 0], which keeps the offset sums within int32.
-bool integer_offsets(int group_size, const Biases& bd) {
-  return group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && bd.ratio >= -128.0f &&
-         bd.ratio <= 0.0f;
-}
-
-// ratio times the sum of each group of 16 values of M int8 rows of x (q8_quantize's element order),
-// into out: one int32 a group, which the kernel adds to its group's first lane.
-const int32_t* offsets_int8(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
-  out.resize(size_t(M) * (K / 16));
-  for (size_t j = 0; j < out.size(); ++j) {
-    int32_t sum = 0;
-    for (int i = 0; i < 16; ++i) {
-      sum += xq[16 * j + i];
-    }
-    out[j] = ratio * sum;
-  }
-  return out.data();
-}
-
-// The same for M rows of x as three bytes a value (quantize_x, bits != 4: per run of 32, x1, x2 and x3
-// 32 bytes each), each value as the integer x1 * 2^14 + x2 * 2^7 + x3.
-const int32_t* offsets_three_byte(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
-  out.resize(size_t(M) * (K / 4));
-  for (int m = 0; m < M; ++m) {
-    const int8_t* q = xq.data() + size_t(3) * K * m;
-    for (int j = 0; j < K / 4; ++j) {
-      const int8_t* p = q + size_t(j / 8) * 96 + (j % 8) * 4;
-      int32_t sum = 0;
-      for (int i = 0; i < 4; ++i) {
-        sum += int32_t(p[i]) * 16384 + int32_t(p[32 + i]) * 128 + int32_t(p[64 + i]);
-      }
-      out[size_t(m) * (K / 4) + j] = ratio * sum;
-    }
-  }
-  return out.data();
 }
 
 void run_qmm(
