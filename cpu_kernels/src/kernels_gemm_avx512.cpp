@@ -103,12 +103,44 @@ void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
     for (int q = 0; q < quads; ++q) {
       p.codes[q * kNB + l] = quad[q];
     }
+    // the row's group scales and biases, 16 groups at a time where there are (whole super-blocks:
+    // at is a multiple of 16), then each run's (half run's) from its group's
     const size_t at = size_t(n + l) * G + g0;
-    for (int r = 0; r < runs * parts; ++r) {
-      p.scales[r * kNB + l] = scale_at<ST>(a.scales, at + (r * 32 / parts) / a.group_size);
+    alignas(64) float scale[kKC / 16];
+    alignas(64) float bias[kKC / 16];
+    int g = 0;
+    for (; g + 16 <= groups; g += 16) {
+      const __m512 s = (__m512)load_scales16<ST>(a.scales, at + g);
+      _mm512_store_ps(scale + g, s);
+      _mm512_store_ps(
+          bias + g,
+          a.biases != nullptr ? (__m512)load_scales16<ST>(a.biases, at + g) : _mm512_mul_ps(s, _mm512_set1_ps(a.bias_ratio)));
     }
-    for (int g = 0; g < groups; ++g) {
-      p.biases[g * kNB + l] = bias_at<ST>(a.biases, a.scales, a.bias_ratio, at + g);
+    for (; g < groups; ++g) {
+      scale[g] = scale_at<ST>(a.scales, at + g);
+      bias[g] = bias_at<ST>(a.biases, a.scales, a.bias_ratio, at + g);
+    }
+    const int per_group = a.group_size * parts / 32; // runs (half runs) a group spans
+    for (int r = 0; r < runs * parts; ++r) {
+      p.scales[r * kNB + l] = scale[r / per_group];
+    }
+    for (g = 0; g < groups; ++g) {
+      p.biases[g * kNB + l] = bias[g];
+    }
+  }
+}
+
+// Fetches into L2 the codes of rows [n, n + rows) over K values [k0, k0 + kc), the panel packed next:
+// each row's stretch is a short run of lines the hardware prefetchers do not see coming (rows are
+// K * bits / 8 bytes apart), so pack waited on DRAM for every one.
+void prefetch_stretch(const Q8GemmArgs& a, int n, int rows, int k0, int kc) {
+  const size_t row_bytes = size_t(a.K) * a.bits / 8;
+  const size_t first = size_t(k0) * a.bits / 8;
+  const size_t bytes = size_t(kc) * a.bits / 8;
+  for (int l = 0; l < rows; ++l) {
+    const char* row = reinterpret_cast<const char*>(a.w + size_t(n + l) * row_bytes + first);
+    for (size_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(row + b, _MM_HINT_T1);
     }
   }
 }
@@ -197,6 +229,11 @@ void gemm(const Q8GemmArgs& a, int n0, int n1) {
     for (int k0 = 0; k0 < a.K; k0 += kKC) {
       const int kc = std::min(kKC, a.K - k0);
       pack<ST>(a, n, rows, k0, kc, panel);
+      if (k0 + kKC < a.K) {
+        prefetch_stretch(a, n, rows, k0 + kKC, std::min(kKC, a.K - k0 - kKC));
+      } else if (n + kNB < n1) {
+        prefetch_stretch(a, n + kNB, std::min(kNB, n1 - n - kNB), 0, std::min(kKC, a.K));
+      }
       int m = 0;
       for (; m + kMB <= a.M; m += kMB) {
         micro<kMB, HALF>(a, panel, m, k0, kc, n, mask0, mask1);
