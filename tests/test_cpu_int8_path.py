@@ -385,7 +385,7 @@ def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size
         for dtype in (mx.float32, mx.float16):
             wq, scales, biases = weights(rng, n, k, group_size, bits)
             scales, biases = scales.astype(dtype), biases.astype(dtype)
-            for m in (8, 26, 45, 130):  # from 24 rows (8-bit) and 40 (4- to 6-bit) the GEMM: src/qmm_shared.h
+            for m in (7, 8, 19, 20, 45, 130):  # from 20 rows (4-bit) and 8 (5- to 8-bit) the GEMM: src/qmm_shared.h
                 x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
                 ref, mag = oracle(x, wq, scales, biases, group_size, bits)
                 outs = []
@@ -427,7 +427,7 @@ def test_prefill_with_int8_math_goes_through_the_gemm_not_a_dequantized_copy(ext
 @needs_vnni
 def test_gather_experts_with_many_rows_take_the_gemm_as_quantized_matmul_does(ext):
     """Prefill through a mixture of experts: an expert chosen by as many rows as take the int8 GEMM in
-    ``quantized_matmul`` (40 for 4-bit weights, 24 for 8-bit) takes it in the gather too, bit for bit
+    ``quantized_matmul`` (20 for 4-bit weights, 8 for 8-bit) takes it in the gather too, bit for bit
     the same product as ``quantized_matmul`` of its rows; experts with fewer rows in the same call keep
     the row kernel. Both against the float64 oracle."""
     rng = np.random.default_rng(29)
@@ -438,8 +438,9 @@ def test_gather_experts_with_many_rows_take_the_gemm_as_quantized_matmul_does(ex
             group_size=group_size,
             bits=bits,
         )
-        # expert 0 on every token, 1 on most, 2 on a few (row kernel), 3 on none
-        second = np.where(rng.random(tokens) < 0.85, 1, 2).astype(np.uint32)
+        # expert 0 on every token, 1 on all but five, 2 on those five (row kernel), 3 on none
+        second = np.ones(tokens, np.uint32)
+        second[rng.choice(tokens, 5, replace=False)] = 2
         idx = mx.array(np.stack([np.zeros(tokens, np.uint32), second], axis=1))
         x = mx.array(rng.standard_normal((tokens, 1, 1, k)).astype(np.float32))
         for threads in (1, 2):

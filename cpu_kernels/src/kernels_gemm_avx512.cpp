@@ -56,10 +56,17 @@ inline void row_codes(const uint8_t* row, int bits, int k0, int kc, uint8_t* out
     }
     return;
   }
-  // 4-bit: byte j holds values 2j (low nibble) and 2j + 1 (high); kc is a multiple of 32
+  // 4-bit: byte j holds values 2j (low nibble) and 2j + 1 (high); kc is a multiple of 32. 32 bytes
+  // widened to 16-bit words, each word's high nibble moved up to its high byte: 64 codes in order
   const uint8_t* p = row + k0 / 2;
+  int j = 0;
+  for (; j + 32 <= kc / 2; j += 32) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)));
+    // (w | w << 4) & 0x0F0F: the low nibble stays in byte 0, the high one lands in byte 1
+    _mm512_storeu_si512(out + 2 * j, _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x0F0F), 0xA8));
+  }
   const __m128i low4 = _mm_set1_epi8(15);
-  for (int j = 0; j < kc / 2; j += 16) {
+  for (; j < kc / 2; j += 16) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j));
     const __m128i lo = _mm_and_si128(b, low4);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
@@ -75,8 +82,60 @@ struct Panel {
   alignas(64) uint32_t codes[kKC / 4 * kNB];
   alignas(64) float scales[kKC / 16 * kNB];
   alignas(64) float biases[kKC / 16 * kNB];
-  alignas(64) uint8_t row[kKC];
+  // each row's codes (one byte each), run scales and group biases, before the transposes
+  alignas(64) uint8_t rows[kNB][kKC];
+  alignas(64) float row_scales[kNB][kKC / 16];
+  alignas(64) float row_biases[kNB][kKC / 16];
 };
+
+// Transposes a 16 x 16 block of int32 (r[i] row i) in registers: afterwards r[k] holds column
+// swap01(k), k with its two low bits swapped (the shuffles' order).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int k = 0; k < 2; ++k) {
+      u[4 * i + k] = _mm512_unpacklo_epi64(t[4 * i + k], t[4 * i + 2 + k]);
+      u[4 * i + 2 + k] = _mm512_unpackhi_epi64(t[4 * i + k], t[4 * i + 2 + k]);
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 4; ++k) {
+      v[8 * i + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0x88);
+      v[8 * i + 4 + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(v[k], v[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(v[k], v[8 + k], 0xdd);
+  }
+}
+
+constexpr int swap01(int k) {
+  return (k & ~3) | ((k & 1) << 1) | ((k & 2) >> 1);
+}
+
+// src's rows [0, kNB) of cols 4-byte values each (row stride `stride` values) into dst column-major:
+// dst[c * kNB + l] = src[l][c], by 16 x 16 blocks transposed in registers. A last partial block
+// reads up to 16 values of each row (within its buffer) and stores only its cols.
+inline void transpose_panel(const uint32_t* src, int stride, int cols, uint32_t* dst) {
+  for (int l0 = 0; l0 < kNB; l0 += 16) {
+    for (int c0 = 0; c0 < cols; c0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = _mm512_load_si512(src + size_t(l0 + i) * stride + c0);
+      }
+      transpose16(r);
+      const int n_c = std::min(16, cols - c0);
+      for (int j = 0; j < n_c; ++j) {
+        _mm512_store_si512(dst + size_t(c0 + j) * kNB + l0, r[swap01(j)]);
+      }
+    }
+  }
+}
 
 template <int ST>
 void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
@@ -84,30 +143,20 @@ void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
   const int G = a.K / a.group_size;
   const int runs = kc / 32, quads = kc / 4, groups = kc / a.group_size, g0 = k0 / a.group_size;
   const int parts = a.group_size == 16 ? 2 : 1; // scales per run
+  const int per_group = a.group_size * parts / 32; // runs (half runs) a group spans
   for (int l = 0; l < kNB; ++l) {
+    float* scale = p.row_scales[l];
+    float* bias = p.row_biases[l];
     if (l >= rows) {
-      for (int q = 0; q < quads; ++q) {
-        p.codes[q * kNB + l] = 0;
-      }
-      for (int r = 0; r < runs * parts; ++r) {
-        p.scales[r * kNB + l] = 0.0f;
-      }
-      for (int g = 0; g < groups; ++g) {
-        p.biases[g * kNB + l] = 0.0f;
-      }
+      std::memset(p.rows[l], 0, size_t(kc));
+      std::memset(scale, 0, sizeof(p.row_scales[l]));
+      std::memset(bias, 0, sizeof(p.row_biases[l]));
       continue;
     }
-    row_codes(a.w + size_t(n + l) * row_bytes, a.bits, k0, kc, p.row);
-    uint32_t quad[kKC / 4];
-    std::memcpy(quad, p.row, size_t(kc));
-    for (int q = 0; q < quads; ++q) {
-      p.codes[q * kNB + l] = quad[q];
-    }
+    row_codes(a.w + size_t(n + l) * row_bytes, a.bits, k0, kc, p.rows[l]);
     // the row's group scales and biases, 16 groups at a time where there are (whole super-blocks:
-    // at is a multiple of 16), then each run's (half run's) from its group's
+    // at is a multiple of 16), then (groups of 64 or more) each run's from its group's
     const size_t at = size_t(n + l) * G + g0;
-    alignas(64) float scale[kKC / 16];
-    alignas(64) float bias[kKC / 16];
     int g = 0;
     for (; g + 16 <= groups; g += 16) {
       const __m512 s = (__m512)load_scales16<ST>(a.scales, at + g);
@@ -120,19 +169,24 @@ void pack(const Q8GemmArgs& a, int n, int rows, int k0, int kc, Panel& p) {
       scale[g] = scale_at<ST>(a.scales, at + g);
       bias[g] = bias_at<ST>(a.biases, a.scales, a.bias_ratio, at + g);
     }
-    const int per_group = a.group_size * parts / 32; // runs (half runs) a group spans
-    for (int r = 0; r < runs * parts; ++r) {
-      p.scales[r * kNB + l] = scale[r / per_group];
-    }
-    for (g = 0; g < groups; ++g) {
-      p.biases[g * kNB + l] = bias[g];
+    if (per_group > 1) {
+      for (int r = runs * parts - 1; r >= 0; --r) { // in place, from the end
+        scale[r] = scale[r / per_group];
+      }
     }
   }
+  // codes[q * kNB + l] = the four codes of row l at values 4q..4q + 3, scales[r * kNB + l] and
+  // biases[g * kNB + l] likewise: transposed in registers (a scalar store per four codes, and an
+  // integer division per scale, cost as much as the rows' products at 16 rows of x)
+  transpose_panel(reinterpret_cast<const uint32_t*>(p.rows), kKC / 4, quads, p.codes);
+  transpose_panel(reinterpret_cast<const uint32_t*>(p.row_scales), kKC / 16, runs * parts, reinterpret_cast<uint32_t*>(p.scales));
+  transpose_panel(reinterpret_cast<const uint32_t*>(p.row_biases), kKC / 16, groups, reinterpret_cast<uint32_t*>(p.biases));
 }
 
-// Fetches into L2 the codes of rows [n, n + rows) over K values [k0, k0 + kc), the panel packed next:
-// each row's stretch is a short run of lines the hardware prefetchers do not see coming (rows are
-// K * bits / 8 bytes apart), so pack waited on DRAM for every one.
+// Fetches into L2 the codes of rows [n, n + rows) over K values [k0, k0 + kc), the panel packed next,
+// while the rows of x stream past the current one: each row's stretch is a short run of lines the
+// hardware prefetchers do not see coming (rows are K * bits / 8 bytes apart). Spreading the lines over
+// the micro-kernel calls instead measured slower at 8 and 16 rows of x.
 void prefetch_stretch(const Q8GemmArgs& a, int n, int rows, int k0, int kc) {
   const size_t row_bytes = size_t(a.K) * a.bits / 8;
   const size_t first = size_t(k0) * a.bits / 8;
@@ -145,8 +199,6 @@ void prefetch_stretch(const Q8GemmArgs& a, int n, int rows, int k0, int kc) {
   }
 }
 
-// y[m..m+R, n..n+rows) += the panel's part of the product, for R rows of x. HALF: groups of 16 (Q6_K),
-// each half run's dot products scaled on their own.
 template <int R, bool HALF>
 void micro(const Q8GemmArgs& a, const Panel& p, int m, int k0, int kc, int n, __mmask16 mask0, __mmask16 mask1) {
   const int runs = kc / 32, groups = kc / a.group_size;
