@@ -199,6 +199,8 @@ void prefetch_stretch(const Q8GemmArgs& a, int n, int rows, int k0, int kc) {
   }
 }
 
+// y[m..m+R, n..n+rows) += the panel's part of the product, for R rows of x. HALF: groups of 16 (Q6_K),
+// each half run's dot products scaled on their own.
 template <int R, bool HALF>
 void micro(const Q8GemmArgs& a, const Panel& p, int m, int k0, int kc, int n, __mmask16 mask0, __mmask16 mask1) {
   const int runs = kc / 32, groups = kc / a.group_size;

@@ -322,15 +322,13 @@ void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K
   }
 }
 
-// Whether Q6_K's bias term goes into the integer dot products (QmmArgs::x8_offset, xq_offset): a
-// whole-number ratio (-32) in [-128, 0], which keeps the offset sums within int32.
+// qmm_shared.h says what these three compute
 bool integer_offsets(int group_size, const Biases& bd) {
   return group_size == 16 && bd.data == nullptr && bd.ratio == std::nearbyint(bd.ratio) && bd.ratio >= -128.0f &&
          bd.ratio <= 0.0f;
 }
 
-// ratio times the sum of each group of 16 values of M int8 rows of x (q8_quantize's element order),
-// into out: one int32 a group, which the kernel adds to its group's first lane.
+// one int32 a group of 16 values of x, which the kernel adds to the group's first lane
 const int32_t* offsets_int8(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
   out.resize(size_t(M) * (K / 16));
   for (size_t j = 0; j < out.size(); ++j) {
@@ -343,8 +341,7 @@ const int32_t* offsets_int8(const std::vector<int8_t>& xq, int M, int K, int32_t
   return out.data();
 }
 
-// The same for M rows of x as three bytes a value (quantize_x, bits != 4: per run of 32, x1, x2 and x3
-// 32 bytes each), each value as the integer x1 * 2^14 + x2 * 2^7 + x3.
+// per run of 32, x1, x2 and x3 32 bytes each; each value the integer x1 * 2^14 + x2 * 2^7 + x3
 const int32_t* offsets_three_byte(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out) {
   out.resize(size_t(M) * (K / 4));
   for (int m = 0; m < M; ++m) {

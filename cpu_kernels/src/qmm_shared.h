@@ -92,9 +92,11 @@ Biases biases_of(const mx::array& biases);
 // Whether Q6_K's bias term goes into the integer dot products (QmmArgs::x8_offset, xq_offset): a
 // whole-number ratio (-32) in [-128, 0], which keeps the offset sums within int32.
 bool integer_offsets(int group_size, const Biases& bd);
-// QmmArgs::x8_offset for M int8 rows of x (q8_quantize's element order), built in out.
+// QmmArgs::x8_offset for M int8 rows of x (q8_quantize's element order), built in out: ratio times
+// each group of 16 values' sum.
 const int32_t* offsets_int8(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out);
-// QmmArgs::xq_offset for M rows of x as three bytes a value (quantize_x), built in out.
+// QmmArgs::xq_offset for M rows of x as three bytes a value (quantize_x), built in out: ratio times
+// each four values' sum.
 const int32_t* offsets_three_byte(const std::vector<int8_t>& xq, int M, int K, int32_t ratio, std::vector<int32_t>& out);
 
 // Splits work over weight_bytes into tasks that each read at least ~16 KB of weights (8 KB when
