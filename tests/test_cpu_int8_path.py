@@ -385,7 +385,8 @@ def test_many_rows_take_the_int8_gemm_and_match_the_oracle(ext, bits, group_size
         for dtype in (mx.float32, mx.float16):
             wq, scales, biases = weights(rng, n, k, group_size, bits)
             scales, biases = scales.astype(dtype), biases.astype(dtype)
-            for m in (7, 8, 19, 20, 45, 130):  # from 20 rows (4-bit) and 8 (5- to 8-bit) the GEMM: src/qmm_shared.h
+            # from 20 rows (4-bit) and 8 (5- to 8-bit) the GEMM: src/qmm_shared.h
+            for m in (7, 8, 19, 20, 45, 130):
                 x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
                 ref, mag = oracle(x, wq, scales, biases, group_size, bits)
                 outs = []
