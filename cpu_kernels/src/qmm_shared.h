@@ -28,8 +28,9 @@ using Q8GemmFn = void (*)(const Q8GemmArgs&, int, int);
 // Rows of x from which int8 math takes the GEMM (where the variant has one) instead of the row kernel:
 // its panels cost their unpacking once however many rows pass, the row kernel's tiles once per 8 rows.
 // Measured with 8-row tiles, 2 threads, GMAC/s GEMM vs rows: a 1B model's 8192 x 2048 Q4_K (two-level)
-// matrices from DRAM at 16 rows 127-135 vs 137-139, 24 rows 148-160 vs ~135; 8192 x 2048 in L3 at
-// 8 rows, 5-bit 100-133 vs 82-99, 6-bit (Q6_K) 104-111 vs 94-97, 8-bit 106-118 vs 97-100.
+// matrices from DRAM at 16 rows 127-146 vs 137-139, 20 rows 137-149 vs 134-135, 24 rows 145-163 vs
+// 129-130; 8192 x 2048 in L3 at 8 rows, 5-bit 100-133 vs 82-99, 6-bit (Q6_K) 104-111 vs 94-97, 8-bit
+// 106-118 vs 97-100.
 inline int gemm_rows(int bits) {
   return bits == 4 ? 20 : 8;
 }
