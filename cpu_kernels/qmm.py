@@ -41,7 +41,7 @@ def dequantize_rows() -> int:
 def int8_gemm(bits: int) -> bool:
     """Whether many rows of x with int8 math take the extension's int8 GEMM (AVX-512 VNNI; 4- to 8-bit
     weights: src/kernels_gemm_avx512.cpp) instead of dequantize + a float32 GEMM."""
-    if bits not in (4, 5, 6, 8) or not int8_math():
+    if bits not in SPEC.bits or not int8_math():
         return False
     ext = extension()
     return ext is not None and ext.isa() == "avx512"

@@ -41,9 +41,10 @@ QuantizeXFn quantize_x_fn();
 RowsFn q8_rows_fn();
 Q8QuantizeFn q8_quantize_fn();
 Q8GemmFn q8_gemm_fn();
-// Whether int8 math multiplies M rows of x by B-bit weights with the GEMM (where there is one).
+// Whether int8 math multiplies M rows of x by B-bit weights with the GEMM (where there is one: it takes
+// every width check_bits_and_groups lets through).
 inline bool takes_q8_gemm(Q8GemmFn gemm, int M, int bits) {
-  return gemm != nullptr && (bits == 4 || bits == 5 || bits == 6 || bits == 8) && M >= gemm_rows(bits);
+  return gemm != nullptr && M >= gemm_rows(bits);
 }
 // a's product by the GEMM, its panels of 32 weight rows split into tasks on the shared pool
 void q8_gemm_on_pool(Q8GemmFn gemm, const Q8GemmArgs& a);

@@ -183,13 +183,11 @@ def _mlx_weights(
     quant: dict[str, dict] = {}
     for name, value in weights.items():
         key = _mlx_name(name, spec)
-        if (m := _BLOCK_TENSOR.fullmatch(name)) and (fix := spec.reshape.get(f"{m.group(2)}.{m.group(3)}")):
+        m = _BLOCK_TENSOR.fullmatch(name)
+        if m and (fix := spec.reshape.get(f"{m.group(2)}.{m.group(3)}")):
             value = fix(value)
-        permuted = (
-            spec.permuted_qk and (m := _BLOCK_TENSOR.fullmatch(name)) and m.group(2) in ("attn_q", "attn_k")
-        )
-        if permuted and value.size > 1:  # whole rows (not a Q6_K layer's one-element biases, its ratio)
-            assert m is not None
+        # whole rows only (not a Q6_K layer's one-element biases, its ratio)
+        if spec.permuted_qk and m and m.group(2) in ("attn_q", "attn_k") and value.size > 1:
             value = _unpermute_rows(
                 value, config["num_attention_heads" if m.group(2) == "attn_q" else "num_key_value_heads"]
             )
