@@ -2,12 +2,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "gather_qmm.h"
 #include "moe_route.h"
 #include "paged_attention.h"
+#include "panels.h"
 #include "pool.h"
 #include "qmm.h"
 #include "rms_norm.h"
@@ -78,6 +80,17 @@ NB_MODULE(_ext, m) {
       "float32 per-group scales or biases (..., G) as the kernels' two-level uint8 form (..., G / 8 * 10): "
       "per 8 groups a float16 step (their largest magnitude / 63) and 8 uint8 multiples; None unless "
       "exact.");
+  m.def(
+      "panel_layout",
+      &duet_cpu::panel_layout,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "to_panels"_a,
+      "A 4-bit layer with two-level scales (groups of 32; N a multiple of 16, K of 256) in 16-row panels, the "
+      "int8 panel kernel's layout (scales and biases then (N / 16, K / 16 * 10)), or back; returns (w, scales, "
+      "biases).");
+  m.def("panel_kernel", &duet_cpu::panel_kernel_available, "Whether the int8 panel kernel runs here (AVX-512 VNNI).");
   m.def(
       "rms_norm",
       &duet_cpu::rms_norm,

@@ -1,5 +1,6 @@
 #include "qmm.h"
 
+#include "panels.h"
 #include "qmm_shared.h"
 
 #include <algorithm>
@@ -417,6 +418,12 @@ void run_qmm(
     return;
   }
 
+  const bool panels = is_panel_form(w, scales, group_size, bits);
+  if (panels && !(int8 && panel_kernel_available())) {
+    // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy
+    const auto [rw, rs, rb] = panel_layout(w, scales, biases, false);
+    return run_qmm(x, rw, rs, rb, out, group_size, bits, int8);
+  }
   const DenseBytes xd = dense_bytes(x);
   std::vector<float> yf;
   float* y = nullptr;
@@ -427,6 +434,22 @@ void run_qmm(
     y = yf.data();
   }
   const DenseBytes wd = dense_bytes(w);
+  if (panels) {
+    const DenseBytes sd = dense_bytes(scales);
+    const DenseBytes bd = dense_bytes(biases);
+    run_panels(
+        xd.data,
+        x.dtype(),
+        static_cast<const uint8_t*>(wd.data),
+        static_cast<const uint8_t*>(sd.data),
+        static_cast<const uint8_t*>(bd.data),
+        y,
+        M,
+        N,
+        K);
+    write_out(out, yf);
+    return;
+  }
   const DenseBytes sd = dense_bytes(scales);
   const Biases bd = biases_of(biases);
   const Variant& v = variant();
@@ -526,9 +549,15 @@ void check_format(const mx::array& w, const mx::array& scales, const mx::array& 
   check_scale_format(scales, biases, group_size, bits);
 }
 
-void check_groups(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size) {
+void check_groups(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size, int bits) {
   if (K % group_size != 0) {
     throw std::invalid_argument("K must be a multiple of group_size");
+  }
+  if (is_panel_form(w, scales, group_size, bits)) {
+    if (K % 256 != 0 || scales.shape(1) != K / 16 * kSuperBytes || biases.shape() != scales.shape()) {
+      throw std::invalid_argument("a layer in 16-row panels needs K a multiple of 256 and scales and biases (N / 16, K / 16 * 10)");
+    }
+    return;
   }
   check_scale_shapes(scales, biases, {w.shape(0)}, K, group_size);
 }
@@ -544,6 +573,11 @@ void run_dequant(
   const int K = out.shape(1);
   if (N == 0 || K == 0) {
     return;
+  }
+  if (is_panel_form(w, scales, group_size, bits)) {
+    // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy
+    const auto [rw, rs, rb] = panel_layout(w, scales, biases, false);
+    return run_dequant(rw, rs, rb, out, group_size, bits);
   }
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
@@ -622,7 +656,7 @@ mx::array quantized_matmul(
         "x has K=" + std::to_string(K) + " but w packs " + std::to_string(int64_t(w.shape(1)) * 32 / bits) +
         " values per row");
   }
-  check_groups(w, scales, biases, K, group_size);
+  check_groups(w, scales, biases, K, group_size, bits);
   auto out_shape = x.shape();
   out_shape.back() = N;
   const auto dtype = mx::promote_types(x.dtype(), scales.dtype());
@@ -653,7 +687,7 @@ mx::array dequantize(
     throw std::invalid_argument("w's row length is not a whole number of values");
   }
   const int K = int(int64_t(w.shape(1)) * 32 / bits);
-  check_groups(w, scales, biases, K, group_size);
+  check_groups(w, scales, biases, K, group_size, bits);
   return mx::array(
       {w.shape(0), K},
       mx::float32,

@@ -68,8 +68,10 @@ def kernel_math(m: LoadedModel) -> str | None:
     if backend_name() != "cpu" or m.weight_format.startswith("dense"):
         return None
     from cpu_kernels.spec import cpu_math
+    from mlx_engine.loading.cpu_layout import in_panels
 
-    return cpu_math()
+    # the panel kernel sums in another order than the row kernel: not the same bits
+    return cpu_math() + ("+panels" if in_panels(m.model) else "")
 
 
 def _pool(config: EngineConfig, m: LoadedModel, num_blocks: int) -> KVPool:

@@ -64,7 +64,11 @@ def fixed_stats(engine: Any, core: EngineCore) -> dict[str, Any]:
 
 def _with_math(weight_format: str, cpu_math: str | None) -> str:
     """The weight format, and how the CPU kernels multiply the weights when it is not the default."""
-    return f"{weight_format}, int8 activations" if cpu_math == "int8" else weight_format
+    if cpu_math is None or not cpu_math.startswith("int8"):
+        return weight_format
+    return f"{weight_format}, int8 activations" + (
+        ", Q4_K in 16-row panels" if cpu_math.endswith("+panels") else ""
+    )
 
 
 def engine_stats(fixed: dict[str, Any], core: EngineCore) -> EngineStats:

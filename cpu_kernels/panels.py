@@ -1,0 +1,60 @@
+"""Q4_K layers in 16-row panels for int8 math: the layout the int8 panel kernel reads.
+
+With ``cpu_math`` int8 on AVX-512 VNNI, each 4-bit layer with two-level scales (a GGUF's Q4_K, after
+``scales.two_level_scales``) is regrouped by 16 rows (``src/panels.h``): one 64-byte load then holds
+4 codes of each of 16 rows, one ``vpdpbusd`` multiplies them with 4 values of a row of x broadcast
+to every lane, and 16 outputs accumulate side by side, where the row form unpacks a row's codes per
+row of x and sums each output horizontally. One thread, a 1B model's matrices: one row of x 35 -> 71-77
+GMAC/s, 8-16 rows 62-67 -> 130-147, 64 rows 107-110 -> 128-133 (the int8 GEMM). The bytes are the
+same (4.625 bits a weight); the values are the same (``dequantize`` and the exact math give the row
+form's results bit for bit, by converting back first: slow, so the engine converts the model back
+when its math is exact). The layer's scales say which form it is in: ``(N / 16, K / 16 * 10)``
+instead of ``(N, K / 256 * 10)``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cpu_kernels.modules import CPUQuantizedLinear
+from cpu_kernels.spec import extension
+
+PANEL_ROWS = 16
+
+
+def in_panels(layer: nn.Module) -> bool:
+    """Whether a kernel layer holds its weights in 16-row panels."""
+    return bool(getattr(layer, "panels", False))
+
+
+def _candidates(model: nn.Module) -> list[nn.Module]:
+    """Plain kernel linear layers (not embeddings, not experts) with 4-bit codes in groups of 32 and
+    two-level scales, N a multiple of 16 and K of 256."""
+    out: list[nn.Module] = []
+    for _, layer in model.named_modules():
+        if type(layer) is not CPUQuantizedLinear or layer.bits != 4 or layer.group_size != 32:
+            continue
+        scales = layer["scales"]
+        n, k = layer["weight"].shape[0], layer["weight"].shape[1] * 8
+        if scales.dtype == mx.uint8 and n % PANEL_ROWS == 0 and k % 256 == 0:
+            out.append(layer)
+    return out
+
+
+def use_panels(model: nn.Module, on: bool) -> list[nn.Module]:
+    """Put the model's eligible layers into the panel form (``on``) or back into the row form; returns
+    the layers that changed (their new arrays are evaluated). Nothing changes where the panel kernel
+    cannot run (no AVX-512 VNNI) and ``on`` is asked."""
+    ext = extension()
+    if ext is None or (on and not ext.panel_kernel()):
+        return []
+    changed = []
+    for layer in _candidates(model):
+        if in_panels(layer) == on:
+            continue
+        w, s, b = ext.panel_layout(layer["weight"], layer["scales"], layer["biases"], on)
+        layer["weight"], layer["scales"], layer["biases"] = w, s, b
+        layer.panels = on
+        changed.append(layer)
+    return changed

@@ -1,0 +1,142 @@
+// The int8 panel kernel (panels.h): int8 rows of x times 4-bit weights in 16-row panels, AVX-512 VNNI.
+//
+// Per group of 32 values and panel, four 64-byte loads give 16 rows x 8 values each (two nibbles a
+// byte); each row of x then takes 8 vpdpbusd with 4 of its int8 values broadcast to every lane, and
+// 16 int32 sums (one per weight row) are exact for the group. They become float once per group:
+// y += sum * (scale * d) + bias * xsum, 16 rows at once, where a row at a time needs a horizontal sum
+// per row. The codes are unpacked once per tile of up to 8 rows of x. One thread, a 1B model's
+// matrices from L3 (cpu_kernels/panels.py): one row of x 71-77 GMAC/s (the row kernel 35), 8-16 rows
+// 130-147 (62-67), 64 rows 128-133 (the int8 GEMM 107-110).
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels.h"
+#include "panels.h"
+
+namespace duet_cpu {
+namespace avx512 {
+namespace {
+
+constexpr int kTileRows = 8; // rows of x per pass over a panel: 8 int32 and 8 float accumulators
+constexpr int kAhead = 3072; // bytes of codes prefetched ahead for one or two rows of x (decode)
+
+// 16 rows' scales of group j of super-block sb: step * multiple in float32 (exact, as the row form's)
+inline __m512 group_scales(const uint8_t* block, __m512 steps, int j) {
+  const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * kPanelRows + j * kPanelRows));
+  return _mm512_mul_ps(steps, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m)));
+}
+
+inline __m512 block_steps(const uint8_t* block) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+}
+
+template <int MT>
+void panel_tile(const PanelArgs& a, int p, int m0) {
+  const int K = a.K;
+  const int G = K / 32;
+  const size_t sb_bytes = size_t(kPanelRows) * kSuperBytes;
+  const uint8_t* wp = a.w + size_t(p) * kPanelRows * (K / 2);
+  const uint8_t* sp = a.scales + size_t(p) * sb_bytes * (K / 256);
+  const uint8_t* bp = a.biases + size_t(p) * sb_bytes * (K / 256);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const int8_t* xq[MT];
+  const float* xd[MT];
+  const float* xs[MT];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    xq[m] = a.xq + size_t(m0 + m) * K;
+    xd[m] = a.xd + size_t(m0 + m) * (K / 8);
+    xs[m] = a.xsum + size_t(m0 + m) * G;
+  }
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm512_setzero_ps();
+  }
+  for (int sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* sblock = sp + size_t(sb) * sb_bytes;
+    const uint8_t* bblock = bp + size_t(sb) * sb_bytes;
+    const __m512 ssteps = block_steps(sblock);
+    const __m512 bsteps = block_steps(bblock);
+    for (int j = 0; j < kSuperGroups; ++j) {
+      const int g = sb * kSuperGroups + j;
+      const uint8_t* wg = wp + size_t(g) * 256;
+      if constexpr (MT <= 2) {
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {
+          _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * l), _MM_HINT_T0);
+        }
+      }
+      __m512i ia[MT];
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        ia[m] = _mm512_setzero_si512();
+      }
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const __m512i raw = _mm512_loadu_si512(wg + s * 64);
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = xq[m] + size_t(g) * 32 + s * 8;
+          int32_t x0, x1;
+          __builtin_memcpy(&x0, x, 4);
+          __builtin_memcpy(&x1, x + 4, 4);
+          ia[m] = _mm512_dpbusd_epi32(ia[m], lo, _mm512_set1_epi32(x0));
+          ia[m] = _mm512_dpbusd_epi32(ia[m], hi, _mm512_set1_epi32(x1));
+        }
+      }
+      const __m512 sc = group_scales(sblock, ssteps, j);
+      const __m512 bi = group_scales(bblock, bsteps, j);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        const __m512 u = _mm512_mul_ps(sc, _mm512_set1_ps(xd[m][size_t(g) * 4]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m]), u, acc[m]);
+        acc[m] = _mm512_fmadd_ps(bi, _mm512_set1_ps(xs[m][g]), acc[m]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(a.y + size_t(m0 + m) * a.N + size_t(p) * kPanelRows, acc[m]);
+  }
+}
+
+void panel_rest(const PanelArgs& a, int p, int m0, int rows) {
+  switch (rows) {
+    case 1:
+      return panel_tile<1>(a, p, m0);
+    case 2:
+      return panel_tile<2>(a, p, m0);
+    case 3:
+      return panel_tile<3>(a, p, m0);
+    case 4:
+      return panel_tile<4>(a, p, m0);
+    case 5:
+      return panel_tile<5>(a, p, m0);
+    case 6:
+      return panel_tile<6>(a, p, m0);
+    default:
+      return panel_tile<7>(a, p, m0);
+  }
+}
+
+} // namespace
+
+void q8_panels(const PanelArgs& a, int p0, int p1) {
+  for (int p = p0; p < p1; ++p) {
+    int m0 = 0;
+    for (; m0 + kTileRows <= a.M; m0 += kTileRows) {
+      panel_tile<kTileRows>(a, p, m0);
+    }
+    if (m0 < a.M) {
+      panel_rest(a, p, m0, a.M - m0);
+    }
+  }
+}
+
+} // namespace avx512
+} // namespace duet_cpu

@@ -1,0 +1,65 @@
+// Q4_K weights in 16-row panels: the layout the int8 panel kernel reads (kernels_panel_avx512.cpp).
+//
+// The row form (kernels.h: kSuper) keeps each weight row's 4-bit codes as one bit stream, so a product
+// unpacks a row's codes and multiplies them with each row of x. The panel form keeps the same bytes
+// regrouped by 16 rows: one 64-byte load holds four consecutive codes of each of 16 rows, so that one
+// vpdpbusd multiplies them with four values of one row of x broadcast to every lane, and 16 outputs
+// accumulate side by side in one register. No unpacking per row of x, no horizontal sums, and the
+// group's scales are applied to 16 rows at once (llama.cpp's repacked Q4_K does the same for the
+// same reason). Bytes are unchanged (4.625 bits a weight).
+//
+// Panel p holds rows 16p..16p+15 where the row form held them (the same byte range of w, scales and
+// biases), reordered:
+//   * codes: per group g of 32 values, per step s of 8 values, 64 bytes: row r's 4 bytes at 4r, byte b
+//     holding value g*32 + s*8 + b in its low nibble and value g*32 + s*8 + 4 + b in its high nibble;
+//   * scales (and biases alike): per super-block of 256 values, 160 bytes: the 16 rows' float16 steps,
+//     then per group j of its 8 the 16 rows' uint8 multiples.
+// A layer in the panel form says so by its scales' shape: (N / 16, K / 16 * 10) where the row form's
+// is (N, K / 256 * 10), so nothing that reads the row form can take it for one.
+#pragma once
+
+#include <cstdint>
+#include <tuple>
+
+#include "mlx/array.h"
+
+namespace duet_cpu {
+
+constexpr int kPanelRows = 16;
+
+struct PanelArgs {
+  const int8_t* xq; // (M, K) int8, element order
+  const float* xd; // (M, K / 8): each run's scale d four times over (q8_quantize's layout)
+  const float* xsum; // (M, K / 32): each group's sum of d * q
+  const uint8_t* w; // (N, K / 2) bytes in panels
+  const uint8_t* scales; // (N / 16, K / 16 * 10) bytes in panels
+  const uint8_t* biases; // likewise
+  float* y; // (M, N), written
+  int M;
+  int N; // a multiple of 16
+  int K; // a multiple of 256
+};
+
+#if defined(DUET_X86)
+namespace avx512 {
+// y[:, 16 * p0 : 16 * p1] (AVX-512 VNNI)
+void q8_panels(const PanelArgs& a, int p0, int p1);
+} // namespace avx512
+#endif
+
+// Whether (w, scales) are a layer in the panel form (4-bit, groups of 32, two-level scales).
+bool is_panel_form(const mlx::core::array& w, const mlx::core::array& scales, int group_size, int bits);
+
+// A 4-bit layer with two-level scales (kSuper, groups of 32; N a multiple of 16, K of 256) into the panel
+// form (to_panels) or back into the row form; the values are unchanged. Evaluates its inputs.
+std::tuple<mlx::core::array, mlx::core::array, mlx::core::array>
+panel_layout(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, bool to_panels);
+
+// Whether the int8 panel kernel runs here (AVX-512 VNNI chosen); else a panel-form layer's products
+// take the row form's paths on a row-form copy.
+bool panel_kernel_available();
+
+// y (M, N) float32 = x (M rows, dtype t) times the panel-form layer, with int8 math.
+void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K);
+
+} // namespace duet_cpu

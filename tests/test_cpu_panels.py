@@ -1,0 +1,226 @@
+"""Q4_K layers in 16-row panels (cpu_kernels/panels.py, src/panels.h): the int8 panel kernel.
+
+The layout regroups a 4-bit layer with two-level scales by 16 rows; nothing about the values changes.
+So: the conversion goes there and back bit for bit; the int8 panel kernel matches the int8 path's
+float64 oracle at every row count and thread count (each output computed by one thread); exact math,
+dequantize and the other instruction sets read a panel layer through the row form, bit for bit what
+the row form gives; a model converted keeps its int8 logits and greedy tokens; the engine puts a
+K-quant model in panels for int8 math, says so in its numerics profile, and puts it back for exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cpu_kernels import spec
+from cpu_kernels.modules import use_cpu_kernels
+from cpu_kernels.panels import in_panels, use_panels
+from cpu_kernels.scales import two_level_scales
+from tests.test_cpu_int8_path import check, oracle
+from tests.test_cpu_kernels import ext, variants  # noqa: F401
+from tests.test_cpu_two_level_scales import _blocks, _tiny_llama
+
+pytestmark = pytest.mark.skipif(
+    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+)
+
+needs_vnni = pytest.mark.skipif(
+    spec.extension() is None or not spec.extension().panel_kernel(),
+    reason="the int8 panel kernel needs AVX-512 VNNI",
+)
+
+
+def _layer(rng: np.random.Generator, n: int, k: int):
+    """A random 4-bit layer with two-level scales (Q4_K's form): (w, scales, biases) and the float32
+    values of its scales and biases."""
+    w = mx.array(rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32))
+    s, s2 = _blocks(rng, (n,), k // 256, 1.0, exact16=False)
+    b, b2 = _blocks(rng, (n,), k // 256, -1.0, exact16=False)
+    return (w, mx.array(s2), mx.array(b2)), (mx.array(s), mx.array(b))
+
+
+def test_the_layout_goes_there_and_back_bit_for_bit(ext):  # noqa: F811
+    rng = np.random.default_rng(1)
+    for n, k in ((16, 256), (48, 768), (1024, 2048)):  # the last on the pool's threads
+        rows, _ = _layer(rng, n, k)
+        panels = ext.panel_layout(*rows, True)
+        assert panels[0].shape == rows[0].shape
+        assert panels[1].shape == panels[2].shape == (n // 16, k // 16 * 10)
+        assert not mx.array_equal(panels[0], rows[0]).item()
+        back = ext.panel_layout(*panels, False)
+        for a, b in zip(back, rows, strict=True):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def test_shapes_the_panels_cannot_hold_are_refused(ext):  # noqa: F811
+    rng = np.random.default_rng(2)
+    (w, s, b), (fs, fb) = _layer(rng, 32, 512)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ext.panel_layout(w[:24], s[:24], b[:24], True)
+    with pytest.raises(ValueError, match="two-level"):
+        ext.panel_layout(w, fs, fb, True)
+    panels = ext.panel_layout(w, s, b, True)
+    with pytest.raises(ValueError, match="multiple of 16"):  # back: the scales must be in panels
+        ext.panel_layout(w, s, b, False)
+    # a product checks the panel form's shapes as the row form's
+    x = mx.zeros((1, 512))
+    with pytest.raises(ValueError, match="16-row panels"):
+        ext.quantized_matmul(x, panels[0], panels[1][:, :-10], panels[2][:, :-10], 32, 4, int8=True)
+
+
+@needs_vnni
+def test_the_panel_kernel_matches_the_int8_oracle_at_every_row_count_and_thread_count(ext):  # noqa: F811
+    rng = np.random.default_rng(3)
+    for n, k in ((16, 256), (48, 768), (64, 2304)):
+        rows, floats = _layer(rng, n, k)
+        panels = ext.panel_layout(*rows, True)
+        for m in (1, 2, 3, 7, 8, 9, 16, 20, 45, 130):
+            x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+            ref, mag = oracle(x, rows[0], *floats, 32, 4)
+            outs = []
+            for threads in (1, 2):
+                spec.set_threads(threads)
+                y = ext.quantized_matmul(x, *panels, 32, 4, int8=True)
+                assert y.dtype == mx.float32 and y.shape == (m, n)
+                check(y, ref, mag, (n, k, m, threads))
+                outs.append(np.array(y))
+            assert np.array_equal(outs[0], outs[1]), (n, k, m)
+        # float16 x: its float32 values' product, rounded to float16 once
+        x16 = mx.array(rng.standard_normal((3, k)).astype(np.float16))
+        y16 = ext.quantized_matmul(x16, *panels, 32, 4, int8=True)
+        y32 = ext.quantized_matmul(x16.astype(mx.float32), *panels, 32, 4, int8=True)
+        assert y16.dtype == mx.float16 and mx.array_equal(y16, y32.astype(mx.float16)).item()
+    spec.set_threads()
+
+
+def test_exact_math_dequantize_and_other_isas_read_panels_as_rows(ext):  # noqa: F811
+    """Bit for bit the row form's results, by way of a row-form copy."""
+    rng = np.random.default_rng(4)
+    rows, _ = _layer(rng, 48, 768)
+    panels = ext.panel_layout(*rows, True)
+    assert mx.array_equal(ext.dequantize(*panels, 32, 4), ext.dequantize(*rows, 32, 4)).item()
+    for isa in variants(ext):
+        ext.set_isa(isa)
+        for m in (1, 2, 5, 40):
+            x = mx.array(rng.standard_normal((m, 768)).astype(np.float32))
+            for int8 in (False, True):
+                if int8 and isa == "avx512" and ext.panel_kernel():
+                    continue  # the panel kernel itself (above)
+                yp = ext.quantized_matmul(x, *panels, 32, 4, int8=int8)
+                yr = ext.quantized_matmul(x, *rows, 32, 4, int8=int8)
+                assert mx.array_equal(yp, yr).item(), (isa, m, int8)
+    ext.set_isa("")
+
+
+def _k_quant_model():
+    model = _tiny_llama()  # hidden 256, MLP 512, 4-bit, Q4_K-like scales
+    use_cpu_kernels(model)
+    two_level_scales(model)
+    return model
+
+
+@needs_vnni
+def test_a_model_in_panels_keeps_its_int8_logits_and_goes_back_exactly(ext):  # noqa: F811
+    ours, theirs = _k_quant_model(), _k_quant_model()
+    before = {
+        id(m): (m["weight"], m["scales"], m["biases"]) for _, m in ours.named_modules() if "scales" in m
+    }
+    changed = use_panels(ours, True)
+    assert len(changed) == 2 * 7  # every linear layer; the tied embedding stays in rows
+    assert all(in_panels(m) and m["scales"].shape[0] * 16 == m["weight"].shape[0] for m in changed)
+    assert use_panels(ours, True) == []  # nothing left to do
+    tokens = mx.array([[5, 9, 200, 31, 7, 64, 3, 12, 290, 17, 18, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]])
+    spec.set_cpu_math("int8")
+    try:
+        for t in (tokens, tokens[:, :1], tokens[:, :3]):
+            a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
+            # the two kernels sum in other orders, so a later layer's input can round to the neighbouring
+            # int8 value at a place (one step: max|x| / 127 of its run): measured up to 0.2% of the
+            # logits' largest magnitude here, where int8 against exact math differs by ~0.5%
+            assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max()
+            assert (a.argmax(-1) == b.argmax(-1)).all()
+    finally:
+        spec.set_cpu_math("exact")
+    # exact math on a model left in panels: the row form's logits, bit for bit
+    assert mx.array_equal(ours(tokens), theirs(tokens)).item()
+    assert len(use_panels(ours, False)) == len(changed)
+    for _, m in ours.named_modules():
+        if "scales" in m:
+            assert not in_panels(m)
+            assert all(
+                mx.array_equal(a, b).item()
+                for a, b in zip((m["weight"], m["scales"], m["biases"]), before[id(m)], strict=True)
+            )
+
+
+def _q4_k_gguf(path: Path) -> Path:
+    from tests.gguf_families import write_family_gguf
+
+    def qtype(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
+        q = gguf.GGMLQuantizationType
+        return q.Q4_K if len(shape) == 2 and shape[-1] % 256 == 0 and "token_embd" not in name else q.F32
+
+    write_family_gguf(
+        path,
+        "granite",
+        qtype_of=qtype,
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
+    return path
+
+
+@needs_vnni
+def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path):  # noqa: F811
+    """An int8 engine on a Q4_K model puts its layers in panels and says so (numerics profile, weight
+    format); its greedy reply is the one the row form gives with int8 math; an exact engine on the same
+    loaded model puts them back."""
+    from mlx_engine.config import EngineConfig
+    from mlx_engine.engine import Engine
+    from mlx_engine.loading.loader import load_model
+    from mlx_engine.request import GenerationRequest, SamplingParams
+
+    loaded = load_model(str(_q4_k_gguf(tmp_path / "q4k.gguf")))
+    layers = [m for _, m in loaded.model.named_modules() if "scales" in m and m["scales"].dtype == mx.uint8]
+    assert layers
+    req = GenerationRequest(
+        prompt=[5, 9, 20, 31, 7, 6], max_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=0)
+    )
+
+    def reply(engine: Engine) -> list[int]:
+        async def go() -> list[int]:
+            return [t async for ev in engine.generate(req) for t in ev.token_ids]
+
+        return asyncio.run(go())
+
+    try:
+        engine = Engine(loaded, EngineConfig(cpu_math="int8", speculative="off"))
+        try:
+            assert all(in_panels(m) for m in layers if m["weight"].shape[0] % 16 == 0)
+            assert engine.numerics_profile()["cpu_math"] == "int8+panels"
+            assert engine.stats().weight_format.endswith(", int8 activations, Q4_K in 16-row panels")
+            with_panels = reply(engine)
+        finally:
+            engine.shutdown()
+        # the same math on the row form: the same greedy tokens (the model's own loop, no cache)
+        use_panels(loaded.model, False)
+        ids = list(req.prompt)
+        for _ in range(12):
+            ids.append(int(mx.argmax(loaded.model(mx.array([ids]))[0, -1]).item()))
+        assert with_panels == ids[len(req.prompt) :]
+        engine = Engine(loaded, EngineConfig(cpu_math="exact", speculative="off"))
+        try:
+            assert not any(in_panels(m) for m in layers)
+            assert engine.numerics_profile()["cpu_math"] == "exact"
+        finally:
+            engine.shutdown()
+    finally:
+        spec.set_cpu_math("exact")
