@@ -228,7 +228,7 @@ def _moe_block(cls: type) -> type | None:
 
 # mlx-lm's QuantizedSwitchLinear -> its subclass CPUQuantizedSwitchLinear. Made on first use from the
 # class the model's own modules are (mlx-lm is not imported here: importing it pulls in transformers).
-_SWITCH_LINEARS: dict[type, type] = {}
+SWITCH_LINEARS: dict[type, type] = {}
 
 
 def _switch_linear(cls: type) -> type | None:
@@ -236,7 +236,7 @@ def _switch_linear(cls: type) -> type | None:
     module = sys.modules.get("mlx_lm.models.switch_layers")
     if module is None or cls is not getattr(module, "QuantizedSwitchLinear", None):
         return None
-    if cls not in _SWITCH_LINEARS:
+    if cls not in SWITCH_LINEARS:
 
         def __call__(
             self: nn.Module, x: mx.array, indices: mx.array, sorted_indices: bool = False
@@ -272,8 +272,8 @@ def _switch_linear(cls: type) -> type | None:
                 y = y + mx.expand_dims(self["bias"][indices], -2)
             return y
 
-        _SWITCH_LINEARS[cls] = type("CPUQuantizedSwitchLinear", (cls,), {"__call__": __call__})
-    return _SWITCH_LINEARS[cls]
+        SWITCH_LINEARS[cls] = type("CPUQuantizedSwitchLinear", (cls,), {"__call__": __call__})
+    return SWITCH_LINEARS[cls]
 
 
 def _scales_dtype(layer: nn.Module) -> mx.Dtype:
@@ -308,7 +308,7 @@ def is_kernel_layer(layer: nn.Module) -> bool:
     """Whether ``use_cpu_kernels`` switched this layer: its products are the CPU kernels'."""
     return (
         isinstance(layer, (CPUQuantizedLinear, CPUQuantizedEmbedding))
-        or type(layer) in _SWITCH_LINEARS.values()
+        or type(layer) in SWITCH_LINEARS.values()
     )
 
 

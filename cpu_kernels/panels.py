@@ -1,7 +1,7 @@
 """Q4_K layers in 16-row panels for int8 math: the layout the int8 panel kernel reads.
 
 With ``cpu_math`` int8 on AVX-512 VNNI, each 4-bit layer with two-level scales (a GGUF's Q4_K, after
-``scales.two_level_scales``) is regrouped by 16 rows (``src/panels.h``): one 64-byte load then holds
+``scales.two_level_scales``; a mixture of experts' stacks too, expert by expert) is regrouped by 16 rows (``src/panels.h``): one 64-byte load then holds
 4 codes of each of 16 rows, one ``vpdpbusd`` multiplies them with 4 values of a row of x broadcast
 to every lane, and 16 outputs accumulate side by side, where the row form unpacks a row's codes per
 row of x and sums each output horizontally. One thread, a 1B model's matrices: one row of x 35 -> 71-77
@@ -14,10 +14,12 @@ instead of ``(N, K / 256 * 10)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from cpu_kernels.modules import CPUQuantizedLinear
+from cpu_kernels.modules import SWITCH_LINEARS, CPUQuantizedLinear
 from cpu_kernels.spec import extension
 
 PANEL_ROWS = 16
@@ -29,17 +31,35 @@ def in_panels(layer: nn.Module) -> bool:
 
 
 def _candidates(model: nn.Module) -> list[nn.Module]:
-    """Plain kernel linear layers (not embeddings, not experts) with 4-bit codes in groups of 32 and
-    two-level scales, N a multiple of 16 and K of 256."""
+    """Plain kernel linear layers and expert stacks (not embeddings) with 4-bit codes in groups of 32
+    and two-level scales, N a multiple of 16 and K of 256."""
     out: list[nn.Module] = []
     for _, layer in model.named_modules():
-        if type(layer) is not CPUQuantizedLinear or layer.bits != 4 or layer.group_size != 32:
+        linear = type(layer) is CPUQuantizedLinear
+        if (
+            not (linear or type(layer) in SWITCH_LINEARS.values())
+            or layer.bits != 4
+            or layer.group_size != 32
+        ):
             continue
-        scales = layer["scales"]
-        n, k = layer["weight"].shape[0], layer["weight"].shape[1] * 8
-        if scales.dtype == mx.uint8 and n % PANEL_ROWS == 0 and k % 256 == 0:
+        w = layer["weight"]
+        n, k = w.shape[-2], w.shape[-1] * 8
+        if layer["scales"].dtype == mx.uint8 and n % PANEL_ROWS == 0 and k % 256 == 0:
             out.append(layer)
     return out
+
+
+def _convert(ext: Any, layer: nn.Module, on: bool) -> tuple[mx.array, mx.array, mx.array]:
+    """The layer's (w, scales, biases) in the other form; a stack of E experts converts as E * N rows
+    (a panel never straddles two experts: N is a multiple of 16)."""
+    w, s, b = layer["weight"], layer["scales"], layer["biases"]
+    lead = w.shape[:-2]
+    n = w.shape[-2]
+    w2, s2, b2 = ext.panel_layout(
+        w.reshape(-1, w.shape[-1]), s.reshape(-1, s.shape[-1]), b.reshape(-1, b.shape[-1]), on
+    )
+    rows = n // PANEL_ROWS if on else n
+    return w2.reshape(w.shape), s2.reshape(*lead, rows, s2.shape[-1]), b2.reshape(*lead, rows, b2.shape[-1])
 
 
 def use_panels(model: nn.Module, on: bool) -> list[nn.Module]:
@@ -53,8 +73,8 @@ def use_panels(model: nn.Module, on: bool) -> list[nn.Module]:
     for layer in _candidates(model):
         if in_panels(layer) == on:
             continue
-        w, s, b = ext.panel_layout(layer["weight"], layer["scales"], layer["biases"], on)
-        layer["weight"], layer["scales"], layer["biases"] = w, s, b
+        layer["weight"], layer["scales"], layer["biases"] = arrays = _convert(ext, layer, on)
+        mx.eval(arrays)
         layer.panels = on
         changed.append(layer)
     return changed

@@ -118,6 +118,32 @@ def test_exact_math_dequantize_and_other_isas_read_panels_as_rows(ext):  # noqa:
     ext.set_isa("")
 
 
+def test_experts_in_panels_give_the_row_form_results(ext):  # noqa: F811
+    """The gather over a stack of experts in panels (converted as E * N rows): int8 math within float32
+    rounding of the row form's (the same int8 x, other sums' order), exact math bit for bit."""
+    rng = np.random.default_rng(5)
+    experts, n, k = 4, 48, 512
+    rows, _ = _layer(rng, experts * n, k)
+    w, s, b = (
+        rows[0].reshape(experts, n, -1),
+        rows[1].reshape(experts, n, -1),
+        rows[2].reshape(experts, n, -1),
+    )
+    pw, ps, pb = ext.panel_layout(*rows, True)
+    panels = (pw.reshape(experts, n, -1), ps.reshape(experts, n // 16, -1), pb.reshape(experts, n // 16, -1))
+    for tokens in (1, 3, 64):
+        x = mx.array(rng.standard_normal((tokens, 1, 1, k)).astype(np.float32))
+        idx = mx.array(rng.integers(0, experts, (tokens, 1, 2)).astype(np.uint32))
+        for int8 in (False, True):
+            yr = ext.gather_quantized_matmul(x, w, s, b, idx, 32, 4, int8=int8)
+            yp = ext.gather_quantized_matmul(x, *panels, idx, 32, 4, int8=int8)
+            assert yp.shape == yr.shape == (tokens, tokens, 2, 1, n)
+            if int8 and ext.panel_kernel():
+                assert float(mx.abs(yp - yr).max()) <= 1e-5 * float(mx.abs(yr).max()) * k / 32
+            else:
+                assert mx.array_equal(yp, yr).item(), (tokens, int8)
+
+
 def _k_quant_model():
     model = _tiny_llama()  # hidden 256, MLP 512, 4-bit, Q4_K-like scales
     use_cpu_kernels(model)
@@ -159,27 +185,30 @@ def test_a_model_in_panels_keeps_its_int8_logits_and_goes_back_exactly(ext):  # 
             )
 
 
-def _q4_k_gguf(path: Path) -> Path:
+def _q4_k_gguf(path: Path, arch: str) -> Path:
     from tests.gguf_families import write_family_gguf
 
     def qtype(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
         q = gguf.GGMLQuantizationType
-        return q.Q4_K if len(shape) == 2 and shape[-1] % 256 == 0 and "token_embd" not in name else q.F32
+        matrix = (
+            len(shape) >= 2 and shape[-1] % 256 == 0 and "token_embd" not in name and "gate_inp" not in name
+        )
+        return q.Q4_K if matrix else q.F32
 
     write_family_gguf(
         path,
-        "granite",
+        arch,
         qtype_of=qtype,
         hidden_size=256,
         intermediate_size=512,
         head_dim=64,
-        tie_word_embeddings=True,
     )
     return path
 
 
 @needs_vnni
-def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("arch", ["granite", "qwen3moe"])
+def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F811
     """An int8 engine on a Q4_K model puts its layers in panels and says so (numerics profile, weight
     format); its greedy reply is the one the row form gives with int8 math; an exact engine on the same
     loaded model puts them back."""
@@ -188,7 +217,7 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path):  # noqa: F811
     from mlx_engine.loading.loader import load_model
     from mlx_engine.request import GenerationRequest, SamplingParams
 
-    loaded = load_model(str(_q4_k_gguf(tmp_path / "q4k.gguf")))
+    loaded = load_model(str(_q4_k_gguf(tmp_path / "q4k.gguf", arch)))
     layers = [m for _, m in loaded.model.named_modules() if "scales" in m and m["scales"].dtype == mx.uint8]
     assert layers
     req = GenerationRequest(
@@ -204,7 +233,9 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path):  # noqa: F811
     try:
         engine = Engine(loaded, EngineConfig(cpu_math="int8", speculative="off"))
         try:
-            assert all(in_panels(m) for m in layers if m["weight"].shape[0] % 16 == 0)
+            assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
+            # the experts' stacks too, where the MoE has them in Q4_K
+            assert any(in_panels(m) and m["weight"].ndim == 3 for m in layers) == (arch == "qwen3moe")
             assert engine.numerics_profile()["cpu_math"] == "int8+panels"
             assert engine.stats().weight_format.endswith(", int8 activations, Q4_K in 16-row panels")
             with_panels = reply(engine)

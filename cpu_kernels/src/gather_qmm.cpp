@@ -20,6 +20,8 @@
 
 #include "dispatch.h"
 #include "kernels.h"
+#include "mlx/allocator.h"
+#include "panels.h"
 #include "pool.h"
 #include "qmm_shared.h"
 
@@ -93,6 +95,26 @@ void run_gather(
   if (P == 0 || N == 0) {
     return;
   }
+  const bool panels = is_panel_form(w, scales, group_size, bits);
+  if (panels && !(int8 && panel_kernel_available())) {
+    // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy of every expert
+    const mx::Shape srows{E, N, K / 256 * kSuperBytes};
+    mx::array rw(mx::allocator::malloc(w.nbytes()), w.shape(), mx::uint32);
+    mx::array rs(mx::allocator::malloc(scales.nbytes()), srows, mx::uint8);
+    mx::array rb(mx::allocator::malloc(biases.nbytes()), srows, mx::uint8);
+    const DenseBytes wd = dense_bytes(w), sd = dense_bytes(scales), bd = dense_bytes(biases);
+    panel_bytes(
+        static_cast<const uint8_t*>(wd.data),
+        static_cast<const uint8_t*>(sd.data),
+        static_cast<const uint8_t*>(bd.data),
+        reinterpret_cast<uint8_t*>(rw.data<uint32_t>()),
+        rs.data<uint8_t>(),
+        rb.data<uint8_t>(),
+        E * N,
+        K,
+        false);
+    return run_gather(x, rw, rs, rb, indices, out, group_size, bits, int8);
+  }
 
   // Distinct rows of x (broadcasting repeats one row for the k experts of a token).
   const mx::Shape batch(out.shape().begin(), out.shape().end() - 2);
@@ -112,14 +134,6 @@ void run_gather(
     }
     source[p] = it->second;
   }
-  const int U = int(unique.size());
-  std::vector<float> xf(size_t(U) * K);
-  std::vector<float> xs(size_t(U) * G);
-  const void* xdata = x.data<void>();
-  for (int u = 0; u < U; ++u) {
-    prepare_x_row(xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, bits, xf.data() + size_t(u) * K, xs.data() + size_t(u) * G);
-  }
-
   // Pairs sorted by expert, stable; an index outside [0, E) leaves its rows zero.
   std::vector<uint32_t> expert_of_row(P / M);
   {
@@ -146,6 +160,50 @@ void run_gather(
       const uint32_t e = expert_of_row[p / M];
       order[next[e < uint32_t(E) ? e : E]++] = int(p);
     }
+  }
+
+  const int U = int(unique.size());
+  std::vector<float> y(size_t(sorted) * N);
+  // Back to the pairs' order, in the output dtype; rows of an out-of-range expert are zero.
+  auto write_back = [&]() {
+    std::vector<int> slot(P, -1);
+    for (int q = 0; q < sorted; ++q) {
+      slot[order[q]] = q;
+    }
+    with_float_type(out.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      T* o = out.data<T>();
+      for (size_t p = 0; p < P; ++p) {
+        T* row = o + p * N;
+        if (slot[p] < 0) {
+          std::fill(row, row + N, T(0.0f));
+          continue;
+        }
+        const float* src = y.data() + size_t(slot[p]) * N;
+        for (int n = 0; n < N; ++n) {
+          row[n] = static_cast<T>(src[n]);
+        }
+      }
+    });
+  };
+  if (panels) { // int8 math on AVX-512 VNNI: the panel kernel per expert (panels.cpp)
+    const DenseBytes wd = dense_bytes(w), sd = dense_bytes(scales), bd = dense_bytes(biases);
+    gather_panels(
+        {x.data<void>(), x.dtype(), kstep, unique, source, order, start, count},
+        static_cast<const uint8_t*>(wd.data),
+        static_cast<const uint8_t*>(sd.data),
+        static_cast<const uint8_t*>(bd.data),
+        y.data(),
+        E,
+        N,
+        K);
+    return write_back();
+  }
+  std::vector<float> xf(size_t(U) * K);
+  std::vector<float> xs(size_t(U) * G);
+  const void* xdata = x.data<void>();
+  for (int u = 0; u < U; ++u) {
+    prepare_x_row(xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, bits, xf.data() + size_t(u) * K, xs.data() + size_t(u) * G);
   }
 
   // With int8 math every distinct row is quantized to int8 once (quantize_row_q8, which also makes its
@@ -228,7 +286,6 @@ void run_gather(
   auto expert_biases = [&](int e) -> const void* {
     return bd.data == nullptr ? nullptr : static_cast<const uint8_t*>(bd.data) + size_t(e) * N * srow;
   };
-  std::vector<float> y(size_t(sorted) * N);
 
   // With int8 math an expert with many rows (prefill) takes the int8 GEMM, as quantized_matmul does:
   // x in element order per run of 32 (for 4-bit weights the rows above are in the row kernel's order,
@@ -361,26 +418,7 @@ void run_gather(
     pool->run(tasks, run_task);
   }
 
-  // Back to the pairs' order, in the output dtype; rows of an out-of-range expert are zero.
-  std::vector<int> slot(P, -1);
-  for (int q = 0; q < sorted; ++q) {
-    slot[order[q]] = q;
-  }
-  with_float_type(out.dtype(), [&](auto zero) {
-    using T = decltype(zero);
-    T* o = out.data<T>();
-    for (size_t p = 0; p < P; ++p) {
-      T* row = o + p * N;
-      if (slot[p] < 0) {
-        std::fill(row, row + N, T(0.0f));
-        continue;
-      }
-      const float* src = y.data() + size_t(slot[p]) * N;
-      for (int n = 0; n < N; ++n) {
-        row[n] = static_cast<T>(src[n]);
-      }
-    }
-  });
+  write_back();
 }
 
 } // namespace
@@ -415,7 +453,11 @@ mx::array gather_quantized_matmul(
   if (K % group_size != 0) {
     throw std::invalid_argument("K must be a multiple of group_size");
   }
-  check_scale_shapes(scales, biases, {w.shape(0), w.shape(1)}, K, group_size);
+  if (is_panel_form(w, scales, group_size, bits)) {
+    check_panel_shapes(w, scales, biases, K);
+  } else {
+    check_scale_shapes(scales, biases, {w.shape(0), w.shape(1)}, K, group_size);
+  }
   // Broadcasting happens in eval_cpu, not through broadcast ops: those fix their shapes, and
   // mx.compile(shapeless=True) could not reuse the graph for another number of tokens.
   const auto stream = mx::to_stream(s, mx::Device::cpu);

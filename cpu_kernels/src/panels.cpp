@@ -1,5 +1,6 @@
 #include "panels.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "mlx/allocator.h"
@@ -91,8 +92,22 @@ void each_panel(int panels, Fn&& fn) {
 } // namespace
 
 bool is_panel_form(const mx::array& w, const mx::array& scales, int group_size, int bits) {
-  return bits == 4 && group_size == 32 && scales.dtype() == mx::uint8 && scales.ndim() == 2 && w.ndim() == 2 &&
-      int64_t(scales.shape(0)) * kPanelRows == w.shape(0);
+  if (bits != 4 || group_size != 32 || scales.dtype() != mx::uint8 || w.ndim() < 2 || scales.ndim() != w.ndim()) {
+    return false;
+  }
+  for (int d = 0; d + 2 < w.ndim(); ++d) { // stacked experts: the same number of matrices
+    if (scales.shape(d) != w.shape(d)) {
+      return false;
+    }
+  }
+  return int64_t(scales.shape(-2)) * kPanelRows == w.shape(-2);
+}
+
+void check_panel_shapes(const mx::array& w, const mx::array& scales, const mx::array& biases, int K) {
+  if (K % 256 != 0 || scales.shape(-1) != K / 16 * kSuperBytes || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("a layer in 16-row panels needs K a multiple of 256 and scales and biases (..., N / 16, K / 16 * 10)");
+  }
+  (void)w;
 }
 
 std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, bool to_panels) {
@@ -115,27 +130,35 @@ std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, con
     mx::eval({wc, sc, bc});
   }
   const DenseBytes wd = dense_bytes(wc), sd = dense_bytes(sc), bd = dense_bytes(bc);
-  const size_t panel_codes = size_t(kPanelRows) * K / 2;
   const size_t panel_scales = size_t(kPanelRows) * row_scale_bytes;
   const mx::Shape sshape = to_panels ? mx::Shape{N / kPanelRows, int(panel_scales)} : mx::Shape{N, int(row_scale_bytes)};
   mx::array wo(mx::allocator::malloc(w.nbytes()), w.shape(), mx::uint32);
   mx::array so(mx::allocator::malloc(scales.nbytes()), sshape, mx::uint8);
   mx::array bo(mx::allocator::malloc(biases.nbytes()), sshape, mx::uint8);
-  uint8_t* wdst = reinterpret_cast<uint8_t*>(wo.data<uint32_t>());
-  uint8_t* sdst = so.data<uint8_t>();
-  uint8_t* bdst = bo.data<uint8_t>();
-  if (!to_panels) {
-    std::memset(wdst, 0, w.nbytes()); // the row form is written a nibble at a time
-  }
-  const auto* wsrc = static_cast<const uint8_t*>(wd.data);
-  const auto* ssrc = static_cast<const uint8_t*>(sd.data);
-  const auto* bsrc = static_cast<const uint8_t*>(bd.data);
-  each_panel(N / kPanelRows, [&](int p) {
-    codes_panel(wsrc + p * panel_codes, wdst + p * panel_codes, K, to_panels);
-    scales_panel(ssrc + p * panel_scales, sdst + p * panel_scales, K, to_panels);
-    scales_panel(bsrc + p * panel_scales, bdst + p * panel_scales, K, to_panels);
-  });
+  panel_bytes(
+      static_cast<const uint8_t*>(wd.data),
+      static_cast<const uint8_t*>(sd.data),
+      static_cast<const uint8_t*>(bd.data),
+      reinterpret_cast<uint8_t*>(wo.data<uint32_t>()),
+      so.data<uint8_t>(),
+      bo.data<uint8_t>(),
+      N,
+      K,
+      to_panels);
   return {wo, so, bo};
+}
+
+void panel_bytes(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, uint8_t* w_out, uint8_t* scales_out, uint8_t* biases_out, int N, int K, bool to_panels) {
+  const size_t panel_codes = size_t(kPanelRows) * K / 2;
+  const size_t panel_scales = size_t(kPanelRows) * (size_t(K) / 256 * kSuperBytes);
+  if (!to_panels) {
+    std::memset(w_out, 0, size_t(N) * K / 2); // the row form is written a nibble at a time
+  }
+  each_panel(N / kPanelRows, [&](int p) {
+    codes_panel(w + p * panel_codes, w_out + p * panel_codes, K, to_panels);
+    scales_panel(scales + p * panel_scales, scales_out + p * panel_scales, K, to_panels);
+    scales_panel(biases + p * panel_scales, biases_out + p * panel_scales, K, to_panels);
+  });
 }
 
 bool panel_kernel_available() {
@@ -183,6 +206,68 @@ void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
   });
 #else
   (void)x, (void)t, (void)w, (void)scales, (void)biases, (void)y, (void)M, (void)N, (void)K;
+  throw std::logic_error("the int8 panel kernel needs x86-64");
+#endif
+}
+
+void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K) {
+#if defined(DUET_X86)
+  const int G = K / 32;
+  const int U = int(g.unique.size());
+  const int sorted = g.start[E];
+  // each distinct row quantized once (element order), then each expert's rows side by side
+  std::vector<int8_t> uq(size_t(U) * K);
+  std::vector<float> uu(size_t(U) * (K / 8)), us(size_t(U) * G);
+  const Q8QuantizeFn q8 = q8_quantize_fn();
+  std::vector<float> row(static_cast<size_t>(K));
+  for (int u = 0; u < U; ++u) {
+    q8_gemm_row(q8, g.x, g.t, size_t(g.unique[u]), g.kstep, K, 32, row.data(), uq.data() + size_t(u) * K, uu.data() + size_t(u) * (K / 8), us.data() + size_t(u) * G);
+  }
+  std::vector<int8_t> xq(size_t(sorted) * K);
+  std::vector<float> xd(size_t(sorted) * (K / 8)), xs(size_t(sorted) * G);
+  for (int q = 0; q < sorted; ++q) {
+    const int u = g.source[g.order[q]];
+    std::memcpy(xq.data() + size_t(q) * K, uq.data() + size_t(u) * K, size_t(K));
+    std::memcpy(xd.data() + size_t(q) * (K / 8), uu.data() + size_t(u) * (K / 8), sizeof(float) * (K / 8));
+    std::memcpy(xs.data() + size_t(q) * G, us.data() + size_t(u) * G, sizeof(float) * G);
+  }
+  // units of (expert, run of panels), claimed by the pool's threads as they come free
+  struct Unit {
+    int e, p0, p1;
+  };
+  auto pool = shared_pool();
+  const int panels = N / kPanelRows;
+  int active = 0;
+  for (int e = 0; e < E; ++e) {
+    active += g.count[e] > 0 ? 1 : 0;
+  }
+  const int per = std::max(1, std::min(8, active * panels / std::max(1, pool->size() * 4)));
+  std::vector<Unit> units;
+  for (int e = 0; e < E; ++e) {
+    for (int p = 0; g.count[e] > 0 && p < panels; p += per) {
+      units.push_back({e, p, std::min(panels, p + per)});
+    }
+  }
+  const size_t expert_codes = size_t(N) * K / 2;
+  const size_t expert_scales = size_t(N) / kPanelRows * (size_t(K) / 16 * kSuperBytes);
+  pool->run(int(units.size()), [&](int i) {
+    const Unit& u = units[size_t(i)];
+    const size_t q0 = size_t(g.start[u.e]);
+    const PanelArgs a{
+        xq.data() + q0 * K,
+        xd.data() + q0 * (K / 8),
+        xs.data() + q0 * G,
+        w + u.e * expert_codes,
+        scales + u.e * expert_scales,
+        biases + u.e * expert_scales,
+        y + q0 * N,
+        g.count[u.e],
+        N,
+        K};
+    avx512::q8_panels(a, u.p0, u.p1);
+  });
+#else
+  (void)g, (void)w, (void)scales, (void)biases, (void)y, (void)E, (void)N, (void)K;
   throw std::logic_error("the int8 panel kernel needs x86-64");
 #endif
 }

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "mlx/array.h"
 
@@ -47,13 +48,19 @@ void q8_panels(const PanelArgs& a, int p0, int p1);
 } // namespace avx512
 #endif
 
-// Whether (w, scales) are a layer in the panel form (4-bit, groups of 32, two-level scales).
+// Whether (w, scales) are a layer (or a stack of experts, w (E, N, K / 8)) in the panel form (4-bit,
+// groups of 32, two-level scales); check_panel_shapes throws unless its scales and biases fit K.
 bool is_panel_form(const mlx::core::array& w, const mlx::core::array& scales, int group_size, int bits);
+void check_panel_shapes(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, int K);
 
 // A 4-bit layer with two-level scales (kSuper, groups of 32; N a multiple of 16, K of 256) into the panel
 // form (to_panels) or back into the row form; the values are unchanged. Evaluates its inputs.
 std::tuple<mlx::core::array, mlx::core::array, mlx::core::array>
 panel_layout(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, bool to_panels);
+
+// The same on bytes: N rows (N a multiple of 16; several experts' matrices one after another are
+// rows too) of K / 2 bytes of codes and K / 256 * 10 bytes each of scales and biases, into the outputs.
+void panel_bytes(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, uint8_t* w_out, uint8_t* scales_out, uint8_t* biases_out, int N, int K, bool to_panels);
 
 // Whether the int8 panel kernel runs here (AVX-512 VNNI chosen); else a panel-form layer's products
 // take the row form's paths on a row-form copy.
@@ -61,5 +68,23 @@ bool panel_kernel_available();
 
 // y (M, N) float32 = x (M rows, dtype t) times the panel-form layer, with int8 math.
 void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K);
+
+// The rows of a gather over experts (gather_qmm.cpp), sorted by expert: the distinct rows of x (their
+// element offsets in x, every kstep-th value a row), each sorted pair's distinct row, the pairs' order
+// and each expert's first sorted pair and count.
+struct GatherRows {
+  const void* x;
+  mlx::core::Dtype t;
+  int64_t kstep;
+  const std::vector<int64_t>& unique;
+  const std::vector<int>& source;
+  const std::vector<int>& order;
+  const std::vector<int>& start;
+  const std::vector<int>& count;
+};
+
+// y (sorted pairs, N) float32: each pair's row of x times its expert's matrix, the E experts' w
+// (E, N, K / 2 bytes), scales and biases in panels, int8 math (the panel kernel must be available).
+void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K);
 
 } // namespace duet_cpu

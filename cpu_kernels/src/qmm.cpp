@@ -554,10 +554,7 @@ void check_groups(const mx::array& w, const mx::array& scales, const mx::array& 
     throw std::invalid_argument("K must be a multiple of group_size");
   }
   if (is_panel_form(w, scales, group_size, bits)) {
-    if (K % 256 != 0 || scales.shape(1) != K / 16 * kSuperBytes || biases.shape() != scales.shape()) {
-      throw std::invalid_argument("a layer in 16-row panels needs K a multiple of 256 and scales and biases (N / 16, K / 16 * 10)");
-    }
-    return;
+    return check_panel_shapes(w, scales, biases, K);
   }
   check_scale_shapes(scales, biases, {w.shape(0)}, K, group_size);
 }
