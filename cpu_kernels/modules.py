@@ -37,8 +37,7 @@ def _product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> 
     straight to the extension: ``use_cpu_kernels`` checked the layer's format when it switched it."""
     k = x.shape[-1]
     ext = extension()
-    # a layer in 16-row panels (cpu_kernels/panels.py) has only the extension's paths
-    few = x.size < dequantize_rows() * k or int8_gemm(layer.bits) or getattr(layer, "panels", False)
+    few = x.size < dequantize_rows() * k or int8_gemm(layer.bits)
     if ext is not None and k and few and x.dtype in FLOATS:
         return ext.quantized_matmul(
             x,

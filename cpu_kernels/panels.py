@@ -14,8 +14,6 @@ instead of ``(N, K / 256 * 10)``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -26,8 +24,17 @@ PANEL_ROWS = 16
 
 
 def in_panels(layer: nn.Module) -> bool:
-    """Whether a kernel layer holds its weights in 16-row panels."""
-    return bool(getattr(layer, "panels", False))
+    """Whether a kernel layer holds its weights in 16-row panels: its scales say so, one row of them
+    per 16 weight rows (the kernels read the form from the same shapes)."""
+    scales = layer.get("scales")
+    w = layer.get("weight")
+    return (
+        scales is not None
+        and w is not None
+        and scales.dtype == mx.uint8
+        and scales.ndim == w.ndim
+        and scales.shape[-2] * PANEL_ROWS == w.shape[-2]
+    )
 
 
 def _candidates(model: nn.Module) -> list[nn.Module]:
@@ -49,23 +56,11 @@ def _candidates(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def _convert(ext: Any, layer: nn.Module, on: bool) -> tuple[mx.array, mx.array, mx.array]:
-    """The layer's (w, scales, biases) in the other form; a stack of E experts converts as E * N rows
-    (a panel never straddles two experts: N is a multiple of 16)."""
-    w, s, b = layer["weight"], layer["scales"], layer["biases"]
-    lead = w.shape[:-2]
-    n = w.shape[-2]
-    w2, s2, b2 = ext.panel_layout(
-        w.reshape(-1, w.shape[-1]), s.reshape(-1, s.shape[-1]), b.reshape(-1, b.shape[-1]), on
-    )
-    rows = n // PANEL_ROWS if on else n
-    return w2.reshape(w.shape), s2.reshape(*lead, rows, s2.shape[-1]), b2.reshape(*lead, rows, b2.shape[-1])
-
-
 def use_panels(model: nn.Module, on: bool) -> list[nn.Module]:
     """Put the model's eligible layers into the panel form (``on``) or back into the row form; returns
     the layers that changed (their new arrays are evaluated). Nothing changes where the panel kernel
-    cannot run (no AVX-512 VNNI) and ``on`` is asked."""
+    cannot run (no AVX-512 VNNI) and ``on`` is asked. A stack of experts converts as one (a panel never
+    straddles two experts: N is a multiple of 16)."""
     ext = extension()
     if ext is None or (on and not ext.panel_kernel()):
         return []
@@ -73,8 +68,8 @@ def use_panels(model: nn.Module, on: bool) -> list[nn.Module]:
     for layer in _candidates(model):
         if in_panels(layer) == on:
             continue
-        layer["weight"], layer["scales"], layer["biases"] = arrays = _convert(ext, layer, on)
-        mx.eval(arrays)
-        layer.panels = on
+        layer["weight"], layer["scales"], layer["biases"] = ext.panel_layout(
+            layer["weight"], layer["scales"], layer["biases"], on
+        )
         changed.append(layer)
     return changed

@@ -20,7 +20,6 @@
 
 #include "dispatch.h"
 #include "kernels.h"
-#include "mlx/allocator.h"
 #include "panels.h"
 #include "pool.h"
 #include "qmm_shared.h"
@@ -98,21 +97,7 @@ void run_gather(
   const bool panels = is_panel_form(w, scales, group_size, bits);
   if (panels && !(int8 && panel_kernel_available())) {
     // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy of every expert
-    const mx::Shape srows{E, N, K / 256 * kSuperBytes};
-    mx::array rw(mx::allocator::malloc(w.nbytes()), w.shape(), mx::uint32);
-    mx::array rs(mx::allocator::malloc(scales.nbytes()), srows, mx::uint8);
-    mx::array rb(mx::allocator::malloc(biases.nbytes()), srows, mx::uint8);
-    const DenseBytes wd = dense_bytes(w), sd = dense_bytes(scales), bd = dense_bytes(biases);
-    panel_bytes(
-        static_cast<const uint8_t*>(wd.data),
-        static_cast<const uint8_t*>(sd.data),
-        static_cast<const uint8_t*>(bd.data),
-        reinterpret_cast<uint8_t*>(rw.data<uint32_t>()),
-        rs.data<uint8_t>(),
-        rb.data<uint8_t>(),
-        E * N,
-        K,
-        false);
+    const auto [rw, rs, rb] = row_form(w, scales, biases);
     return run_gather(x, rw, rs, rb, indices, out, group_size, bits, int8);
   }
 
@@ -296,21 +281,13 @@ void run_gather(
     by_gemm[e] = takes_q8_gemm(gemm, count[e], bits) ? 1 : 0;
   }
   if (std::any_of(by_gemm.begin(), by_gemm.end(), [](char g) { return g != 0; })) {
-    std::vector<int8_t> eq;
-    std::vector<float> eu, es;
+    Q8Rows e8;
     if (bits != 8) {
-      const Q8QuantizeFn q8 = q8_quantize_fn();
-      eq.resize(size_t(U) * K);
-      eu.resize(size_t(U) * (K / 8));
-      es.resize(size_t(U) * G);
-      std::vector<float> row(static_cast<size_t>(K));
-      for (int u = 0; u < U; ++u) {
-        q8_gemm_row(q8, xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, row.data(), eq.data() + size_t(u) * K, eu.data() + size_t(u) * (K / 8), es.data() + size_t(u) * G);
-      }
+      e8 = quantize_rows_q8(q8_quantize_fn(), xdata, x.dtype(), unique, kstep, K, group_size);
     }
-    const int8_t* qsrc = bits == 8 ? uq.data() : eq.data();
-    const float* usrc = bits == 8 ? ud.data() : eu.data();
-    const float* ssrc = bits == 8 ? xs.data() : es.data();
+    const int8_t* qsrc = bits == 8 ? uq.data() : e8.q.data();
+    const float* usrc = bits == 8 ? ud.data() : e8.unit.data();
+    const float* ssrc = bits == 8 ? xs.data() : e8.sum.data();
     std::vector<int8_t> bq;
     std::vector<float> bu, bs;
     for (int e = 0; e < E; ++e) {
@@ -454,7 +431,7 @@ mx::array gather_quantized_matmul(
     throw std::invalid_argument("K must be a multiple of group_size");
   }
   if (is_panel_form(w, scales, group_size, bits)) {
-    check_panel_shapes(w, scales, biases, K);
+    check_panel_shapes(scales, biases, K);
   } else {
     check_scale_shapes(scales, biases, {w.shape(0), w.shape(1)}, K, group_size);
   }

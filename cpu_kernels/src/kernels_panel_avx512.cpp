@@ -105,22 +105,13 @@ void panel_tile(const PanelArgs& a, int p, int m0) {
   }
 }
 
+// The last rows of x (fewer than a tile), with the tile that holds exactly them.
+template <int MT>
 void panel_rest(const PanelArgs& a, int p, int m0, int rows) {
-  switch (rows) {
-    case 1:
-      return panel_tile<1>(a, p, m0);
-    case 2:
-      return panel_tile<2>(a, p, m0);
-    case 3:
-      return panel_tile<3>(a, p, m0);
-    case 4:
-      return panel_tile<4>(a, p, m0);
-    case 5:
-      return panel_tile<5>(a, p, m0);
-    case 6:
-      return panel_tile<6>(a, p, m0);
-    default:
-      return panel_tile<7>(a, p, m0);
+  if (rows == MT) {
+    panel_tile<MT>(a, p, m0);
+  } else if constexpr (MT > 1) {
+    panel_rest<MT - 1>(a, p, m0, rows);
   }
 }
 
@@ -133,7 +124,7 @@ void q8_panels(const PanelArgs& a, int p0, int p1) {
       panel_tile<kTileRows>(a, p, m0);
     }
     if (m0 < a.M) {
-      panel_rest(a, p, m0, a.M - m0);
+      panel_rest<kTileRows - 1>(a, p, m0, a.M - m0);
     }
   }
 }

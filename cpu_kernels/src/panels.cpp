@@ -50,7 +50,7 @@ void codes_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
 }
 
 // One panel's two-level scales (or biases), row form <-> panel form (K / 256 * 10 bytes a row). noipa:
-// GCC 12 at -O3 (its loop peeling) dropped both calls from panel_layout's loop as if they had no
+// GCC 12 at -O3 (its loop peeling) dropped both calls from the conversion's loop as if they had no
 // effect, which left the new scales unwritten (tests/test_cpu_panels.py checks the round trip).
 __attribute__((noipa)) void scales_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
   const size_t row_bytes = size_t(K) / 256 * kSuperBytes;
@@ -103,62 +103,70 @@ bool is_panel_form(const mx::array& w, const mx::array& scales, int group_size, 
   return int64_t(scales.shape(-2)) * kPanelRows == w.shape(-2);
 }
 
-void check_panel_shapes(const mx::array& w, const mx::array& scales, const mx::array& biases, int K) {
+void check_panel_shapes(const mx::array& scales, const mx::array& biases, int K) {
   if (K % 256 != 0 || scales.shape(-1) != K / 16 * kSuperBytes || biases.shape() != scales.shape()) {
     throw std::invalid_argument("a layer in 16-row panels needs K a multiple of 256 and scales and biases (..., N / 16, K / 16 * 10)");
   }
-  (void)w;
 }
 
-std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, bool to_panels) {
-  if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.dtype() != mx::uint8 || biases.dtype() != mx::uint8 ||
-      scales.ndim() != 2 || biases.shape() != scales.shape()) {
-    throw std::invalid_argument("panel_layout takes a 4-bit layer with two-level (uint8) scales and biases");
-  }
-  const int N = w.shape(0);
-  const int K = w.shape(1) * 8;
-  const int rows = to_panels ? N : N / kPanelRows; // the scales' rows in the form given
+namespace {
+
+// Every panel's codes, scales and biases, rows (all the matrices' rows, one after another) -> the
+// other form; the outputs are fresh arrays. w, scales and biases must be evaluated.
+std::tuple<mx::array, mx::array, mx::array> convert(const mx::array& w, const mx::array& scales, const mx::array& biases, bool to_panels) {
+  const int rows = int(w.size() / size_t(w.shape(-1))); // every matrix's rows
+  const int K = w.shape(-1) * 8;
   const size_t row_scale_bytes = size_t(K) / 256 * kSuperBytes;
-  if (N % kPanelRows != 0 || K % 256 != 0 || scales.shape(0) != rows ||
-      size_t(scales.shape(1)) != row_scale_bytes * (to_panels ? 1 : kPanelRows)) {
-    throw std::invalid_argument(
-        "panel_layout needs N a multiple of 16, K of 256, and scales (N, K / 256 * 10) (to panels) or (N / 16, "
-        "K / 16 * 10) (back)");
-  }
-  mx::array wc = w, sc = scales, bc = biases;
-  if (!wc.is_available() || !sc.is_available() || !bc.is_available()) { // not inside a primitive's eval
-    mx::eval({wc, sc, bc});
-  }
-  const DenseBytes wd = dense_bytes(wc), sd = dense_bytes(sc), bd = dense_bytes(bc);
+  const size_t panel_codes = size_t(kPanelRows) * K / 2;
   const size_t panel_scales = size_t(kPanelRows) * row_scale_bytes;
-  const mx::Shape sshape = to_panels ? mx::Shape{N / kPanelRows, int(panel_scales)} : mx::Shape{N, int(row_scale_bytes)};
+  mx::Shape sshape = w.shape();
+  sshape.back() = int(to_panels ? panel_scales : row_scale_bytes);
+  sshape[sshape.size() - 2] = to_panels ? w.shape(-2) / kPanelRows : w.shape(-2);
   mx::array wo(mx::allocator::malloc(w.nbytes()), w.shape(), mx::uint32);
   mx::array so(mx::allocator::malloc(scales.nbytes()), sshape, mx::uint8);
   mx::array bo(mx::allocator::malloc(biases.nbytes()), sshape, mx::uint8);
-  panel_bytes(
-      static_cast<const uint8_t*>(wd.data),
-      static_cast<const uint8_t*>(sd.data),
-      static_cast<const uint8_t*>(bd.data),
-      reinterpret_cast<uint8_t*>(wo.data<uint32_t>()),
-      so.data<uint8_t>(),
-      bo.data<uint8_t>(),
-      N,
-      K,
-      to_panels);
+  const DenseBytes wd = dense_bytes(w), sd = dense_bytes(scales), bd = dense_bytes(biases);
+  const auto* wsrc = static_cast<const uint8_t*>(wd.data);
+  const auto* ssrc = static_cast<const uint8_t*>(sd.data);
+  const auto* bsrc = static_cast<const uint8_t*>(bd.data);
+  uint8_t* wdst = reinterpret_cast<uint8_t*>(wo.data<uint32_t>());
+  uint8_t* sdst = so.data<uint8_t>();
+  uint8_t* bdst = bo.data<uint8_t>();
+  if (!to_panels) {
+    std::memset(wdst, 0, w.nbytes()); // the row form is written a nibble at a time
+  }
+  each_panel(rows / kPanelRows, [&](int p) {
+    codes_panel(wsrc + p * panel_codes, wdst + p * panel_codes, K, to_panels);
+    scales_panel(ssrc + p * panel_scales, sdst + p * panel_scales, K, to_panels);
+    scales_panel(bsrc + p * panel_scales, bdst + p * panel_scales, K, to_panels);
+  });
   return {wo, so, bo};
 }
 
-void panel_bytes(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, uint8_t* w_out, uint8_t* scales_out, uint8_t* biases_out, int N, int K, bool to_panels) {
-  const size_t panel_codes = size_t(kPanelRows) * K / 2;
-  const size_t panel_scales = size_t(kPanelRows) * (size_t(K) / 256 * kSuperBytes);
-  if (!to_panels) {
-    std::memset(w_out, 0, size_t(N) * K / 2); // the row form is written a nibble at a time
+} // namespace
+
+std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, bool to_panels) {
+  if (w.dtype() != mx::uint32 || w.ndim() < 2 || scales.dtype() != mx::uint8 || biases.dtype() != mx::uint8 ||
+      scales.ndim() != w.ndim() || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("panel_layout takes a 4-bit layer with two-level (uint8) scales and biases");
   }
-  each_panel(N / kPanelRows, [&](int p) {
-    codes_panel(w + p * panel_codes, w_out + p * panel_codes, K, to_panels);
-    scales_panel(scales + p * panel_scales, scales_out + p * panel_scales, K, to_panels);
-    scales_panel(biases + p * panel_scales, biases_out + p * panel_scales, K, to_panels);
-  });
+  const int N = w.shape(-2);
+  const int K = w.shape(-1) * 8;
+  mx::Shape expected = w.shape(); // the scales' shape in the form given
+  expected[expected.size() - 2] = to_panels ? N : N / kPanelRows;
+  expected.back() = int(size_t(K) / 256 * kSuperBytes * (to_panels ? 1 : kPanelRows));
+  if (N % kPanelRows != 0 || K % 256 != 0 || scales.shape() != expected) {
+    throw std::invalid_argument(
+        "panel_layout needs N a multiple of 16, K of 256, and scales (..., N, K / 256 * 10) (to panels) or (..., "
+        "N / 16, K / 16 * 10) (back)");
+  }
+  mx::array wc = w, sc = scales, bc = biases;
+  mx::eval({wc, sc, bc});
+  return convert(wc, sc, bc, to_panels);
+}
+
+std::tuple<mx::array, mx::array, mx::array> row_form(const mx::array& w, const mx::array& scales, const mx::array& biases) {
+  return convert(w, scales, biases, false);
 }
 
 bool panel_kernel_available() {
@@ -171,27 +179,9 @@ bool panel_kernel_available() {
 
 void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
 #if defined(DUET_X86)
-  const int G = K / 32;
-  std::vector<int8_t> xq(size_t(M) * K);
-  std::vector<float> xunit(size_t(M) * (K / 8));
-  std::vector<float> xsum(size_t(M) * G);
+  const Q8Rows x8 = quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32);
+  const PanelArgs a{x8.q.data(), x8.unit.data(), x8.sum.data(), w, scales, biases, y, M, N, K};
   auto pool = shared_pool();
-  const Q8QuantizeFn q8 = q8_quantize_fn();
-  // x's rows quantized in element order (on the pool when there are several)
-  const int qtasks = std::min(M, pool->size());
-  auto quantize = [&](int task) {
-    std::vector<float> row(static_cast<size_t>(K));
-    const int m1 = int(int64_t(M) * (task + 1) / qtasks);
-    for (int m = int(int64_t(M) * task / qtasks); m < m1; ++m) {
-      q8_gemm_row(q8, x, t, size_t(m) * K, 1, K, 32, row.data(), xq.data() + size_t(m) * K, xunit.data() + size_t(m) * (K / 8), xsum.data() + size_t(m) * G);
-    }
-  };
-  if (qtasks <= 1) {
-    quantize(0);
-  } else {
-    pool->run(qtasks, quantize);
-  }
-  const PanelArgs a{xq.data(), xunit.data(), xsum.data(), w, scales, biases, y, M, N, K};
   const int panels = N / kPanelRows;
   const int tasks = std::min(panels, task_count(size_t(N) * K / 2, M, pool->size()));
   if (tasks <= 1) {
@@ -213,23 +203,16 @@ void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
 void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K) {
 #if defined(DUET_X86)
   const int G = K / 32;
-  const int U = int(g.unique.size());
   const int sorted = g.start[E];
   // each distinct row quantized once (element order), then each expert's rows side by side
-  std::vector<int8_t> uq(size_t(U) * K);
-  std::vector<float> uu(size_t(U) * (K / 8)), us(size_t(U) * G);
-  const Q8QuantizeFn q8 = q8_quantize_fn();
-  std::vector<float> row(static_cast<size_t>(K));
-  for (int u = 0; u < U; ++u) {
-    q8_gemm_row(q8, g.x, g.t, size_t(g.unique[u]), g.kstep, K, 32, row.data(), uq.data() + size_t(u) * K, uu.data() + size_t(u) * (K / 8), us.data() + size_t(u) * G);
-  }
+  const Q8Rows u8 = quantize_rows_q8(q8_quantize_fn(), g.x, g.t, g.unique, g.kstep, K, 32);
   std::vector<int8_t> xq(size_t(sorted) * K);
   std::vector<float> xd(size_t(sorted) * (K / 8)), xs(size_t(sorted) * G);
   for (int q = 0; q < sorted; ++q) {
     const int u = g.source[g.order[q]];
-    std::memcpy(xq.data() + size_t(q) * K, uq.data() + size_t(u) * K, size_t(K));
-    std::memcpy(xd.data() + size_t(q) * (K / 8), uu.data() + size_t(u) * (K / 8), sizeof(float) * (K / 8));
-    std::memcpy(xs.data() + size_t(q) * G, us.data() + size_t(u) * G, sizeof(float) * G);
+    std::memcpy(xq.data() + size_t(q) * K, u8.q.data() + size_t(u) * K, size_t(K));
+    std::memcpy(xd.data() + size_t(q) * (K / 8), u8.unit.data() + size_t(u) * (K / 8), sizeof(float) * (K / 8));
+    std::memcpy(xs.data() + size_t(q) * G, u8.sum.data() + size_t(u) * G, sizeof(float) * G);
   }
   // units of (expert, run of panels), claimed by the pool's threads as they come free
   struct Unit {

@@ -51,16 +51,18 @@ void q8_panels(const PanelArgs& a, int p0, int p1);
 // Whether (w, scales) are a layer (or a stack of experts, w (E, N, K / 8)) in the panel form (4-bit,
 // groups of 32, two-level scales); check_panel_shapes throws unless its scales and biases fit K.
 bool is_panel_form(const mlx::core::array& w, const mlx::core::array& scales, int group_size, int bits);
-void check_panel_shapes(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, int K);
+void check_panel_shapes(const mlx::core::array& scales, const mlx::core::array& biases, int K);
 
-// A 4-bit layer with two-level scales (kSuper, groups of 32; N a multiple of 16, K of 256) into the panel
-// form (to_panels) or back into the row form; the values are unchanged. Evaluates its inputs.
+// A 4-bit layer with two-level scales (kSuper, groups of 32; N a multiple of 16, K of 256), or a stack
+// of them (..., N, K / 8), into the panel form (to_panels) or back into the row form; the values are
+// unchanged. Evaluates its inputs (Python's call).
 std::tuple<mlx::core::array, mlx::core::array, mlx::core::array>
 panel_layout(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, bool to_panels);
 
-// The same on bytes: N rows (N a multiple of 16; several experts' matrices one after another are
-// rows too) of K / 2 bytes of codes and K / 256 * 10 bytes each of scales and biases, into the outputs.
-void panel_bytes(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, uint8_t* w_out, uint8_t* scales_out, uint8_t* biases_out, int N, int K, bool to_panels);
+// A panel-form layer's (or stack's) row-form copy, from evaluated arrays (inside a primitive's eval):
+// for the paths that read rows (exact math, dequantize, an instruction set without the panel kernel).
+std::tuple<mlx::core::array, mlx::core::array, mlx::core::array>
+row_form(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases);
 
 // Whether the int8 panel kernel runs here (AVX-512 VNNI chosen); else a panel-form layer's products
 // take the row form's paths on a row-form copy.

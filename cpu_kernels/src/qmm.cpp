@@ -232,9 +232,29 @@ int task_count(size_t weight_bytes, int M, int threads) {
   return int(std::min<size_t>(wanted, size_t(threads) * 4));
 }
 
-void q8_gemm_row(Q8QuantizeFn q8, const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, float* row, int8_t* q, float* scale, float* xsum) {
-  prepare_x_row(x, t, first, step, K, group_size, 8, row, xsum); // its float sums, replaced below
-  quantize_row_q8(q8, row, K, group_size, 8, q, scale, xsum);
+Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size) {
+  const int M = int(first.size());
+  const int G = K / group_size;
+  Q8Rows r{std::vector<int8_t>(size_t(M) * K), std::vector<float>(size_t(M) * (K / 8)), std::vector<float>(size_t(M) * G)};
+  auto pool = shared_pool();
+  // on the pool from 8 rows (at 512 rows of K = 8192 this was ~10% of a prefill's product); fewer
+  // are not worth a round trip
+  const int tasks = M >= 8 ? std::min(M, pool->size()) : 1;
+  auto quantize = [&](int task) {
+    std::vector<float> row(static_cast<size_t>(K));
+    const int m1 = int(int64_t(M) * (task + 1) / tasks);
+    for (int m = int(int64_t(M) * task / tasks); m < m1; ++m) {
+      float* sum = r.sum.data() + size_t(m) * G;
+      prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), sum); // its float sums, replaced below
+      quantize_row_q8(q8, row.data(), K, group_size, 8, r.q.data() + size_t(m) * K, r.unit.data() + size_t(m) * (K / 8), sum);
+    }
+  };
+  if (tasks <= 1) {
+    quantize(0);
+  } else {
+    pool->run(tasks, quantize);
+  }
+  return r;
 }
 
 void quantize_row_q8(Q8QuantizeFn q8, const float* row, int K, int group_size, int bits, int8_t* q, float* scale, float* xsum) {
@@ -379,26 +399,8 @@ void write_out(mx::array& out, const std::vector<float>& yf) {
 // Many rows of x with int8 math (prefill): the GEMM on packed panels (kernels_gemm_avx512.cpp). x is
 // quantized in element order per run of 32, as the row kernel's other widths are.
 void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
-  const int G = K / group_size;
-  std::vector<int8_t> xq(size_t(M) * K);
-  std::vector<float> xunit(size_t(M) * (K / 8));
-  std::vector<float> xsum(size_t(M) * G);
-  auto pool = shared_pool();
-  // x's rows quantized on the pool too: at 512 rows of K = 8192 this was ~10% of the product
-  const int qtasks = std::min(M, pool->size());
-  auto quantize = [&](int t) {
-    std::vector<float> row(static_cast<size_t>(K));
-    const int m0 = int(int64_t(M) * t / qtasks), m1 = int(int64_t(M) * (t + 1) / qtasks);
-    for (int m = m0; m < m1; ++m) {
-      q8_gemm_row(v.q8_quantize, xd.data, xt, size_t(m) * K, 1, K, group_size, row.data(), xq.data() + size_t(m) * K, xunit.data() + size_t(m) * (K / 8), xsum.data() + size_t(m) * G);
-    }
-  };
-  if (qtasks <= 1) {
-    quantize(0);
-  } else {
-    pool->run(qtasks, quantize);
-  }
-  q8_gemm_on_pool(v.q8_gemm, {xq.data(), xunit.data(), xsum.data(), w, scales, biases.data, y, M, N, K, group_size, bits, scale_type, biases.ratio});
+  const Q8Rows x8 = quantize_rows_q8(v.q8_quantize, xd.data, xt, row_starts(M, K), 1, K, group_size);
+  q8_gemm_on_pool(v.q8_gemm, {x8.q.data(), x8.unit.data(), x8.sum.data(), w, scales, biases.data, y, M, N, K, group_size, bits, scale_type, biases.ratio});
 }
 
 void run_qmm(
@@ -421,7 +423,7 @@ void run_qmm(
   const bool panels = is_panel_form(w, scales, group_size, bits);
   if (panels && !(int8 && panel_kernel_available())) {
     // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy
-    const auto [rw, rs, rb] = panel_layout(w, scales, biases, false);
+    const auto [rw, rs, rb] = row_form(w, scales, biases);
     return run_qmm(x, rw, rs, rb, out, group_size, bits, int8);
   }
   const DenseBytes xd = dense_bytes(x);
@@ -554,7 +556,7 @@ void check_groups(const mx::array& w, const mx::array& scales, const mx::array& 
     throw std::invalid_argument("K must be a multiple of group_size");
   }
   if (is_panel_form(w, scales, group_size, bits)) {
-    return check_panel_shapes(w, scales, biases, K);
+    return check_panel_shapes(scales, biases, K);
   }
   check_scale_shapes(scales, biases, {w.shape(0)}, K, group_size);
 }
@@ -573,7 +575,7 @@ void run_dequant(
   }
   if (is_panel_form(w, scales, group_size, bits)) {
     // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy
-    const auto [rw, rs, rb] = panel_layout(w, scales, biases, false);
+    const auto [rw, rs, rb] = row_form(w, scales, biases);
     return run_dequant(rw, rs, rb, out, group_size, bits);
   }
   const DenseBytes wd = dense_bytes(w);

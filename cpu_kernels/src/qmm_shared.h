@@ -69,10 +69,23 @@ float load_float(const void* p, size_t i, mx::Dtype t);
 // prepare_x_row leaves it, K bytes into q, K / 8 floats into scale, and the group sums of the
 // quantized values (what the bias term multiplies) into xsum, overwriting the float ones.
 void quantize_row_q8(Q8QuantizeFn q8, const float* row, int K, int group_size, int bits, int8_t* q, float* scale, float* xsum);
-// One row of x (K values of dtype t at elements first, first + step, ...) as the int8 GEMM reads it:
-// quantized per run of 32 in element order, K bytes into q, K / 8 floats into scale, its group sums
-// into xsum; row is K floats of scratch.
-void q8_gemm_row(Q8QuantizeFn q8, const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, float* row, int8_t* q, float* scale, float* xsum);
+// Rows of x as the int8 GEMM and the panel kernel read them: quantized per run of 32 in element order,
+// K bytes a row in q, K / 8 floats in unit (q8_quantize's layout), each group's sum of the quantized
+// values in sum. Row i is K values of dtype t at elements first[i], first[i] + step, ...
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> unit;
+  std::vector<float> sum;
+};
+// The first elements of M contiguous rows of K values: 0, K, 2K, ...
+inline std::vector<int64_t> row_starts(int M, int K) {
+  std::vector<int64_t> first(static_cast<size_t>(M));
+  for (int m = 0; m < M; ++m) {
+    first[size_t(m)] = int64_t(m) * K;
+  }
+  return first;
+}
+Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size);
 
 // A row-major copy of a's bytes when a is not row contiguous (rare: parameters and activations are).
 struct DenseBytes {

@@ -35,4 +35,6 @@ def fit_layout_to_math(model: nn.Module) -> int:
 
 def in_panels(model: nn.Module) -> bool:
     """Whether any of the model's layers is in 16-row panels."""
-    return any(getattr(layer, "panels", False) for _, layer in model.named_modules())
+    from cpu_kernels.panels import in_panels as layer_in_panels
+
+    return any(layer_in_panels(layer) for _, layer in model.named_modules())
