@@ -59,15 +59,16 @@ bench: $(STAMP) $(MODEL) kernels
 
 # llama-cpp-python for bench/cpu.py (never part of `make test`): installing it compiles llama.cpp
 # (~15-30 min on 2 cores), so the wheel is built once, for this CPU, into build/wheels/ and reused.
+# A native build, unless the CPU reports AMX its OS cannot use (bench/llama_cmake_args.py says why).
 LLAMA_CPP_VERSION ?= 0.3.36
-WHEELS := build/wheels
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+WHEELS = build/wheels/$(shell $(PY) bench/llama_cmake_args.py --tag)
+LLAMA_CMAKE_ARGS ?= $(shell $(PY) bench/llama_cmake_args.py)
 
 bench-deps: $(STAMP)
 	@ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 19 \
 	  $(VPY) -m pip wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
-	$(VPY) -m pip install --quiet --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl diskcache
+	$(VPY) -m pip install --quiet --no-deps --force-reinstall $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl diskcache
 
 bench-cpu: bench-deps
 	$(BLAS_ENV) $(VPY) bench/cpu.py

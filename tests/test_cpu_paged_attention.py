@@ -122,6 +122,7 @@ def rounded(case, dtype, kv_dtype=None):
         ([40, 7], 16, 1, 80, 80, 8),  # GQA 16, head dim 80, block size 8
         ([70], 4, 4, 256, 256, 16),  # no GQA, head dim 256
         ([50, 3], 6, 2, 64, 32, 16),  # values narrower than keys
+        ([200, 40], 12, 2, 64, 64, 16),  # GQA 6: four query heads at once (AVX-512), then a pair
     ],
 )
 @pytest.mark.parametrize("window, sinks", [(None, False), (8, False), (None, True), (20, True)])
@@ -162,6 +163,8 @@ def test_query_chunks_attend_causally_like_float64(dtype, lens, L, Hq, Hkv, D, b
     [
         ([1000, 70, 5], 1, 9, 3, 64, 64),  # decode over many chunks (SmolLM2's heads)
         ([333], 1, 16, 1, 128, 128),  # GQA 16: the transposed-key path
+        ([1000, 70], 1, 32, 4, 128, 128),  # Qwen3-30B-A3B's heads: GQA 8, two fours of query heads
+        ([700, 9], 1, 32, 8, 64, 64),  # Llama-3.2-1B's: GQA 4
         ([130, 64], 3, 6, 2, 80, 48),  # a verification pass; head dims not multiples of 32
         ([300, 41], 37, 8, 2, 64, 64),  # prefill tiles over a long history
     ],
