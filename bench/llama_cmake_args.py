@@ -70,7 +70,10 @@ def cmake_args() -> tuple[str, str]:
     if not amx_unusable(flags):
         return "native", f"-DGGML_NATIVE=ON {COMMON}"
     named = " ".join(f"-D{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in GGML_FLAGS.items())
-    return "noamx", f"-DGGML_NATIVE=OFF {named} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF {COMMON}"
+    return (
+        "noamx",
+        f"-DGGML_NATIVE=OFF {named} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF {COMMON}",
+    )
 
 
 def main() -> None:
