@@ -67,7 +67,7 @@ LLAMA_CMAKE_ARGS ?= $(shell $(PY) bench/llama_cmake_args.py)
 bench-deps: $(STAMP)
 	@ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 19 \
-	  $(VPY) -m pip wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	  $(VPY) -m pip wheel --no-deps --no-cache-dir -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(VPY) -m pip install --quiet --no-deps --force-reinstall $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl diskcache
 
 bench-cpu: bench-deps
