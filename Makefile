@@ -6,8 +6,9 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL := duet_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 # Fast BLAS on Linux: mlx[cpu] bundles reference BLAS; `duet` preloads OpenBLAS itself, tests do it here.
-BLAS_ENV = LD_PRELOAD="$$($(VPY) -m mlx_engine.blas --preload)"
-TEST_ENV = HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(BLAS_ENV)
+# (and OPENBLAS_CORETYPE where the CPU is newer than the OpenBLAS: mlx_engine/blas_preload.py)
+BLAS_ENV = env $$($(VPY) -m mlx_engine.blas --env)
+TEST_ENV = $(BLAS_ENV) HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 .PHONY: setup kernels chat serve test soak-test test-fast lint bench bench-deps bench-cpu mac-check gpu-check clean
 

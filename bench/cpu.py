@@ -483,11 +483,9 @@ def env(threads: int) -> dict[str, str]:
     e = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     e.update(OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads), DUET_CPU_THREADS=str(threads))
     try:
-        from mlx_engine.blas import openblas_path
+        from mlx_engine.blas_preload import preload_env
 
-        lib = openblas_path()
-        if lib:
-            e["LD_PRELOAD"] = lib
+        e.update(preload_env())  # LD_PRELOAD, and OPENBLAS_CORETYPE where the CPU needs one
     except ImportError:
         pass
     return e

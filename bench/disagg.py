@@ -106,10 +106,9 @@ def _env(pinned: bool) -> dict[str, str]:
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     try:
         pre = subprocess.run(
-            [sys.executable, "-m", "mlx_engine.blas", "--preload"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip()
-        if pre:
-            env["LD_PRELOAD"] = pre
+            [sys.executable, "-m", "mlx_engine.blas", "--env"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.split()
+        env.update(kv.partition("=")[::2] for kv in pre)  # LD_PRELOAD (and OPENBLAS_CORETYPE)
     except OSError:
         pass
     return env

@@ -85,11 +85,10 @@ def free_port() -> int:
 
 def blas_env() -> dict:
     pre = subprocess.run(
-        [sys.executable, "-m", "mlx_engine.blas", "--preload"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+        [sys.executable, "-m", "mlx_engine.blas", "--env"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.split()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if pre:
-        env["LD_PRELOAD"] = pre
+    env.update(kv.partition("=")[::2] for kv in pre)  # LD_PRELOAD (and OPENBLAS_CORETYPE)
     return env
 
 

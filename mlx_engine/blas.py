@@ -8,8 +8,9 @@ A BLAS in the process's global scope before MLX loads wins (see `blas_preload.py
   RTLD_GLOBAL before anything imports MLX; `DUET_NO_OPENBLAS=1` keeps the reference BLAS. If MLX
   was imported first that is too late, and building an `Engine` warns once with the fix.
 - `LD_PRELOAD` does the same from outside: `python -m mlx_engine.blas --preload` prints the
-  library to preload (or nothing); `duet` re-executes itself with it when the in-process load
-  did not happen (`reexec_with_openblas()`).
+  library to preload (or nothing), `--env` the `NAME=VALUE` words for `env` (with the
+  `OPENBLAS_CORETYPE` a CPU newer than the OpenBLAS needs, `openblas_coretype()`); `duet`
+  re-executes itself with them when the in-process load did not happen (`reexec_with_openblas()`).
 
 `mlx_blas()` reports what MLX really calls: the library defining the `cblas_sgemm` that libmlx
 binds to, looked up the way the dynamic linker does (global scope first, then libmlx's own
@@ -31,6 +32,7 @@ from mlx_engine.blas_preload import (
     global_provider,
     library_defining,
     openblas_path,
+    preload_env,
     preload_openblas,
 )
 
@@ -41,6 +43,7 @@ __all__ = [
     "fix_hint",
     "mlx_blas",
     "openblas_path",
+    "preload_env",
     "preload_openblas",
     "reexec_with_openblas",
     "warn_if_slow",
@@ -147,8 +150,7 @@ def reexec_with_openblas() -> None:
     provider = global_provider()
     if provider is not None and _name(provider) != REFERENCE:
         return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    env = dict(os.environ, **preload_env())
     env["_DUET_REEXEC"] = "1"
     argv = [sys.executable, *sys.orig_argv[1:]] if hasattr(sys, "orig_argv") else [sys.executable, *sys.argv]
     try:
@@ -160,6 +162,8 @@ def reexec_with_openblas() -> None:
 if __name__ == "__main__":
     if "--preload" in sys.argv:
         print(openblas_path() or "")
+    elif "--env" in sys.argv:  # NAME=VALUE words for `env`: LD_PRELOAD and, where needed, OPENBLAS_CORETYPE
+        print(" ".join(f"{k}={v}" for k, v in preload_env().items()))
     else:
         info = mlx_blas()
         print(f"{info.describe()}: {info.path or 'library not found'}")

@@ -13,11 +13,14 @@ import ctypes
 import glob
 import logging
 import os
+import platform
 import sys
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
 ENV_DISABLE = "DUET_NO_OPENBLAS"
+ENV_CORETYPE = "OPENBLAS_CORETYPE"  # OpenBLAS's own: the kernels' target, read when the library loads
 PROBE_SYMBOL = "cblas_sgemm"  # what MLX's CPU matmul calls
 _CANDIDATES = (
     "/usr/lib/*/openblas-pthread/libopenblas.so.0",
@@ -37,6 +40,53 @@ def openblas_path() -> str | None:
         if hits:
             return hits[0]
     return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def openblas_coretype(flags: set[str] | None = None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The ``OPENBLAS_CORETYPE`` to load OpenBLAS with, or None to leave it to its own detection.
+
+    OpenBLAS picks its kernels at load time from the CPU's model number, and a release older than the
+    CPU does not know it: Debian 12's 0.3.21 takes an Emerald Rapids Xeon (family 6, model 207) for a
+    Prescott and runs SSE3 kernels, a 2048^2 float32 matmul at 29 GFLOP/s instead of 183 (the
+    dequantize-then-GEMM prefill of the exact math 5x slower than on a known CPU). Naming the target by
+    the instruction sets the CPU reports gives the kernels a correct detection would: SkylakeX's with
+    AVX-512 (what OpenBLAS picks for every AVX-512 CPU since, Zen 4 included), Haswell's with AVX2.
+    A value the user set is theirs (None: nothing to add); off x86-64 Linux, None.
+    """
+    if ENV_CORETYPE in environ or sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = _cpu_flags() if flags is None else flags
+    if {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return None
+
+
+def preload_env() -> dict[str, str]:
+    """What a child process's environment needs for MLX to run on OpenBLAS's right kernels:
+    ``LD_PRELOAD`` (the library, ahead of what is preloaded already) and ``OPENBLAS_CORETYPE`` where
+    ``openblas_coretype()`` names one; empty without OpenBLAS."""
+    lib = openblas_path()
+    if lib is None:
+        return {}
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    env = {"LD_PRELOAD": preloaded if lib in preloaded else ":".join(p for p in (lib, preloaded) if p)}
+    coretype = os.environ.get(ENV_CORETYPE) or openblas_coretype()  # this process's own, if set
+    if coretype:
+        env[ENV_CORETYPE] = coretype
+    return env
 
 
 class _DlInfo(ctypes.Structure):
@@ -82,6 +132,9 @@ def preload_openblas() -> str | None:
     lib = openblas_path()
     if lib is None or "mlx.core" in sys.modules or global_provider() is not None:
         return None
+    coretype = openblas_coretype()
+    if coretype is not None:  # read by the library as it loads, and inherited by child processes
+        os.environ[ENV_CORETYPE] = coretype
     try:
         _preloaded = ctypes.CDLL(lib, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
     except OSError as e:

@@ -692,10 +692,9 @@ MUTANTS = [
 def _test_env() -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONDONTWRITEBYTECODE="1")
     preload = subprocess.run(
-        [sys.executable, "-m", "mlx_engine.blas", "--preload"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    if preload:
-        env["LD_PRELOAD"] = preload
+        [sys.executable, "-m", "mlx_engine.blas", "--env"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    env.update(kv.partition("=")[::2] for kv in preload)  # LD_PRELOAD (and OPENBLAS_CORETYPE)
     return env
 
 

@@ -161,3 +161,48 @@ print(mlx_blas().name, os.environ.get("_DUET_REEXEC", "-"))
 def test_reexec_with_openblas_only_when_needed(prelude, expected):
     r = _run(_REEXEC.replace("{prelude}", prelude), _clean_env())
     assert r.stdout.strip().splitlines()[-1] == expected
+
+
+AVX512 = {"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+
+
+@pytest.mark.parametrize(
+    "flags, environ, want",
+    [
+        (AVX512, {}, "SkylakeX"),  # an AVX-512 CPU, whatever its model number
+        ({"avx2", "fma", "avx512f"}, {}, "Haswell"),  # AVX-512 without the rest SkylakeX's kernels use
+        ({"sse4_2", "avx"}, {}, None),  # nothing to name: OpenBLAS's detection stands
+        (AVX512, {"OPENBLAS_CORETYPE": "Zen"}, None),  # the user's choice is theirs
+    ],
+)
+def test_openblas_core_is_named_by_the_cpus_instruction_sets(flags, environ, want):
+    from mlx_engine.blas_preload import openblas_coretype
+
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        want = None
+    assert openblas_coretype(flags, environ) == want
+
+
+_CORENAME = """
+import ctypes, json
+from mlx_engine.blas_preload import preload_env
+import mlx_engine  # loads OpenBLAS, naming its core where the CPU needs it
+lib = ctypes.CDLL(preload_env()["LD_PRELOAD"].split(":")[0])
+lib.openblas_get_corename.restype = ctypes.c_char_p
+print(json.dumps({"core": lib.openblas_get_corename().decode(), "env": preload_env()}))
+"""
+
+
+@needs_openblas
+def test_openblas_runs_the_kernels_of_the_cpus_instruction_sets(tmp_path):
+    """Debian 12's OpenBLAS takes a CPU newer than itself (an Emerald Rapids Xeon) for a Prescott and
+    runs SSE3 kernels, 6x slower: `import mlx_engine` names the core, and children get the same."""
+    from mlx_engine.blas_preload import openblas_coretype
+
+    env = {k: v for k, v in _clean_env().items() if k != "OPENBLAS_CORETYPE"}
+    got = json.loads(_run(_CORENAME, env).stdout.strip().splitlines()[-1])
+    named = openblas_coretype(environ={})
+    if named is None:
+        pytest.skip("no AVX2 here: OpenBLAS's own detection is left alone")
+    assert got["core"] == named
+    assert got["env"]["OPENBLAS_CORETYPE"] == named
