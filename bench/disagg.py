@@ -46,6 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mlx_engine.blas_preload import preload_env  # noqa: E402  (imports no MLX)
+
 PORT, CTL_PORT = 7611, 7620  # overlapped peer; control (send-after) peer = PORT + 1; commands
 WAIT = 60
 
@@ -104,13 +106,7 @@ def _env(pinned: bool) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     if pinned:
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    try:
-        pre = subprocess.run(
-            [sys.executable, "-m", "mlx_engine.blas", "--env"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.split()
-        env.update(kv.partition("=")[::2] for kv in pre)  # LD_PRELOAD (and OPENBLAS_CORETYPE)
-    except OSError:
-        pass
+    env.update(preload_env())  # LD_PRELOAD (and OPENBLAS_CORETYPE)
     return env
 
 

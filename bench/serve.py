@@ -35,6 +35,7 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mlx_engine.blas_preload import preload_env  # noqa: E402
 from mlx_engine.loading.resolve import bundled_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,11 +85,8 @@ def free_port() -> int:
 
 
 def blas_env() -> dict:
-    pre = subprocess.run(
-        [sys.executable, "-m", "mlx_engine.blas", "--env"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.split()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.update(kv.partition("=")[::2] for kv in pre)  # LD_PRELOAD (and OPENBLAS_CORETYPE)
+    env.update(preload_env())  # LD_PRELOAD (and OPENBLAS_CORETYPE)
     return env
 
 
