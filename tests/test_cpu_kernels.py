@@ -18,7 +18,7 @@ import pytest
 
 from cpu_kernels import spec
 from cpu_kernels.modules import CPUQuantizedEmbedding, CPUQuantizedLinear, use_cpu_kernels
-from cpu_kernels.qmm import dequantize, dequantize_rows, quantized_matmul
+from cpu_kernels.qmm import X3_GEMM_ROWS, dequantize, dequantize_rows, quantized_matmul, x3_gemm
 
 pytestmark = pytest.mark.skipif(
     mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
@@ -187,6 +187,45 @@ def test_integer_kernel_on_long_rows_reads_several_weight_rows_per_pass_and_stay
 
 
 @pytest.mark.parametrize("bits", BITS)
+def test_exact_gemm_on_three_planes_of_x_keeps_float32_accuracy(ext, bits):
+    """From 3 rows of x (a short prompt, a chat turn's new tokens) up to X3_GEMM_ROWS, exact math on
+    AVX-512 VNNI multiplies by the int8 GEMM with x split into three int8 planes (3 GEMM rows a row of
+    x, added): it must keep the float kernel's float32 accuracy where a block of x mixes an outlier
+    with values 1e6 times smaller, is all zeros or tiny, for the GEMM's tails of 1-3 rows, float16
+    scales and K of one or many panel stretches; a NaN or infinity in one row of x makes that row's
+    outputs NaN and leaves the other rows' bits as they were."""
+    if not x3_gemm():
+        pytest.skip("exact math's three-plane GEMM needs the AVX-512 VNNI variant")
+    rng = np.random.default_rng(90 + bits)
+    for group_size, m, n, k, dtype in (
+        (32, 3, 45, 384, mx.float32),
+        (64, 7, 70, 1152, mx.float16),
+        (128, 20, 33, 640, mx.float32),
+        (32, X3_GEMM_ROWS - 1, 37, 512, mx.float16),
+    ):
+        x, wq, scales, biases = case(rng, m, n, k, group_size, bits)
+        scales, biases = scales.astype(dtype), biases.astype(dtype)
+        xs = np.array(x)
+        xs[0, :32] *= 1e-4  # row 0 as the integer row kernel's test has it
+        xs[0, 5] = 300.0
+        xs[0, 64:96] = 0.0
+        xs[0, 128:160] *= 1e-30
+        x = mx.array(xs)
+        outs = exact_on_1_and_n_threads(x, wq, scales, biases, group_size, bits)
+        for bad in (np.nan, np.inf):
+            xb = xs.copy()
+            xb[1, 100] = bad
+            y = np.array(
+                quantized_matmul(
+                    mx.array(xb), wq, scales, biases, group_size=group_size, bits=bits, backend="native"
+                )
+            )
+            assert np.isnan(y[1]).all(), (m, bad)
+            others = np.arange(m) != 1
+            assert np.array_equal(y[others], outs[0][others]), (m, bad)
+
+
+@pytest.mark.parametrize("bits", BITS)
 def test_dequantize_matches_float64_every_variant_and_thread_count(ext, bits):
     rng = np.random.default_rng(bits)
     threads = max(2, spec.physical_cores())
@@ -211,14 +250,21 @@ def test_dequantize_matches_float64_every_variant_and_thread_count(ext, bits):
 
 
 def test_the_gemm_path_starts_later_with_more_kernel_threads(ext):
-    """The fused kernel's threads split its work, dequantize + GEMM gains less from them: the
-    crossover scales with the kernels' thread count."""
+    """The float kernel's threads split its work, dequantize + GEMM gains less from them: the
+    crossover scales with the kernels' thread count. Where exact math has the int8 GEMM on three
+    planes of x (AVX-512 VNNI), both sides are GEMMs that scale alike: a fixed row count."""
     try:
-        spec.set_threads(1)
-        one = dequantize_rows()
-        spec.set_threads(2)
-        assert dequantize_rows() == 2 * one
+        for isa in variants(ext):
+            ext.set_isa(isa)
+            spec.set_threads(1)
+            one = dequantize_rows()
+            spec.set_threads(2)
+            if x3_gemm():
+                assert one == dequantize_rows() == X3_GEMM_ROWS, isa
+            else:
+                assert dequantize_rows() == 2 * one, isa
     finally:
+        ext.set_isa("")
         spec.set_threads()
 
 

@@ -272,37 +272,52 @@ void run_gather(
     return bd.data == nullptr ? nullptr : static_cast<const uint8_t*>(bd.data) + size_t(e) * N * srow;
   };
 
-  // With int8 math an expert with many rows (prefill) takes the int8 GEMM, as quantized_matmul does:
-  // x in element order per run of 32 (for 4-bit weights the rows above are in the row kernel's order,
-  // so they are quantized again, once per distinct row), the expert's rows side by side as one x.
-  const Q8GemmFn gemm = int8 ? q8_gemm_fn() : nullptr;
+  // An expert with many rows (prefill) takes the int8 GEMM, as quantized_matmul does, its rows side by
+  // side as one x: with int8 math x in element order per run of 32 (for 4-bit weights the rows above
+  // are in the row kernel's order, so they are quantized again, once per distinct row); with exact
+  // math from kExactGemmRows rows, x split into three planes (split_rows_x3), 3 rows of the GEMM a row
+  // of x, whose products are added.
+  const Q8GemmFn gemm = q8_gemm_fn();
+  const QuantizeXFn split = quantize_x_fn();
   std::vector<char> by_gemm(E, 0);
   for (int e = 0; e < E; ++e) {
-    by_gemm[e] = takes_q8_gemm(gemm, count[e], bits) ? 1 : 0;
+    by_gemm[e] = (int8 ? takes_q8_gemm(gemm, count[e], bits) : takes_x3_gemm(gemm, split, count[e])) ? 1 : 0;
   }
   if (std::any_of(by_gemm.begin(), by_gemm.end(), [](char g) { return g != 0; })) {
+    const int planes = int8 ? 1 : 3;
     Q8Rows e8;
-    if (bits != 8) {
+    if (!int8) {
+      e8 = split_rows_x3(split, xdata, x.dtype(), unique, kstep, K, group_size);
+    } else if (bits != 8) {
       e8 = quantize_rows_q8(q8_quantize_fn(), xdata, x.dtype(), unique, kstep, K, group_size);
     }
-    const int8_t* qsrc = bits == 8 ? uq.data() : e8.q.data();
-    const float* usrc = bits == 8 ? ud.data() : e8.unit.data();
-    const float* ssrc = bits == 8 ? xs.data() : e8.sum.data();
+    const bool reuse = int8 && bits == 8; // the rows quantized above are already in element order
+    const int8_t* qsrc = reuse ? uq.data() : e8.q.data();
+    const float* usrc = reuse ? ud.data() : e8.unit.data();
+    const float* ssrc = reuse ? xs.data() : e8.sum.data();
     std::vector<int8_t> bq;
-    std::vector<float> bu, bs;
+    std::vector<float> bu, bs, y3;
     for (int e = 0; e < E; ++e) {
       if (!by_gemm[e]) {
         continue;
       }
       const int rows = count[e];
-      bq.resize(size_t(rows) * K);
-      bu.resize(size_t(rows) * (K / 8));
-      bs.resize(size_t(rows) * G);
-      for (int i = 0; i < rows; ++i) {
-        const int u = source[order[start[e] + i]];
-        std::memcpy(bq.data() + size_t(i) * K, qsrc + size_t(u) * K, size_t(K));
-        std::memcpy(bu.data() + size_t(i) * (K / 8), usrc + size_t(u) * (K / 8), sizeof(float) * (K / 8));
-        std::memcpy(bs.data() + size_t(i) * G, ssrc + size_t(u) * G, sizeof(float) * G);
+      const int R = planes * rows;
+      bq.resize(size_t(R) * K);
+      bu.resize(size_t(R) * (K / 8));
+      bs.resize(size_t(R) * G);
+      for (int j = 0; j < planes; ++j) {
+        for (int i = 0; i < rows; ++i) {
+          const size_t from = size_t(j) * U + size_t(source[order[start[e] + i]]); // plane j of the row
+          const size_t to = size_t(j) * rows + size_t(i);
+          std::memcpy(bq.data() + to * K, qsrc + from * K, size_t(K));
+          std::memcpy(bu.data() + to * (K / 8), usrc + from * (K / 8), sizeof(float) * (K / 8));
+          std::memcpy(bs.data() + to * G, ssrc + from * G, sizeof(float) * G);
+        }
+      }
+      float* ye = y.data() + size_t(start[e]) * N;
+      if (planes > 1) {
+        y3.resize(size_t(R) * N);
       }
       q8_gemm_on_pool(
           gemm,
@@ -312,14 +327,17 @@ void run_gather(
            static_cast<const uint8_t*>(wd.data) + size_t(e) * N * row_bytes,
            expert_scales(e),
            expert_biases(e),
-           y.data() + size_t(start[e]) * N,
-           rows,
+           planes > 1 ? y3.data() : ye,
+           R,
            N,
            K,
            group_size,
            bits,
            scale_type(scales.dtype(), group_size),
            bd.ratio});
+      if (planes > 1) {
+        sum_planes_x3(y3.data(), rows, N, ye);
+      }
     }
   }
 

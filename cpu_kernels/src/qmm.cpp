@@ -257,6 +257,50 @@ Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::
   return r;
 }
 
+Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size) {
+  const int M = int(first.size());
+  const int G = K / group_size;
+  const int runs = K / 32;
+  Q8Rows r{std::vector<int8_t>(size_t(3) * M * K), std::vector<float>(size_t(3) * M * (K / 8)), std::vector<float>(size_t(3) * M * G, 0.0f)};
+  auto pool = shared_pool();
+  const int tasks = M >= 8 ? std::min(M, pool->size()) : 1;
+  auto split = [&](int task) {
+    std::vector<float> row(static_cast<size_t>(K));
+    std::vector<int8_t> pieces(size_t(3) * K);
+    std::vector<float> unit(static_cast<size_t>(runs));
+    const int m1 = int(int64_t(M) * (task + 1) / tasks);
+    for (int m = int(int64_t(M) * task / tasks); m < m1; ++m) {
+      // element order (bits 8); the float group sums of x stay as the first plane's (the bias term)
+      prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), r.sum.data() + size_t(m) * G);
+      qx(row.data(), K, 8, pieces.data(), unit.data()); // per run: [x1 (32), x2 (32), x3 (32)], unit
+      for (int j = 0; j < 3; ++j) {
+        const size_t pr = size_t(j) * M + m; // plane j's row
+        const float times = j == 0 ? 16384.0f : (j == 1 ? 128.0f : 1.0f); // exact powers of two
+        for (int rr = 0; rr < runs; ++rr) {
+          std::memcpy(r.q.data() + pr * K + size_t(rr) * 32, pieces.data() + size_t(rr) * 96 + 32 * j, 32);
+          const float d = unit[size_t(rr)] * times;
+          for (int i = 0; i < 4; ++i) {
+            r.unit[pr * (K / 8) + size_t(rr) * 4 + i] = d;
+          }
+        }
+      }
+    }
+  };
+  if (tasks <= 1) {
+    split(0);
+  } else {
+    pool->run(tasks, split);
+  }
+  return r;
+}
+
+void sum_planes_x3(const float* y3, int M, int N, float* y) {
+  const size_t plane = size_t(M) * N;
+  for (size_t i = 0; i < plane; ++i) {
+    y[i] = y3[i] + (y3[plane + i] + y3[2 * plane + i]); // the small pieces first
+  }
+}
+
 void quantize_row_q8(Q8QuantizeFn q8, const float* row, int K, int group_size, int bits, int8_t* q, float* scale, float* xsum) {
   std::vector<float> run_sum(size_t(K) / 32);
   q8(row, K, bits, q, scale, run_sum.data());
@@ -403,6 +447,17 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
   q8_gemm_on_pool(v.q8_gemm, {x8.q.data(), x8.unit.data(), x8.sum.data(), w, scales, biases.data, y, M, N, K, group_size, bits, scale_type, biases.ratio});
 }
 
+// Many rows of x with exact math: the int8 GEMM on three planes of x (split_rows_x3), 3M rows, whose
+// products are added per row. Each plane's dot products are exact in int32 and scaled once per run in
+// float32, as the float kernel's products are rounded; x is held to within 2^-15 of a run's step
+// (quantize_x's split, as in the exact integer row kernel), so the result keeps float32's accuracy.
+void run_x3_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
+  const Q8Rows x3 = split_rows_x3(v.quantize_x, xd.data, xt, row_starts(M, K), 1, K, group_size);
+  std::vector<float> y3(size_t(3) * M * N);
+  q8_gemm_on_pool(v.q8_gemm, {x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases.data, y3.data(), 3 * M, N, K, group_size, bits, scale_type, biases.ratio});
+  sum_planes_x3(y3.data(), M, N, y);
+}
+
 void run_qmm(
     const mx::array& x,
     const mx::array& w,
@@ -459,6 +514,13 @@ void run_qmm(
     // the GEMM prepares x its own way (element order, on the pool)
     const auto* wb = static_cast<const uint8_t*>(wd.data);
     run_q8_gemm(v, xd, x.dtype(), wb, sd.data, bd, scale_type(scales.dtype(), group_size), y, M, N, K, group_size, bits);
+    write_out(out, yf);
+    return;
+  }
+
+  if (!int8 && takes_x3_gemm(v.q8_gemm, v.quantize_x, M)) {
+    const auto* wb = static_cast<const uint8_t*>(wd.data);
+    run_x3_gemm(v, xd, x.dtype(), wb, sd.data, bd, scale_type(scales.dtype(), group_size), y, M, N, K, group_size, bits);
     write_out(out, yf);
     return;
   }

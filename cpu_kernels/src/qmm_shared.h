@@ -46,6 +46,12 @@ Q8GemmFn q8_gemm_fn();
 inline bool takes_q8_gemm(Q8GemmFn gemm, int M, int bits) {
   return gemm != nullptr && M >= gemm_rows(bits);
 }
+// Rows of x from which exact math multiplies by the int8 GEMM on three planes of x (qmm.cpp:
+// run_x3_gemm; fewer take the integer or float row kernels), where the variant has both.
+constexpr int kExactGemmRows = 3;
+inline bool takes_x3_gemm(Q8GemmFn gemm, QuantizeXFn qx, int M) {
+  return gemm != nullptr && qx != nullptr && M >= kExactGemmRows;
+}
 // a's product by the GEMM, its panels of 32 weight rows split into tasks on the shared pool
 void q8_gemm_on_pool(Q8GemmFn gemm, const Q8GemmArgs& a);
 
@@ -86,6 +92,13 @@ inline std::vector<int64_t> row_starts(int M, int K) {
   return first;
 }
 Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size);
+// Rows of x for the int8 GEMM under exact math: each row split by qx (quantize_x: per run of 32,
+// x ~= unit * (x1 * 2^14 + x2 * 2^7 + x3), three int8 pieces) into three planes, plane j of row i as
+// row j * M + i with its runs' scales unit * 2^14, unit * 2^7 and unit; the bias term rides on the
+// first plane alone, through x's own float group sums (the others' sums are zero).
+Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size);
+// y = the sum of the three planes' products y3 (3M, N): y3[i] + (y3[M + i] + y3[2M + i]).
+void sum_planes_x3(const float* y3, int M, int N, float* y);
 
 // A row-major copy of a's bytes when a is not row contiguous (rare: parameters and activations are).
 struct DenseBytes {

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from mlx_engine.tokenization.harmony import harmony_template
+from mlx_engine.tokenization.mlx_lm_functions import pure_function
 from mlx_engine.tokenization.tool_calls import ParsedToolCall, call_from_json, parse_call_body
 
 BodyParser = Callable[[str, list[dict] | None], list[ParsedToolCall]]
@@ -186,12 +187,10 @@ class _TemplateView:
 def infer_tool_syntax(template: str | None, vocab: dict[str, int]) -> ToolSyntax | None:
     """The syntax a model writes calls in: from its chat template, then its vocabulary; None when
     nothing says (the server then asks for Hermes calls in a system prompt and parses those)."""
-    from mlx_lm.tokenizer_utils import _infer_tool_parser
-
     t = template or ""
     if harmony_template(template, vocab):
         return None  # harmony (gpt-oss): the reply parser is harmony.HarmonyParser
-    name: Any = _infer_tool_parser(_TemplateView(template, vocab))
+    name: Any = pure_function("_infer_tool_parser")(_TemplateView(template, vocab))
     if name is not None:
         return syntax_named(name)
     if "<|python_tag|>" in t or ('"parameters"' in t and "<|eot_id|>" in t):
