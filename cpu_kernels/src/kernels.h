@@ -42,6 +42,11 @@ struct QmmArgs {
   // per 32 (quantize_x, row after row), or null for the float kernel.
   const int8_t* xq = nullptr;
   const float* xunit = nullptr;
+  // With xq and one row of x (decode): the same bytes with each two steps' vectors side by side, as
+  // the 512-bit loop (row_int8_wide) reads them: for steps s, s + 1 (s even; a step is 64 values of
+  // 4-bit weights, 32 of others, NX = 6 or 3 vectors of 32 bytes), vector j of s then vector j of
+  // s + 1, for each j (pair_steps_x, qmm.cpp), or null.
+  const int8_t* xq_pairs = nullptr;
   // With xq and Q6_K's scales (kSuper16): per row of x, K / 4 int32, bias_ratio times the sum of each
   // four values of x as integers (x1 * 2^14 + x2 * 2^7 + x3), added to the dot products so that they
   // are those of the codes less 32 (no bias term left), or null.
@@ -50,6 +55,10 @@ struct QmmArgs {
   // and K / 8 floats of scales per row, as q8_quantize writes them), or null.
   const int8_t* x8 = nullptr;
   const float* x8_scale = nullptr;
+  // With x8, one row of x and 4-bit weights: the row with the middle 32 bytes of each 128 swapped, so
+  // that the two pairs of runs a 512-bit step of the one-row loop takes have their evens, then their
+  // odds, side by side (pair_runs_x8, qmm.cpp), or null.
+  const int8_t* x8_pairs = nullptr;
   // With x8 and Q6_K's scales (kSuper16): per row of x, K / 16 int32, bias_ratio times the sum of each
   // group's 16 values of x8, so that a group's dot products started from them (in its first lane)
   // are those of the codes less 32 (the bias term in integers, where the 512-bit loop reads it), or

@@ -294,6 +294,30 @@ Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vect
   return r;
 }
 
+bool pair_steps_x(const int8_t* xq, int K, int bits, int8_t* out) {
+  const int nx = bits == 4 ? 6 : 3;
+  const int steps = K / (bits == 4 ? 64 : 32);
+  if (K % (bits == 4 ? 64 : 32) != 0 || steps % 2 != 0) {
+    return false;
+  }
+  for (int s = 0; s < steps; s += 2) {
+    for (int j = 0; j < nx; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        std::memcpy(out + (size_t(s / 2) * nx + j) * 64 + h * 32, xq + (size_t(s + h) * nx + j) * 32, 32);
+      }
+    }
+  }
+  return true;
+}
+
+void pair_runs_x8(const int8_t* x8, int K, int8_t* out) {
+  std::memcpy(out, x8, size_t(K));
+  for (int b = 0; b + 128 <= K; b += 128) {
+    std::memcpy(out + b + 32, x8 + b + 64, 32);
+    std::memcpy(out + b + 64, x8 + b + 32, 32);
+  }
+}
+
 void sum_planes_x3(const float* y3, int M, int N, float* y) {
   const size_t plane = size_t(M) * N;
   for (size_t i = 0; i < plane; ++i) {
@@ -552,6 +576,7 @@ void run_qmm(
   std::vector<int8_t> xq;
   std::vector<float> xunit;
   std::vector<int32_t> offsets; // Q6_K's bias term in integers (QmmArgs::x8_offset, xq_offset)
+  std::vector<int8_t> xpairs; // one row's xq with each two steps side by side (QmmArgs::xq_pairs)
   if (int8) {
     xq.resize(size_t(M) * K);
     xunit.resize(size_t(M) * (K / 8));
@@ -568,6 +593,11 @@ void run_qmm(
     }
     a.x8 = xq.data();
     a.x8_scale = xunit.data();
+    if (M == 1 && bits == 4) {
+      xpairs.resize(size_t(K));
+      pair_runs_x8(xq.data(), K, xpairs.data());
+      a.x8_pairs = xpairs.data();
+    }
     if (integer_offsets(group_size, bd)) {
       a.x8_offset = offsets_int8(xq, M, K, int32_t(bd.ratio), offsets);
     }
@@ -579,6 +609,10 @@ void run_qmm(
     }
     a.xq = xq.data();
     a.xunit = xunit.data();
+    if (M == 1) {
+      xpairs.resize(size_t(3) * K);
+      a.xq_pairs = pair_steps_x(xq.data(), K, bits, xpairs.data()) ? xpairs.data() : nullptr;
+    }
     if (integer_offsets(group_size, bd)) {
       a.xq_offset = offsets_three_byte(xq, M, K, int32_t(bd.ratio), offsets);
     }

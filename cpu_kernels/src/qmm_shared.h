@@ -97,6 +97,13 @@ Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::
 // row j * M + i with its runs' scales unit * 2^14, unit * 2^7 and unit; the bias term rides on the
 // first plane alone, through x's own float group sums (the others' sums are zero).
 Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size);
+// One row of x as quantize_x writes it (3 * K bytes: per step of NX 32-byte vectors, NX = 6 for 4-bit
+// weights, 3 for others) into out with each two steps' vectors side by side (QmmArgs::xq_pairs);
+// false (nothing written) unless the row is a whole number of pairs of steps.
+bool pair_steps_x(const int8_t* xq, int K, int bits, int8_t* out);
+// One 4-bit-ordered int8 row of x (K bytes, quantize_row_q8's) into out with the middle 32 bytes of
+// each whole 128 swapped (QmmArgs::x8_pairs).
+void pair_runs_x8(const int8_t* x8, int K, int8_t* out);
 // y = the sum of the three planes' products y3 (3M, N): y3[i] + (y3[M + i] + y3[2M + i]).
 void sum_planes_x3(const float* y3, int M, int N, float* y);
 
