@@ -107,8 +107,16 @@ def test_matches_float64_in_every_switchglu_form_and_thread_count(ext, bits, gro
     rng = np.random.default_rng(bits * 1000 + group_size)
     # (tokens, k, experts, N, groups of K): one token; k of 1..8; 3 experts under 16 tokens (every
     # expert chosen by many, several slots of a token on one: more rows per expert than a tile);
-    # 64 tokens over 16 experts; N odd (a task ends mid 8-row block).
-    shapes = [(1, 1, 4, 24, 1), (1, 8, 16, 37, 2), (3, 5, 7, 45, 3), (16, 4, 3, 19, 2), (64, 8, 16, 29, 1)]
+    # 64 tokens over 16 experts; N odd (a task ends mid 8-row block); one token over K = 512 (an
+    # expert's one row in the one-row kernels' 512-bit loops, x's steps paired).
+    shapes = [
+        (1, 1, 4, 24, 1),
+        (1, 8, 16, 37, 2),
+        (3, 5, 7, 45, 3),
+        (16, 4, 3, 19, 2),
+        (64, 8, 16, 29, 1),
+        (1, 2, 6, 21, 512 // group_size),
+    ]
     threads = max(2, spec.physical_cores())
     for tokens, k, e, n, groups in shapes:
         dim = groups * group_size

@@ -175,7 +175,9 @@ def test_zero_tiny_and_non_finite_runs(ext):
 def test_gather_matches_the_int8_oracle_per_expert(ext):
     rng = np.random.default_rng(21)
     e, n = 6, 29
-    for bits, group_size, k in ((4, 32, 160), (4, 64, 192), (8, 32, 96), (5, 32, 224), (6, 128, 384)):
+    # (4, 32, 640): an expert's one row in the 512-bit loop (x's runs paired), then a tail of pairs
+    cases = ((4, 32, 160), (4, 64, 192), (8, 32, 96), (5, 32, 224), (6, 128, 384), (4, 32, 640))
+    for bits, group_size, k in cases:
         wq, scales, biases = mx.quantize(
             mx.array(rng.standard_normal((e, n, k)).astype(np.float32) * 0.1),
             group_size=group_size,

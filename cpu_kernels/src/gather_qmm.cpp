@@ -249,6 +249,24 @@ void run_gather(
     }
   }
 
+  // an expert's one row (decode) also with each two steps side by side (QmmArgs::xq_pairs)
+  std::vector<int8_t> xpairs;
+  std::vector<char> paired(E, 0);
+  for (int e = 0; e < E; ++e) {
+    if (count[e] != 1) {
+      continue;
+    }
+    if (int8 && bits == 4) { // the int8 kernel's 4-bit order, the middle of each 128 bytes swapped
+      xpairs.resize(size_t(K) * sorted);
+      pair_runs_x8(xq.data() + size_t(K) * start[e], K, xpairs.data() + size_t(K) * start[e]);
+      paired[e] = 1;
+    } else if (integer) {
+      xpairs.resize(size_t(3) * K * sorted);
+      const size_t at = size_t(3) * K * start[e];
+      paired[e] = pair_steps_x(xq.data() + at, K, bits, xpairs.data() + at) ? 1 : 0;
+    }
+  }
+
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
   const Biases bd = biases_of(biases);
@@ -375,9 +393,11 @@ void run_gather(
       a.x8 = xq.data() + size_t(act.p0) * K;
       a.x8_scale = xunit.data() + size_t(act.p0) * (K / 8);
       a.x8_offset = offset == nullptr ? nullptr : offset + size_t(act.p0) * (K / 16);
+      a.x8_pairs = paired[act.expert] ? xpairs.data() + size_t(act.p0) * K : nullptr;
     } else if (integer && act.count <= kIntegerRows) {
       a.xq = xq.data() + size_t(3) * K * act.p0;
       a.xunit = xunit.data() + size_t(K) / 8 * act.p0;
+      a.xq_pairs = paired[act.expert] ? xpairs.data() + size_t(3) * K * act.p0 : nullptr;
       a.xq_offset = offset == nullptr ? nullptr : offset + size_t(act.p0) * (K / 4);
     }
     return a;
