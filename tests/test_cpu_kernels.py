@@ -225,6 +225,20 @@ def test_exact_gemm_on_three_planes_of_x_keeps_float32_accuracy(ext, bits):
             assert np.array_equal(y[others], outs[0][others]), (m, bad)
 
 
+def test_exact_gemm_takes_rows_in_chunks_against_a_huge_n(ext):
+    """The three planes' products are held for a bounded number of bytes (48 MB): against 1.1M weight
+    rows, 8 rows of x go as chunks of 3, 3 and 2, every row's outputs still within float32's
+    tolerance (checked at both ends of N)."""
+    if not x3_gemm():
+        pytest.skip("exact math's three-plane GEMM needs the AVX-512 VNNI variant")
+    rng = np.random.default_rng(97)
+    n, k = 1_100_000, 64
+    x, wq, scales, biases = case(rng, 8, n, k, 32, 4)
+    y = quantized_matmul(x, wq, scales, biases, group_size=32, bits=4, backend="native")
+    for part in (slice(0, 700), slice(n - 700, n)):
+        check(y[:, part], x, wq[part], scales[part], biases[part], 32, 4, F32_TOL)
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_dequantize_matches_float64_every_variant_and_thread_count(ext, bits):
     rng = np.random.default_rng(bits)

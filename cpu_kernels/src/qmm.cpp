@@ -475,11 +475,25 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
 // products are added per row. Each plane's dot products are exact in int32 and scaled once per run in
 // float32, as the float kernel's products are rounded; x is held to within 2^-15 of a run's step
 // (quantize_x's split, as in the exact integer row kernel), so the result keeps float32's accuracy.
+// The three planes' products (3 floats per output) are held for at most this many bytes: rows of x go
+// in chunks where N is large (a 152K-token vocabulary's LM head under a batch's verification: 80 rows
+// would hold 146 MB).
+constexpr size_t kX3ProductBytes = size_t(48) << 20;
+
 void run_x3_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
-  const Q8Rows x3 = split_rows_x3(v.quantize_x, xd.data, xt, row_starts(M, K), 1, K, group_size);
-  std::vector<float> y3(size_t(3) * M * N);
-  q8_gemm_on_pool(v.q8_gemm, {x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases.data, y3.data(), 3 * M, N, K, group_size, bits, scale_type, biases.ratio});
-  sum_planes_x3(y3.data(), M, N, y);
+  const int chunk = int(std::clamp<size_t>(kX3ProductBytes / (size_t(12) * N), size_t(kExactGemmRows), size_t(M)));
+  std::vector<float> y3;
+  for (int m0 = 0; m0 < M; m0 += chunk) {
+    const int mc = std::min(chunk, M - m0);
+    std::vector<int64_t> first(static_cast<size_t>(mc));
+    for (int i = 0; i < mc; ++i) {
+      first[size_t(i)] = int64_t(m0 + i) * K;
+    }
+    const Q8Rows x3 = split_rows_x3(v.quantize_x, xd.data, xt, first, 1, K, group_size);
+    y3.resize(size_t(3) * mc * N);
+    q8_gemm_on_pool(v.q8_gemm, {x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases.data, y3.data(), 3 * mc, N, K, group_size, bits, scale_type, biases.ratio});
+    sum_planes_x3(y3.data(), mc, N, y + size_t(m0) * N);
+  }
 }
 
 void run_qmm(
