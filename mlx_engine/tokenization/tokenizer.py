@@ -195,10 +195,10 @@ class Tokenizer:
     def prepare(self) -> None:
         """Build now what the first prompts with client text would build: the copy of the backend
         that reads control-token text as text holds the GIL while it is made (~0.2 s for a 49k
-        vocabulary), and the reply format's inference (a few ms since it no longer imports
-        ``transformers``: ``mlx_lm_functions``), either of which in a server's first request
-        stalled its event loop (/health took 1.2-1.5 s at the start of
-        bench/soak.py's load); a server calls this before it serves."""
+        vocabulary), and the reply format's inference (~0.1 s since it no longer imports
+        ``transformers``, ~1 s before: ``mlx_lm_functions``); in a server's first request they
+        stalled its event loop (/health took 1.2-1.5 s at the start of bench/soak.py's load), so
+        a server calls this before it serves."""
         self._text_backend  # noqa: B018
         self._control_text  # noqa: B018
         self.special_ids  # noqa: B018
