@@ -35,9 +35,10 @@ DEQUANTIZE_ROWS_PER_THREAD = 32
 
 # With exact math where the int8 GEMM exists (AVX-512 VNNI), x split into three int8 planes goes
 # through it (src/qmm.cpp: run_x3_gemm) up to this many rows, not the float kernel: two threads, a
-# 4-bit 8192 x 2048 matrix, 16 rows 6.7 ms against the float kernel's 11.4, 64 rows 22 against the
-# dequantize + GEMM path's 47, 128 rows 53 against 59, 256 rows 103 against 81 (the GEMM's three
-# passes of int8 products against OpenBLAS's float32 GEMM; both scale alike with threads).
+# 4-bit 8192 x 2048 matrix (bench/qmatmul.py --paths), 16 rows 5.3 ms against the float kernel's 11.4,
+# 64 rows 16 against the dequantize + GEMM path's 39, 128 rows 33 against 44, 256 rows 69 against 58
+# (the GEMM's three passes of int8 products against OpenBLAS's float32 GEMM; both scale alike with
+# threads).
 X3_GEMM_ROWS = 128
 
 
