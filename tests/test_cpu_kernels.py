@@ -186,6 +186,13 @@ def test_integer_kernel_on_long_rows_reads_several_weight_rows_per_pass_and_stay
             assert np.array_equal(y[0], outs[0][0])
 
 
+needs_x3_gemm = pytest.mark.skipif(
+    not x3_gemm(),
+    reason="exact math's three-plane GEMM is the AVX-512 VNNI variant's (x86-64 with VNNI only)",
+)
+
+
+@needs_x3_gemm
 @pytest.mark.parametrize("bits", BITS)
 def test_exact_gemm_on_three_planes_of_x_keeps_float32_accuracy(ext, bits):
     """From 3 rows of x (a short prompt, a chat turn's new tokens) up to X3_GEMM_ROWS, exact math on
@@ -194,8 +201,6 @@ def test_exact_gemm_on_three_planes_of_x_keeps_float32_accuracy(ext, bits):
     with values 1e6 times smaller, is all zeros or tiny, for the GEMM's tails of 1-3 rows, float16
     scales and K of one or many panel stretches; a NaN or infinity in one row of x makes that row's
     outputs NaN and leaves the other rows' bits as they were."""
-    if not x3_gemm():
-        pytest.skip("exact math's three-plane GEMM needs the AVX-512 VNNI variant")
     rng = np.random.default_rng(90 + bits)
     for group_size, m, n, k, dtype in (
         (32, 3, 45, 384, mx.float32),
@@ -225,12 +230,11 @@ def test_exact_gemm_on_three_planes_of_x_keeps_float32_accuracy(ext, bits):
             assert np.array_equal(y[others], outs[0][others]), (m, bad)
 
 
+@needs_x3_gemm
 def test_exact_gemm_takes_rows_in_chunks_against_a_huge_n(ext):
     """The three planes' products are held for a bounded number of bytes (48 MB): against 1.1M weight
     rows, 8 rows of x go as chunks of 3, 3 and 2, every row's outputs still within float32's
     tolerance (checked at both ends of N)."""
-    if not x3_gemm():
-        pytest.skip("exact math's three-plane GEMM needs the AVX-512 VNNI variant")
     rng = np.random.default_rng(97)
     n, k = 1_100_000, 64
     x, wq, scales, biases = case(rng, 8, n, k, 32, 4)

@@ -232,28 +232,35 @@ int task_count(size_t weight_bytes, int M, int threads) {
   return int(std::min<size_t>(wanted, size_t(threads) * 4));
 }
 
+namespace {
+
+// fn(m0, m1) over rows [0, M) of x, split on the pool from 8 rows (at 512 rows of K = 8192 preparing x
+// was ~10% of a prefill's product); fewer are not worth a round trip.
+template <typename F>
+void rows_on_pool(int M, F&& fn) {
+  auto pool = shared_pool();
+  const int tasks = M >= 8 ? std::min(M, pool->size()) : 1;
+  if (tasks <= 1) {
+    fn(0, M);
+    return;
+  }
+  pool->run(tasks, [&](int task) { fn(int(int64_t(M) * task / tasks), int(int64_t(M) * (task + 1) / tasks)); });
+}
+
+} // namespace
+
 Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size) {
   const int M = int(first.size());
   const int G = K / group_size;
   Q8Rows r{std::vector<int8_t>(size_t(M) * K), std::vector<float>(size_t(M) * (K / 8)), std::vector<float>(size_t(M) * G)};
-  auto pool = shared_pool();
-  // on the pool from 8 rows (at 512 rows of K = 8192 this was ~10% of a prefill's product); fewer
-  // are not worth a round trip
-  const int tasks = M >= 8 ? std::min(M, pool->size()) : 1;
-  auto quantize = [&](int task) {
+  rows_on_pool(M, [&](int m0, int m1) {
     std::vector<float> row(static_cast<size_t>(K));
-    const int m1 = int(int64_t(M) * (task + 1) / tasks);
-    for (int m = int(int64_t(M) * task / tasks); m < m1; ++m) {
+    for (int m = m0; m < m1; ++m) {
       float* sum = r.sum.data() + size_t(m) * G;
       prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), sum); // its float sums, replaced below
       quantize_row_q8(q8, row.data(), K, group_size, 8, r.q.data() + size_t(m) * K, r.unit.data() + size_t(m) * (K / 8), sum);
     }
-  };
-  if (tasks <= 1) {
-    quantize(0);
-  } else {
-    pool->run(tasks, quantize);
-  }
+  });
   return r;
 }
 
@@ -262,14 +269,11 @@ Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vect
   const int G = K / group_size;
   const int runs = K / 32;
   Q8Rows r{std::vector<int8_t>(size_t(3) * M * K), std::vector<float>(size_t(3) * M * (K / 8)), std::vector<float>(size_t(3) * M * G, 0.0f)};
-  auto pool = shared_pool();
-  const int tasks = M >= 8 ? std::min(M, pool->size()) : 1;
-  auto split = [&](int task) {
+  rows_on_pool(M, [&](int m0, int m1) {
     std::vector<float> row(static_cast<size_t>(K));
     std::vector<int8_t> pieces(size_t(3) * K);
     std::vector<float> unit(static_cast<size_t>(runs));
-    const int m1 = int(int64_t(M) * (task + 1) / tasks);
-    for (int m = int(int64_t(M) * task / tasks); m < m1; ++m) {
+    for (int m = m0; m < m1; ++m) {
       // element order (bits 8); the float group sums of x stay as the first plane's (the bias term)
       prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), r.sum.data() + size_t(m) * G);
       qx(row.data(), K, 8, pieces.data(), unit.data()); // per run: [x1 (32), x2 (32), x3 (32)], unit
@@ -285,12 +289,7 @@ Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vect
         }
       }
     }
-  };
-  if (tasks <= 1) {
-    split(0);
-  } else {
-    pool->run(tasks, split);
-  }
+  });
   return r;
 }
 
@@ -485,11 +484,7 @@ void run_x3_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
   std::vector<float> y3;
   for (int m0 = 0; m0 < M; m0 += chunk) {
     const int mc = std::min(chunk, M - m0);
-    std::vector<int64_t> first(static_cast<size_t>(mc));
-    for (int i = 0; i < mc; ++i) {
-      first[size_t(i)] = int64_t(m0 + i) * K;
-    }
-    const Q8Rows x3 = split_rows_x3(v.quantize_x, xd.data, xt, first, 1, K, group_size);
+    const Q8Rows x3 = split_rows_x3(v.quantize_x, xd.data, xt, row_starts(mc, K, m0), 1, K, group_size);
     y3.resize(size_t(3) * mc * N);
     q8_gemm_on_pool(v.q8_gemm, {x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases.data, y3.data(), 3 * mc, N, K, group_size, bits, scale_type, biases.ratio});
     sum_planes_x3(y3.data(), mc, N, y + size_t(m0) * N);

@@ -83,11 +83,11 @@ struct Q8Rows {
   std::vector<float> unit;
   std::vector<float> sum;
 };
-// The first elements of M contiguous rows of K values: 0, K, 2K, ...
-inline std::vector<int64_t> row_starts(int M, int K) {
+// The first elements of M contiguous rows of K values from row m0: m0 K, (m0 + 1) K, ...
+inline std::vector<int64_t> row_starts(int M, int K, int m0 = 0) {
   std::vector<int64_t> first(static_cast<size_t>(M));
   for (int m = 0; m < M; ++m) {
-    first[size_t(m)] = int64_t(m) * K;
+    first[size_t(m)] = int64_t(m0 + m) * K;
   }
   return first;
 }
