@@ -2,10 +2,12 @@
 
 The layout regroups a 4-bit layer with two-level scales by 16 rows; nothing about the values changes.
 So: the conversion goes there and back bit for bit; the int8 panel kernel matches the int8 path's
-float64 oracle at every row count and thread count (each output computed by one thread); exact math,
-dequantize and the other instruction sets read a panel layer through the row form, bit for bit what
-the row form gives; a model converted keeps its int8 logits and greedy tokens; the engine puts a
-K-quant model in panels for int8 math, says so in its numerics profile, and puts it back for exact.
+float64 oracle at every row count and thread count (each output computed by one thread); exact math
+on the panel kernel (x in three int8 planes) keeps float32's accuracy against float64; dequantize
+reads panels bit for bit as the row form, and the other instruction sets read a panel layer through
+the row form, bit for bit what the row form gives; a model converted keeps its int8 logits and greedy
+tokens; the engine puts a K-quant model in panels for int8 math, says so in its numerics profile, and
+puts it back for exact.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from cpu_kernels.modules import use_cpu_kernels
 from cpu_kernels.panels import in_panels, use_panels
 from cpu_kernels.scales import two_level_scales
 from tests.test_cpu_int8_path import check, oracle
-from tests.test_cpu_kernels import ext, variants  # noqa: F401
+from tests.test_cpu_kernels import F32_TOL, ext, variants  # noqa: F401
+from tests.test_cpu_kernels import check as check_f64
 from tests.test_cpu_two_level_scales import _blocks, _tiny_llama
 
 pytestmark = pytest.mark.skipif(
@@ -99,23 +102,74 @@ def test_the_panel_kernel_matches_the_int8_oracle_at_every_row_count_and_thread_
     spec.set_threads()
 
 
-def test_exact_math_dequantize_and_other_isas_read_panels_as_rows(ext):  # noqa: F811
-    """Bit for bit the row form's results, by way of a row-form copy."""
+def test_dequantize_and_other_isas_read_panels_as_rows(ext):  # noqa: F811
+    """Bit for bit the row form's results: dequantize reads the panels as they are on every variant;
+    the products without the panel kernel go by way of a row-form copy."""
     rng = np.random.default_rng(4)
     rows, _ = _layer(rng, 48, 768)
     panels = ext.panel_layout(*rows, True)
-    assert mx.array_equal(ext.dequantize(*panels, 32, 4), ext.dequantize(*rows, 32, 4)).item()
     for isa in variants(ext):
         ext.set_isa(isa)
+        assert mx.array_equal(ext.dequantize(*panels, 32, 4), ext.dequantize(*rows, 32, 4)).item(), isa
         for m in (1, 2, 5, 40):
             x = mx.array(rng.standard_normal((m, 768)).astype(np.float32))
             for int8 in (False, True):
-                if int8 and isa == "avx512" and ext.panel_kernel():
-                    continue  # the panel kernel itself (above)
+                if isa == "avx512" and ext.panel_kernel():
+                    continue  # the panel kernel itself (above, and exact math below)
                 yp = ext.quantized_matmul(x, *panels, 32, 4, int8=int8)
                 yr = ext.quantized_matmul(x, *rows, 32, 4, int8=int8)
                 assert mx.array_equal(yp, yr).item(), (isa, m, int8)
     ext.set_isa("")
+    big, _ = _layer(rng, 4096, 512)  # on the pool's threads
+    assert mx.array_equal(
+        ext.dequantize(*ext.panel_layout(*big, True), 32, 4), ext.dequantize(*big, 32, 4)
+    ).item()
+
+
+@needs_vnni
+def test_exact_math_on_panels_keeps_float32_accuracy(ext):  # noqa: F811
+    """Exact math on a panel layer: x in three int8 planes through the panel kernel, within float32's
+    tolerance of float64 as the row form's exact paths are, at every row count (decode, verification,
+    a prefill chunk's rows, which the engine sends here below the dequantize crossover), and the same
+    bits on one thread and several."""
+    rng = np.random.default_rng(6)
+    (w, s2, b2), (s, b) = _layer(rng, 48, 768)
+    panels = ext.panel_layout(w, s2, b2, True)
+    for m in (1, 2, 3, 8, 9, 40, 130):
+        x = mx.array(rng.standard_normal((m, 768)).astype(np.float32))
+        outs = []
+        for threads in (1, max(2, spec.physical_cores())):
+            spec.set_threads(threads)
+            y = ext.quantized_matmul(x, *panels, 32, 4, int8=False)
+            check_f64(y, x, w, s, b, 32, 4, F32_TOL)
+            outs.append(np.array(y))
+        spec.set_threads()
+        assert np.array_equal(outs[0], outs[1]), m
+    # as the row form's exact kernels are tested: a run of x mixing an outlier with values 1e6 times
+    # smaller, a zero run, a tiny one; a NaN or infinity makes its own row NaN alone
+    x = rng.standard_normal((3, 768)).astype(np.float32)
+    x[0, :32] *= 1e-4
+    x[0, 5] = 300.0
+    x[0, 64:96] = 0.0
+    x[0, 128:160] *= 1e-30
+    y = ext.quantized_matmul(mx.array(x), *panels, 32, 4, int8=False)
+    check_f64(y, mx.array(x), w, s, b, 32, 4, F32_TOL)
+    for bad in (np.nan, np.inf):
+        xb = x.copy()
+        xb[1, 100] = bad
+        yb = np.array(ext.quantized_matmul(mx.array(xb), *panels, 32, 4, int8=False))
+        assert np.isnan(yb[1]).all() and np.array_equal(yb[[0, 2]], np.array(y)[[0, 2]]), bad
+
+
+@needs_vnni
+def test_exact_math_on_panels_goes_in_chunks_under_a_large_vocabulary(ext):  # noqa: F811
+    """The three planes' products are held 48 MB at a time: 80 rows against a 65,536-row matrix (an LM
+    head under a batch's verification) go in two chunks, each within float32's tolerance."""
+    rng = np.random.default_rng(7)
+    (w, s2, b2), (s, b) = _layer(rng, 65536, 256)
+    x = mx.array(rng.standard_normal((80, 256)).astype(np.float32))
+    y = ext.quantized_matmul(x, *ext.panel_layout(w, s2, b2, True), 32, 4, int8=False)
+    check_f64(y, x, w, s, b, 32, 4, F32_TOL)
 
 
 def test_experts_in_panels_give_the_row_form_results(ext):  # noqa: F811
@@ -173,8 +227,12 @@ def test_a_model_in_panels_keeps_its_int8_logits_and_goes_back_exactly(ext):  # 
             assert (a.argmax(-1) == b.argmax(-1)).all()
     finally:
         spec.set_cpu_math("exact")
-    # exact math on a model left in panels: the row form's logits, bit for bit
-    assert mx.array_equal(ours(tokens), theirs(tokens)).item()
+    # exact math on a model left in panels (x in three int8 planes): the row form's logits within
+    # float32's rounding, the same greedy tokens
+    for t in (tokens, tokens[:, :1], tokens[:, :3]):
+        a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+        assert (a.argmax(-1) == b.argmax(-1)).all()
     assert len(use_panels(ours, False)) == len(changed)
     for _, m in ours.named_modules():
         if "scales" in m:
@@ -211,7 +269,8 @@ def _q4_k_gguf(path: Path, arch: str) -> Path:
 def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F811
     """An int8 engine on a Q4_K model puts its layers in panels and says so (numerics profile, weight
     format); its greedy reply is the one the row form gives with int8 math; an exact engine on the same
-    loaded model puts them back."""
+    loaded model keeps its linear layers in panels, puts the experts' stacks back in rows, and replies
+    as the row form does with exact math."""
     from mlx_engine.config import EngineConfig
     from mlx_engine.engine import Engine
     from mlx_engine.loading.loader import load_model
@@ -249,9 +308,19 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F
         assert with_panels == ids[len(req.prompt) :]
         engine = Engine(loaded, EngineConfig(cpu_math="exact", speculative="off"))
         try:
-            assert not any(in_panels(m) for m in layers)
-            assert engine.numerics_profile()["cpu_math"] == "exact"
+            # exact math: the linear layers in panels too (x in three int8 planes), the experts in rows
+            assert all(
+                in_panels(m) == (m["weight"].ndim == 2) for m in layers if m["weight"].shape[-2] % 16 == 0
+            )
+            assert engine.numerics_profile()["cpu_math"] == "exact+panels"
+            assert engine.stats().weight_format == loaded.weight_format  # the default math: not named
+            exact_panels = reply(engine)
         finally:
             engine.shutdown()
+        use_panels(loaded.model, False)
+        ids = list(req.prompt)
+        for _ in range(12):
+            ids.append(int(mx.argmax(loaded.model(mx.array([ids]))[0, -1]).item()))
+        assert exact_panels == ids[len(req.prompt) :]
     finally:
         spec.set_cpu_math("exact")

@@ -22,6 +22,8 @@ namespace duet_cpu {
 enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kSuper = 3, kSuper16 = 4 };
 constexpr int kSuperGroups = 8; // groups per super-block
 constexpr int kSuperBytes = 10; // bytes per super-block: the float16 step, 8 multiples
+// rows of weights per panel in the panel form of 4-bit two-level layers (panels.h)
+constexpr int kPanelRows = 16;
 constexpr int kSuper16Groups = 16; // groups of 16 per kSuper16 super-block
 constexpr int kSuper16Bytes = 18; // bytes per kSuper16 super-block: the float16 step, 16 int8 multiples
 
@@ -117,7 +119,9 @@ struct AttendChunk {
 // 32 with one scale each (K bytes into q, K / 8 floats into scale; layout in int8_impl.inc) and each
 // run's d * sum(q) (K / 32 floats into run_sum), the same in every variant. q8_rows: y[:, n0:n1] from them (QmmArgs::x8, x8_scale, xsum).
 // qmm_rows: y[:, n0:n1] for every row of x. dequant_rows: rows n0..n1 of the dequantized weights
-// into out (N, K) float32 (x, xsum, y and M unused). Each ISA namespace defines both.
+// into out (N, K) float32 (x, xsum, y and M unused); dequant_panels: the same for a 4-bit two-level
+// layer in the panel form (panels.h), rows 16 p0 .. 16 p1, bit for bit dequant_rows' values of its
+// row form. Each ISA namespace defines them all.
 namespace base {
 void q8_quantize(const float* x, int K, int bits, int8_t* q, float* scale, float* run_sum);
 void q8_rows(const QmmArgs& a, int n0, int n1);
@@ -125,6 +129,7 @@ void attend_chunk(const AttendChunk& c);
 void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
+void dequant_panels(const QmmArgs& a, int p0, int p1, float* out);
 }
 namespace avx2 {
 void q8_quantize(const float* x, int K, int bits, int8_t* q, float* scale, float* run_sum);
@@ -133,6 +138,7 @@ void attend_chunk(const AttendChunk& c);
 void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
+void dequant_panels(const QmmArgs& a, int p0, int p1, float* out);
 }
 namespace avx512 {
 // y[:, n0:n1] of the int8 GEMM (AVX-512 VNNI; n0 a multiple of 32)
@@ -146,6 +152,7 @@ void attend_chunk(const AttendChunk& c);
 void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
+void dequant_panels(const QmmArgs& a, int p0, int p1, float* out);
 }
 
 // The best variant's attend_chunk and swiglu (y = silu(g) * u over n floats) for this CPU (or the

@@ -6,7 +6,8 @@
 // y += sum * (scale * d) + bias * xsum, 16 rows at once, where a row at a time needs a horizontal sum
 // per row. The codes are unpacked once per tile of up to 8 rows of x. One thread, a 1B model's
 // matrices from L3 (cpu_kernels/panels.py): one row of x 71-77 GMAC/s (the row kernel 35), 8-16 rows
-// 130-147 (62-67), 64 rows 128-133 (the int8 GEMM 107-110).
+// 130-147 (62-67), 64 rows 128-133 (the int8 GEMM 107-110). Exact math sends each row of x as three
+// int8 planes (panels.cpp: run_panels_x3), so one row of x in decode is a tile of three.
 #include <immintrin.h>
 
 #include <cstddef>
@@ -20,7 +21,7 @@ namespace avx512 {
 namespace {
 
 constexpr int kTileRows = 8; // rows of x per pass over a panel: 8 int32 and 8 float accumulators
-constexpr int kAhead = 3072; // bytes of codes prefetched ahead for one or two rows of x (decode)
+constexpr int kAhead = 3072; // bytes of codes prefetched ahead for up to three rows of x (decode)
 
 // 16 rows' scales of group j of super-block sb: step * multiple in float32 (exact, as the row form's)
 inline __m512 group_scales(const uint8_t* block, __m512 steps, int j) {
@@ -63,7 +64,7 @@ void panel_tile(const PanelArgs& a, int p, int m0) {
     for (int j = 0; j < kSuperGroups; ++j) {
       const int g = sb * kSuperGroups + j;
       const uint8_t* wg = wp + size_t(g) * 256;
-      if constexpr (MT <= 2) {
+      if constexpr (MT <= 3) { // decode: one or two rows of x, or one row's three planes (exact math)
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * l), _MM_HINT_T0);

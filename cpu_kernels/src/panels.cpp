@@ -177,9 +177,12 @@ bool panel_kernel_available() {
 #endif
 }
 
-void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
+namespace {
+
+// y (M, N) = M rows of x8 (quantize_rows_q8's or split_rows_x3's layout) times the panel-form layer,
+// the panels split into tasks on the shared pool.
+void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
 #if defined(DUET_X86)
-  const Q8Rows x8 = quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32);
   const PanelArgs a{x8.q.data(), x8.unit.data(), x8.sum.data(), w, scales, biases, y, M, N, K};
   auto pool = shared_pool();
   const int panels = N / kPanelRows;
@@ -195,9 +198,26 @@ void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
     }
   });
 #else
-  (void)x, (void)t, (void)w, (void)scales, (void)biases, (void)y, (void)M, (void)N, (void)K;
+  (void)x8, (void)w, (void)scales, (void)biases, (void)y, (void)M, (void)N, (void)K;
   throw std::logic_error("the int8 panel kernel needs x86-64");
 #endif
+}
+
+} // namespace
+
+void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
+  panels_on_pool(quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32), w, scales, biases, y, M, N, K);
+}
+
+void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
+  const int chunk = int(std::clamp<size_t>(kX3ProductBytes / (size_t(12) * N), 1, size_t(M)));
+  std::vector<float> y3;
+  for (int m0 = 0; m0 < M; m0 += chunk) {
+    const int mc = std::min(chunk, M - m0);
+    y3.resize(size_t(3) * mc * N);
+    panels_on_pool(split_rows_x3(quantize_x_fn(), x, t, row_starts(mc, K, m0), 1, K, 32), w, scales, biases, y3.data(), 3 * mc, N, K);
+    sum_planes_x3(y3.data(), mc, N, y + size_t(m0) * N);
+  }
 }
 
 void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K) {

@@ -22,11 +22,10 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels.h"
 #include "mlx/array.h"
 
 namespace duet_cpu {
-
-constexpr int kPanelRows = 16;
 
 struct PanelArgs {
   const int8_t* xq; // (M, K) int8, element order
@@ -70,6 +69,10 @@ bool panel_kernel_available();
 
 // y (M, N) float32 = x (M rows, dtype t) times the panel-form layer, with int8 math.
 void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K);
+// The same with exact math: each row of x split into three int8 planes (split_rows_x3, as the exact
+// integer kernels split it), the 3M plane rows through the panel kernel, each row's three products
+// added (sum_planes_x3): float32's accuracy, as the row form's exact paths.
+void run_panels_x3(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K);
 
 // The rows of a gather over experts (gather_qmm.cpp), sorted by expert: the distinct rows of x (their
 // element offsets in x, every kstep-th value a row), each sorted pair's distinct row, the pairs' order

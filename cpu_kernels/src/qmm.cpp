@@ -25,6 +25,7 @@ struct Variant {
   const char* name;
   RowsFn fn;
   DequantFn dequant;
+  DequantFn dequant_panels; // the panel form's (panels.h): panels p0..p1
   AttendFn attend;
   SwigluFn swiglu;
   QuantizeXFn quantize_x = nullptr; // one row of x as bytes for the integer dot-product kernel
@@ -53,14 +54,15 @@ std::atomic<const Variant*> g_variant{nullptr};
 
 const Variant& variant_named(const std::string& name) {
   static const Variant base_v{
-      "base", base::qmm_rows, base::dequant_rows, base::attend_chunk, base::swiglu, nullptr, base::q8_rows, base::q8_quantize};
+      "base", base::qmm_rows, base::dequant_rows, base::dequant_panels, base::attend_chunk, base::swiglu, nullptr, base::q8_rows, base::q8_quantize};
 #if defined(DUET_X86)
   static const Variant avx2_v{
-      "avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::attend_chunk, avx2::swiglu, nullptr, avx2::q8_rows, avx2::q8_quantize};
+      "avx2", avx2::qmm_rows, avx2::dequant_rows, avx2::dequant_panels, avx2::attend_chunk, avx2::swiglu, nullptr, avx2::q8_rows, avx2::q8_quantize};
   static const Variant avx512_v{
       "avx512",
       avx512::qmm_rows,
       avx512::dequant_rows,
+      avx512::dequant_panels,
       avx512::attend_chunk,
       avx512::swiglu,
       avx512::quantize_x,
@@ -474,11 +476,6 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
 // products are added per row. Each plane's dot products are exact in int32 and scaled once per run in
 // float32, as the float kernel's products are rounded; x is held to within 2^-15 of a run's step
 // (quantize_x's split, as in the exact integer row kernel), so the result keeps float32's accuracy.
-// The three planes' products (3 floats per output) are held for at most this many bytes: rows of x go
-// in chunks where N is large (a 152K-token vocabulary's LM head under a batch's verification: 80 rows
-// would hold 146 MB).
-constexpr size_t kX3ProductBytes = size_t(48) << 20;
-
 void run_x3_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
   const int chunk = int(std::clamp<size_t>(kX3ProductBytes / (size_t(12) * N), size_t(kExactGemmRows), size_t(M)));
   std::vector<float> y3;
@@ -509,7 +506,7 @@ void run_qmm(
   }
 
   const bool panels = is_panel_form(w, scales, group_size, bits);
-  if (panels && !(int8 && panel_kernel_available())) {
+  if (panels && !(panel_kernel_available() && (int8 || quantize_x_fn() != nullptr))) {
     // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy
     const auto [rw, rs, rb] = row_form(w, scales, biases);
     return run_qmm(x, rw, rs, rb, out, group_size, bits, int8);
@@ -527,7 +524,7 @@ void run_qmm(
   if (panels) {
     const DenseBytes sd = dense_bytes(scales);
     const DenseBytes bd = dense_bytes(biases);
-    run_panels(
+    (int8 ? run_panels : run_panels_x3)(
         xd.data,
         x.dtype(),
         static_cast<const uint8_t*>(wd.data),
@@ -678,11 +675,7 @@ void run_dequant(
   if (N == 0 || K == 0) {
     return;
   }
-  if (is_panel_form(w, scales, group_size, bits)) {
-    // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy
-    const auto [rw, rs, rb] = row_form(w, scales, biases);
-    return run_dequant(rw, rs, rb, out, group_size, bits);
-  }
+  const bool panels = is_panel_form(w, scales, group_size, bits);
   const DenseBytes wd = dense_bytes(w);
   const DenseBytes sd = dense_bytes(scales);
   const Biases bd = biases_of(biases);
@@ -700,19 +693,20 @@ void run_dequant(
       bits,
       scale_type(scales.dtype(), group_size)};
   a.bias_ratio = bd.ratio;
-  const DequantFn fn = variant().dequant;
+  const DequantFn fn = panels ? variant().dequant_panels : variant().dequant;
+  const int units = panels ? N / kPanelRows : N; // panels or rows
   float* o = out.data<float>();
   auto pool = shared_pool();
-  const int tasks = task_count(out.nbytes(), 1, pool->size());
+  const int tasks = std::min(units, task_count(out.nbytes(), 1, pool->size()));
   if (tasks <= 1) {
-    fn(a, 0, N, o);
+    fn(a, 0, units, o);
     return;
   }
   pool->run(tasks, [&](int t) {
-    const int n0 = int(int64_t(N) * t / tasks);
-    const int n1 = int(int64_t(N) * (t + 1) / tasks);
-    if (n0 < n1) {
-      fn(a, n0, n1, o);
+    const int u0 = int(int64_t(units) * t / tasks);
+    const int u1 = int(int64_t(units) * (t + 1) / tasks);
+    if (u0 < u1) {
+      fn(a, u0, u1, o);
     }
   });
 }

@@ -52,6 +52,10 @@ constexpr int kExactGemmRows = 3;
 inline bool takes_x3_gemm(Q8GemmFn gemm, QuantizeXFn qx, int M) {
   return gemm != nullptr && qx != nullptr && M >= kExactGemmRows;
 }
+// The three planes' products (3 floats per output) are held for at most this many bytes: rows of x go
+// in chunks where N is large (a 152K-token vocabulary's LM head under a batch's verification: 80 rows
+// would hold 146 MB).
+constexpr size_t kX3ProductBytes = size_t(48) << 20;
 // a's product by the GEMM, its panels of 32 weight rows split into tasks on the shared pool
 void q8_gemm_on_pool(Q8GemmFn gemm, const Q8GemmArgs& a);
 

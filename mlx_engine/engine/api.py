@@ -88,7 +88,7 @@ class Engine:
         self.draft = self._load_draft()  # the draft model (speculative="draft"), else None
         for m in (loaded, self.draft):
             if m is not None:
-                fit_layout_to_math(m.model)  # Q4_K layers in 16-row panels with int8 math, else rows
+                fit_layout_to_math(m.model)  # Q4_K layers in 16-row panels (experts: int8 math only)
         self.model_name = loaded.name
         self.context_length = self._context_length(loaded)
         self._mailbox: Mailbox = queue.SimpleQueue()

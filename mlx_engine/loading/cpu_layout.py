@@ -1,9 +1,10 @@
-"""The CPU kernels' weight layout for the math in force: Q4_K layers in 16-row panels with int8 math.
+"""The CPU kernels' weight layout for the math in force: Q4_K layers in 16-row panels.
 
 ``cpu_kernels.panels`` regroups a model's 4-bit two-level layers for the int8 panel kernel (about
-twice the row kernel's rate at 1-16 rows of x on AVX-512 VNNI). Exact math reads them only through
-a conversion per call, so the engine fits the layout to the math each time one is made: into panels
-when the process's math is int8, back into rows when it is exact.
+twice the row kernel's rate at 1-16 rows of x on AVX-512 VNNI). Exact math runs its linear layers on
+the same kernel (x in three int8 planes), but its gather over a stack of experts reads panels only
+through a conversion per call, so the engine fits the layout to the math each time one is made: every
+eligible layer in panels when the process's math is int8, the linear layers alone when it is exact.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def fit_layout_to_math(model: nn.Module) -> int:
     from cpu_kernels.panels import use_panels
     from cpu_kernels.spec import int8_math
 
-    changed = use_panels(model, int8_math())
+    changed = use_panels(model, True, stacks=int8_math())
     if changed:
         # the replaced arrays go back to the system; the new ones get huge pages as the loader's had
         mx.clear_cache()
