@@ -1,7 +1,7 @@
 """Q4_K layers in 16-row panels: the layout the panel kernel reads.
 
 On AVX-512 VNNI each 4-bit layer with two-level scales (a GGUF's Q4_K, after
-``scales.two_level_scales``; with int8 math a mixture of experts' stacks too, expert by expert) is
+``scales.two_level_scales``; a mixture of experts' stacks too, expert by expert) is
 regrouped by 16 rows (``src/panels.h``): one 64-byte load then holds 4 codes of each of 16 rows, one
 ``vpdpbusd`` multiplies them with 4 values of a row of x broadcast to every lane, and 16 outputs
 accumulate side by side, where the row form unpacks a row's codes per row of x and sums each output
@@ -9,9 +9,7 @@ horizontally. One thread, a 1B model's matrices: one row of x 35 -> 71-77 GMAC/s
 130-147, 64 rows 107-110 -> 128-133 (the int8 GEMM). Exact math runs on the same kernel with each row
 of x split into three int8 planes (as the exact integer kernels split it: float32's accuracy, within
 float32's rounding of the row form's results). The bytes are the same (4.625 bits a weight); the
-values are the same (``dequantize`` reads panels bit for bit as the row form). A stack of experts
-goes back to rows for exact math, whose gather reads panels only through a row-form copy per call.
-The layer's scales say which form it is in: ``(N / 16, K / 16 * 10)`` instead of
+values are the same (``dequantize`` reads panels bit for bit as the row form). The layer's scales say which form it is in: ``(N / 16, K / 16 * 10)`` instead of
 ``(N, K / 256 * 10)``.
 """
 
@@ -59,23 +57,20 @@ def _candidates(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def use_panels(model: nn.Module, on: bool, stacks: bool | None = None) -> list[nn.Module]:
-    """Put the model's eligible layers into the panel form (``on``) or back into the row form, its
-    stacks of experts as ``stacks`` says (``on`` when None); returns the layers that changed (their new
-    arrays are evaluated). Nothing goes into panels where the panel kernel cannot run (no AVX-512
-    VNNI). A stack of experts converts as one (a panel never straddles two experts: N is a multiple of
-    16)."""
+def use_panels(model: nn.Module, on: bool) -> list[nn.Module]:
+    """Put the model's eligible layers into the panel form (``on``) or back into the row form; returns
+    the layers that changed (their new arrays are evaluated). Nothing changes where the panel kernel
+    cannot run (no AVX-512 VNNI) and ``on`` is asked. A stack of experts converts as one (a panel never
+    straddles two experts: N is a multiple of 16)."""
     ext = extension()
-    if ext is None:
+    if ext is None or (on and not ext.panel_kernel()):
         return []
-    can = bool(ext.panel_kernel())
     changed = []
     for layer in _candidates(model):
-        want = can and (on if stacks is None or type(layer) is CPUQuantizedLinear else stacks)
-        if in_panels(layer) == want:
+        if in_panels(layer) == on:
             continue
         layer["weight"], layer["scales"], layer["biases"] = ext.panel_layout(
-            layer["weight"], layer["scales"], layer["biases"], want
+            layer["weight"], layer["scales"], layer["biases"], on
         )
         changed.append(layer)
     return changed

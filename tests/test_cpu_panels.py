@@ -6,8 +6,8 @@ float64 oracle at every row count and thread count (each output computed by one 
 on the panel kernel (x in three int8 planes) keeps float32's accuracy against float64; dequantize
 reads panels bit for bit as the row form, and the other instruction sets read a panel layer through
 the row form, bit for bit what the row form gives; a model converted keeps its int8 logits and greedy
-tokens; the engine puts a K-quant model in panels for int8 math, says so in its numerics profile, and
-puts it back for exact.
+tokens; the engine puts a K-quant model in panels for either math and says so in its numerics
+profile.
 """
 
 from __future__ import annotations
@@ -174,10 +174,12 @@ def test_exact_math_on_panels_goes_in_chunks_under_a_large_vocabulary(ext):  # n
 
 def test_experts_in_panels_give_the_row_form_results(ext):  # noqa: F811
     """The gather over a stack of experts in panels (converted as E * N rows): int8 math within float32
-    rounding of the row form's (the same int8 x, other sums' order), exact math bit for bit."""
+    rounding of the row form's (the same int8 x, other sums' order); exact math within float32's
+    tolerance of float64, each expert's rows as three int8 planes (bit for bit the row form's where the
+    panel kernel does not run)."""
     rng = np.random.default_rng(5)
     experts, n, k = 4, 48, 512
-    rows, _ = _layer(rng, experts * n, k)
+    rows, (sf, bf) = _layer(rng, experts * n, k)
     w, s, b = (
         rows[0].reshape(experts, n, -1),
         rows[1].reshape(experts, n, -1),
@@ -194,6 +196,13 @@ def test_experts_in_panels_give_the_row_form_results(ext):  # noqa: F811
             assert yp.shape == yr.shape == (tokens, tokens, 2, 1, n)
             if int8 and ext.panel_kernel():
                 assert float(mx.abs(yp - yr).max()) <= 1e-5 * float(mx.abs(yr).max()) * k / 32
+            elif ext.panel_kernel():
+                for t in range(tokens):  # token t's two experts, each against float64
+                    for j in range(2):
+                        e = int(idx[t, 0, j].item())
+                        rows_e = slice(e * n, (e + 1) * n)
+                        xt = x[t].reshape(1, k)
+                        check_f64(yp[t, t, j], xt, rows[0][rows_e], sf[rows_e], bf[rows_e], 32, 4, F32_TOL)
             else:
                 assert mx.array_equal(yp, yr).item(), (tokens, int8)
 
@@ -269,8 +278,8 @@ def _q4_k_gguf(path: Path, arch: str) -> Path:
 def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F811
     """An int8 engine on a Q4_K model puts its layers in panels and says so (numerics profile, weight
     format); its greedy reply is the one the row form gives with int8 math; an exact engine on the same
-    loaded model keeps its linear layers in panels, puts the experts' stacks back in rows, and replies
-    as the row form does with exact math."""
+    loaded model (put back in rows meanwhile) puts them in panels too and replies as the row form does
+    with exact math."""
     from mlx_engine.config import EngineConfig
     from mlx_engine.engine import Engine
     from mlx_engine.loading.loader import load_model
@@ -308,10 +317,8 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F
         assert with_panels == ids[len(req.prompt) :]
         engine = Engine(loaded, EngineConfig(cpu_math="exact", speculative="off"))
         try:
-            # exact math: the linear layers in panels too (x in three int8 planes), the experts in rows
-            assert all(
-                in_panels(m) == (m["weight"].ndim == 2) for m in layers if m["weight"].shape[-2] % 16 == 0
-            )
+            # exact math: in panels too (x in three int8 planes)
+            assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
             assert engine.numerics_profile()["cpu_math"] == "exact+panels"
             assert engine.stats().weight_format == loaded.weight_format  # the default math: not named
             exact_panels = reply(engine)

@@ -95,8 +95,8 @@ void run_gather(
     return;
   }
   const bool panels = is_panel_form(w, scales, group_size, bits);
-  if (panels && !(int8 && panel_kernel_available())) {
-    // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy of every expert
+  if (panels && !(panel_kernel_available() && (int8 || quantize_x_fn() != nullptr))) {
+    // the row form's paths (no AVX-512 VNNI) on a row-form copy of every expert
     const auto [rw, rs, rb] = row_form(w, scales, biases);
     return run_gather(x, rw, rs, rb, indices, out, group_size, bits, int8);
   }
@@ -171,7 +171,7 @@ void run_gather(
       }
     });
   };
-  if (panels) { // int8 math on AVX-512 VNNI: the panel kernel per expert (panels.cpp)
+  if (panels) { // AVX-512 VNNI: the panel kernel per expert (panels.cpp), int8 math or exact
     const DenseBytes wd = dense_bytes(w), sd = dense_bytes(scales), bd = dense_bytes(biases);
     gather_panels(
         {x.data<void>(), x.dtype(), kstep, unique, source, order, start, count},
@@ -181,7 +181,8 @@ void run_gather(
         y.data(),
         E,
         N,
-        K);
+        K,
+        int8);
     return write_back();
   }
   std::vector<float> xf(size_t(U) * K);

@@ -220,20 +220,32 @@ void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* 
   }
 }
 
-void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K) {
+void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, bool int8) {
 #if defined(DUET_X86)
   const int G = K / 32;
   const int sorted = g.start[E];
-  // each distinct row quantized once (element order), then each expert's rows side by side
-  const Q8Rows u8 = quantize_rows_q8(q8_quantize_fn(), g.x, g.t, g.unique, g.kstep, K, 32);
-  std::vector<int8_t> xq(size_t(sorted) * K);
-  std::vector<float> xd(size_t(sorted) * (K / 8)), xs(size_t(sorted) * G);
-  for (int q = 0; q < sorted; ++q) {
-    const int u = g.source[g.order[q]];
-    std::memcpy(xq.data() + size_t(q) * K, u8.q.data() + size_t(u) * K, size_t(K));
-    std::memcpy(xd.data() + size_t(q) * (K / 8), u8.unit.data() + size_t(u) * (K / 8), sizeof(float) * (K / 8));
-    std::memcpy(xs.data() + size_t(q) * G, u8.sum.data() + size_t(u) * G, sizeof(float) * G);
+  const int U = int(g.unique.size());
+  // each distinct row quantized once (element order; exact math: split into three planes, plane j of
+  // distinct row u at row j * U + u), then each expert's rows side by side, plane after plane: expert
+  // e's rows start at planes * start[e], plane j's count[e] rows at planes * start[e] + j * count[e]
+  const int planes = int8 ? 1 : 3;
+  const Q8Rows u8 = int8 ? quantize_rows_q8(q8_quantize_fn(), g.x, g.t, g.unique, g.kstep, K, 32)
+                         : split_rows_x3(quantize_x_fn(), g.x, g.t, g.unique, g.kstep, K, 32);
+  std::vector<int8_t> xq(size_t(planes) * sorted * K);
+  std::vector<float> xd(size_t(planes) * sorted * (K / 8)), xs(size_t(planes) * sorted * G);
+  for (int e = 0; e < E; ++e) {
+    for (int j = 0; j < planes; ++j) {
+      for (int i = 0; i < g.count[e]; ++i) {
+        const size_t dst = size_t(planes) * g.start[e] + size_t(j) * g.count[e] + i;
+        const size_t src = size_t(j) * U + g.source[g.order[g.start[e] + i]];
+        std::memcpy(xq.data() + dst * K, u8.q.data() + src * K, size_t(K));
+        std::memcpy(xd.data() + dst * (K / 8), u8.unit.data() + src * (K / 8), sizeof(float) * (K / 8));
+        std::memcpy(xs.data() + dst * G, u8.sum.data() + src * G, sizeof(float) * G);
+      }
+    }
   }
+  std::vector<float> y3(int8 ? 0 : size_t(3) * sorted * N); // exact math: the planes' products
+  float* yp = int8 ? y : y3.data();
   // units of (expert, run of panels), claimed by the pool's threads as they come free
   struct Unit {
     int e, p0, p1;
@@ -255,7 +267,7 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
   const size_t expert_scales = size_t(N) / kPanelRows * (size_t(K) / 16 * kSuperBytes);
   pool->run(int(units.size()), [&](int i) {
     const Unit& u = units[size_t(i)];
-    const size_t q0 = size_t(g.start[u.e]);
+    const size_t q0 = size_t(planes) * g.start[u.e];
     const PanelArgs a{
         xq.data() + q0 * K,
         xd.data() + q0 * (K / 8),
@@ -263,14 +275,20 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
         w + u.e * expert_codes,
         scales + u.e * expert_scales,
         biases + u.e * expert_scales,
-        y + q0 * N,
-        g.count[u.e],
+        yp + q0 * N,
+        planes * g.count[u.e],
         N,
         K};
     avx512::q8_panels(a, u.p0, u.p1);
   });
+  if (!int8) {
+    for (int e = 0; e < E; ++e) {
+      const size_t q0 = size_t(g.start[e]);
+      sum_planes_x3(y3.data() + 3 * q0 * N, g.count[e], N, y + q0 * N);
+    }
+  }
 #else
-  (void)g, (void)w, (void)scales, (void)biases, (void)y, (void)E, (void)N, (void)K;
+  (void)g, (void)w, (void)scales, (void)biases, (void)y, (void)E, (void)N, (void)K, (void)int8;
   throw std::logic_error("the int8 panel kernel needs x86-64");
 #endif
 }

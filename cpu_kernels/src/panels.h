@@ -89,7 +89,8 @@ struct GatherRows {
 };
 
 // y (sorted pairs, N) float32: each pair's row of x times its expert's matrix, the E experts' w
-// (E, N, K / 2 bytes), scales and biases in panels, int8 math (the panel kernel must be available).
-void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K);
+// (E, N, K / 2 bytes), scales and biases in panels, int8 math or exact (x in three int8 planes, as
+// run_panels_x3); the panel kernel must be available.
+void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, bool int8);
 
 } // namespace duet_cpu

@@ -507,7 +507,7 @@ void run_qmm(
 
   const bool panels = is_panel_form(w, scales, group_size, bits);
   if (panels && !(panel_kernel_available() && (int8 || quantize_x_fn() != nullptr))) {
-    // the row form's paths (exact math; no AVX-512 VNNI) on a row-form copy
+    // the row form's paths (no AVX-512 VNNI) on a row-form copy
     const auto [rw, rs, rb] = row_form(w, scales, biases);
     return run_qmm(x, rw, rs, rb, out, group_size, bits, int8);
   }

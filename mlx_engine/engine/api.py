@@ -54,7 +54,7 @@ from mlx_engine.engine.outputs import NO_KEY, RequestState, flush_outbox
 from mlx_engine.engine.stats import EngineStats, engine_stats, fixed_stats
 from mlx_engine.errors import EngineShutDownError, QueueFullError, RequestError
 from mlx_engine.kv_cache.kv_source import KVSource
-from mlx_engine.loading.cpu_layout import fit_layout_to_math
+from mlx_engine.loading.cpu_layout import use_panel_layout
 from mlx_engine.loading.identity import model_fingerprint
 from mlx_engine.loading.loader import LoadedModel, load_model
 from mlx_engine.request import GenerationEvent, GenerationRequest
@@ -88,7 +88,7 @@ class Engine:
         self.draft = self._load_draft()  # the draft model (speculative="draft"), else None
         for m in (loaded, self.draft):
             if m is not None:
-                fit_layout_to_math(m.model)  # Q4_K layers in 16-row panels (experts: int8 math only)
+                use_panel_layout(m.model)  # Q4_K layers in 16-row panels where the panel kernel runs
         self.model_name = loaded.name
         self.context_length = self._context_length(loaded)
         self._mailbox: Mailbox = queue.SimpleQueue()

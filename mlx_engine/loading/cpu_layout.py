@@ -1,10 +1,9 @@
-"""The CPU kernels' weight layout for the math in force: Q4_K layers in 16-row panels.
+"""The CPU kernels' weight layout: Q4_K layers in 16-row panels where the panel kernel runs.
 
-``cpu_kernels.panels`` regroups a model's 4-bit two-level layers for the int8 panel kernel (about
-twice the row kernel's rate at 1-16 rows of x on AVX-512 VNNI). Exact math runs its linear layers on
-the same kernel (x in three int8 planes), but its gather over a stack of experts reads panels only
-through a conversion per call, so the engine fits the layout to the math each time one is made: every
-eligible layer in panels when the process's math is int8, the linear layers alone when it is exact.
+``cpu_kernels.panels`` regroups a model's 4-bit two-level layers for the panel kernel (about twice the
+row kernel's rate at 1-16 rows of x on AVX-512 VNNI), which both maths use (exact math with x in three
+int8 planes). The engine puts them there each time one is made (a model loaded before may have been
+put back in rows by a caller).
 """
 
 from __future__ import annotations
@@ -17,15 +16,15 @@ from mlx_engine.backend import backend_name
 from mlx_engine.huge_pages import use_huge_pages
 
 
-def fit_layout_to_math(model: nn.Module) -> int:
-    """Put ``model``'s eligible layers in the layout the CPU math in force reads fastest; returns how
-    many layers changed (0 off the CPU, without the kernels, or with nothing to change)."""
+def use_panel_layout(model: nn.Module) -> int:
+    """Put ``model``'s eligible layers in 16-row panels, the layout the CPU kernels read fastest on
+    AVX-512 VNNI with either math; returns how many layers changed (0 off the CPU, without the kernels
+    or the panel kernel, or with nothing to change)."""
     if backend_name() != "cpu":
         return 0
     from cpu_kernels.panels import use_panels
-    from cpu_kernels.spec import int8_math
 
-    changed = use_panels(model, True, stacks=int8_math())
+    changed = use_panels(model, True)
     if changed:
         # the replaced arrays go back to the system; the new ones get huge pages as the loader's had
         mx.clear_cache()
