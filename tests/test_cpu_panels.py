@@ -320,7 +320,7 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F
             # exact math: in panels too (x in three int8 planes)
             assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
             assert engine.numerics_profile()["cpu_math"] == "exact+panels"
-            assert engine.stats().weight_format == loaded.weight_format  # the default math: not named
+            assert engine.stats().weight_format == loaded.weight_format + ", Q4_K in 16-row panels"
             exact_panels = reply(engine)
         finally:
             engine.shutdown()

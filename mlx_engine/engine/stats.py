@@ -63,11 +63,14 @@ def fixed_stats(engine: Any, core: EngineCore) -> dict[str, Any]:
 
 
 def _with_math(weight_format: str, cpu_math: str | None) -> str:
-    """The weight format, and how the CPU kernels multiply the weights when it is not the default."""
-    if cpu_math is None or not cpu_math.startswith("int8"):
+    """The weight format, how the CPU kernels multiply the weights when it is not the default math,
+    and the panel layout where they read it."""
+    if cpu_math is None:
         return weight_format
-    return f"{weight_format}, int8 activations" + (
-        ", Q4_K in 16-row panels" if cpu_math.endswith("+panels") else ""
+    return (
+        weight_format
+        + (", int8 activations" if cpu_math.startswith("int8") else "")
+        + (", Q4_K in 16-row panels" if cpu_math.endswith("+panels") else "")
     )
 
 
