@@ -3,6 +3,7 @@
     PYTHONPATH=. HF_HUB_OFFLINE=1 env $(.venv/bin/python -m mlx_engine.blas --env) \\
         .venv/bin/python bench/panel_layout.py --model bench/out/synthetic/llama-1b-Q4_K_M.gguf \\
         [--math exact] [--threads 1,2] [--rows 1,2,5,40] [--crossover 64,128,256,512] [--engine-runs 4]
+    ... bench/panel_layout.py --model ... --rows-kept
 
 Three measurements (AVX-512 VNNI only: elsewhere there is no panel kernel):
 
@@ -13,6 +14,9 @@ Three measurements (AVX-512 VNNI only: elsewhere there is no panel kernel):
 * **crossover** (exact math): gate_proj in panels at many rows of x, the panel kernel on three planes
   of x against the dequantize kernel + MLX's GEMM (what ``quantized_matmul`` sends from
   ``dequantize_rows()`` rows on), best of 5;
+* **rows kept** (``--rows-kept``): the layers that stay in rows (Q6_K, and Q4_K as the loader makes it),
+  one row of x (decode) from DRAM: every layer of a kind (down_proj, v_proj, the LM head) in one
+  ``mx.eval``, median of 7, µs a product and GB/s of weights, both maths;
 * **engine**: Duet's engine (speculation off) on the whole model, its layers switched between the two
   forms run by run (interleaved, fresh prompts each run so no prefix is cached): decode tok/s at a
   64-token context (32 tokens) and prefill tok/s of a 512-token prompt, medians.
@@ -81,6 +85,43 @@ def products(model, rows: list[int], threads: list[int], math: str) -> None:
     set_threads()
 
 
+def rows_kept(model) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from cpu_kernels.spec import set_cpu_math
+
+    def kinds(layer):
+        return {"v_proj": layer.self_attn.v_proj, "down_proj": layer.mlp.down_proj}
+
+    groups: dict[tuple[str, int], list] = {}
+    for layer in model.model.layers:
+        for name, mod in kinds(layer).items():
+            groups.setdefault((name, mod.bits), []).append(mod)
+    if "lm_head" in model:
+        groups[("lm_head", model.lm_head.bits)] = [model.lm_head]
+    print("\nrows kept: one row of x from DRAM, every layer of a kind in one eval (median of 7)")
+    print("| layers | bits | math | µs a product | GB/s |")
+    print("|---|---:|---|---:|---:|")
+    for math in ("exact", "int8"):
+        set_cpu_math(math)
+        for (name, bits), mods in sorted(groups.items()):
+            k = mods[0].weight.shape[-1] * 32 // bits
+            x = mx.random.normal((1, 1, k))
+            mx.eval(x)
+            size = sum(a.nbytes for m in mods for _, a in tree_flatten(m.parameters()))
+            times = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                mx.eval([m(x) for m in mods])
+                times.append(time.perf_counter() - t0)
+            t = statistics.median(times)
+            print(
+                f"| {len(mods)} x {name} | {bits} | {math} | {t / len(mods) * 1e6:.0f} | {size / t / 1e9:.1f} |"
+            )
+    set_cpu_math("exact")
+
+
 def crossover(model, rows: list[int]) -> None:
     import mlx.core as mx
 
@@ -139,6 +180,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,5,40", help="rows of x for the products")
     ap.add_argument("--crossover", default="64,128,256,512", help="rows of x ('' to skip)")
     ap.add_argument("--engine-runs", type=int, default=4, help="0 to skip the engine")
+    ap.add_argument("--rows-kept", action="store_true", help="time the layers left in rows, and stop")
     a = ap.parse_args()
 
     from cpu_kernels.spec import extension, set_cpu_math
@@ -149,6 +191,8 @@ def main() -> None:
         sys.exit("the panel kernel needs AVX-512 VNNI and the CPU kernels")
     set_cpu_math(a.math)
     model = load_model(a.model).model
+    if a.rows_kept:
+        return rows_kept(model)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     products(model, ints(a.rows), ints(a.threads), a.math)
     if a.math == "exact" and a.crossover:

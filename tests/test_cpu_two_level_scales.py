@@ -19,7 +19,7 @@ from cpu_kernels import spec
 from cpu_kernels.modules import CPUQuantizedEmbedding, use_cpu_kernels
 from cpu_kernels.qmm import dequantize_rows
 from cpu_kernels.scales import half_scales, two_level_scales
-from tests.test_cpu_kernels import ext, variants  # noqa: F401
+from tests.test_cpu_kernels import F32_TOL, check, ext, variants  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
     mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
@@ -141,6 +141,26 @@ def test_every_path_reads_two_level_scales_as_their_values(ext, bits):  # noqa: 
                     )
                     assert mx.array_equal(g2, gh).item(), (isa, tokens, int8)
     ext.set_isa("")
+
+
+def test_one_row_past_4096_values_keeps_float32_accuracy(ext):  # noqa: F811
+    """One row of x against a Q4_K layer in rows with K past 4096 (a 1B model's down_proj, 8192) takes
+    the exact integer kernel's 512-bit loop, as Q6_K's does: within float32's tolerance of float64 (the
+    float16-held twin goes another way there, so the bits may differ), on one thread and several."""
+    rng = np.random.default_rng(12)
+    for n, k in ((9, 4352), (24, 8192)):
+        w = mx.array(rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32))
+        s, s2 = _blocks(rng, (n,), k // 256, 1.0, exact16=False)
+        b, b2 = _blocks(rng, (n,), k // 256, -1.0, exact16=False)
+        x = mx.array(rng.standard_normal((1, k)).astype(np.float32))
+        outs = []
+        for threads in (1, max(2, spec.physical_cores())):
+            spec.set_threads(threads)
+            y = ext.quantized_matmul(x, w, mx.array(s2), mx.array(b2), 32, 4, int8=False)
+            check(y, x, w, mx.array(s), mx.array(b), 32, 4, F32_TOL)
+            outs.append(np.array(y))
+        spec.set_threads()
+        assert np.array_equal(outs[0], outs[1]), (n, k)
 
 
 def test_two_level_scales_are_checked_against_the_weights(ext):  # noqa: F811
