@@ -35,14 +35,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def best_of(fn, batches: int) -> float:
+def timed(fn, batches: int, pick=min) -> float:
+    """Seconds a call of ``fn`` takes: ``pick`` (the best, or the median) of ``batches`` calls after a
+    warm-up call."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(batches):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return pick(times)
 
 
 def products(model, rows: list[int], threads: list[int], math: str) -> None:
@@ -75,7 +77,7 @@ def products(model, rows: list[int], threads: list[int], math: str) -> None:
                     def batch(w=w, s=s, b=b, xs=xs) -> None:
                         mx.eval([ext.quantized_matmul(x, w, s, b, 32, 4, int8=math == "int8") for x in xs])
 
-                    us[form] = best_of(batch, 15) / len(xs) * 1e6
+                    us[form] = timed(batch, 15) / len(xs) * 1e6
                     y = np.array(ext.quantized_matmul(xs[0], w, s, b, 32, 4, int8=math == "int8"))
                     err[form] = float((np.abs(y - ref) / (mag + 1e-30)).max())
                 print(
@@ -110,12 +112,7 @@ def rows_kept(model) -> None:
             x = mx.random.normal((1, 1, k))
             mx.eval(x)
             size = sum(a.nbytes for m in mods for _, a in tree_flatten(m.parameters()))
-            times = []
-            for _ in range(7):
-                t0 = time.perf_counter()
-                mx.eval([m(x) for m in mods])
-                times.append(time.perf_counter() - t0)
-            t = statistics.median(times)
+            t = timed(lambda mods=mods, x=x: mx.eval([m(x) for m in mods]), 7, statistics.median)
             print(
                 f"| {len(mods)} x {name} | {bits} | {math} | {t / len(mods) * 1e6:.0f} | {size / t / 1e9:.1f} |"
             )
@@ -138,8 +135,8 @@ def crossover(model, rows: list[int]) -> None:
     for m in rows:
         x = mx.random.normal((m, k))
         mx.eval(x)
-        planes = best_of(lambda x=x: mx.eval(ext.quantized_matmul(x, w, s, b, 32, 4, int8=False)), 5)
-        gemm = best_of(lambda x=x: mx.eval(mx.matmul(x, ext.dequantize(w, s, b, 32, 4).T)), 5)
+        planes = timed(lambda x=x: mx.eval(ext.quantized_matmul(x, w, s, b, 32, 4, int8=False)), 5)
+        gemm = timed(lambda x=x: mx.eval(mx.matmul(x, ext.dequantize(w, s, b, 32, 4).T)), 5)
         print(f"| {m} | {planes * 1e3:.1f} | {gemm * 1e3:.1f} |")
 
 

@@ -95,7 +95,7 @@ void run_gather(
     return;
   }
   const bool panels = is_panel_form(w, scales, group_size, bits);
-  if (panels && !(panel_kernel_available() && (int8 || quantize_x_fn() != nullptr))) {
+  if (panels && !panel_kernel_runs(int8)) {
     // the row form's paths (no AVX-512 VNNI) on a row-form copy of every expert
     const auto [rw, rs, rb] = row_form(w, scales, biases);
     return run_gather(x, rw, rs, rb, indices, out, group_size, bits, int8);

@@ -177,6 +177,10 @@ bool panel_kernel_available() {
 #endif
 }
 
+bool panel_kernel_runs(bool int8) {
+  return panel_kernel_available() && (int8 || quantize_x_fn() != nullptr);
+}
+
 namespace {
 
 // y (M, N) = M rows of x8 (quantize_rows_q8's or split_rows_x3's layout) times the panel-form layer,
@@ -210,14 +214,9 @@ void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
 }
 
 void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
-  const int chunk = int(std::clamp<size_t>(kX3ProductBytes / (size_t(12) * N), 1, size_t(M)));
-  std::vector<float> y3;
-  for (int m0 = 0; m0 < M; m0 += chunk) {
-    const int mc = std::min(chunk, M - m0);
-    y3.resize(size_t(3) * mc * N);
-    panels_on_pool(split_rows_x3(quantize_x_fn(), x, t, row_starts(mc, K, m0), 1, K, 32), w, scales, biases, y3.data(), 3 * mc, N, K);
-    sum_planes_x3(y3.data(), mc, N, y + size_t(m0) * N);
-  }
+  x3_in_chunks(quantize_x_fn(), x, t, M, N, K, 32, 1, y, [&](const Q8Rows& x3, int rows, float* y3) {
+    panels_on_pool(x3, w, scales, biases, y3, rows, N, K);
+  });
 }
 
 void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, bool int8) {

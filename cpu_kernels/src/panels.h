@@ -66,6 +66,9 @@ row_form(const mlx::core::array& w, const mlx::core::array& scales, const mlx::c
 // Whether the int8 panel kernel runs here (AVX-512 VNNI chosen); else a panel-form layer's products
 // take the row form's paths on a row-form copy.
 bool panel_kernel_available();
+// Whether a panel-form layer's products run on the panel kernel with this math (int8, or exact where
+// the variant splits x into three int8 planes); else they take the row form's paths on a row-form copy.
+bool panel_kernel_runs(bool int8);
 
 // y (M, N) float32 = x (M rows, dtype t) times the panel-form layer, with int8 math.
 void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K);

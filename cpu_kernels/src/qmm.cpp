@@ -477,15 +477,9 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
 // float32, as the float kernel's products are rounded; x is held to within 2^-15 of a run's step
 // (quantize_x's split, as in the exact integer row kernel), so the result keeps float32's accuracy.
 void run_x3_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
-  const int chunk = int(std::clamp<size_t>(kX3ProductBytes / (size_t(12) * N), size_t(kExactGemmRows), size_t(M)));
-  std::vector<float> y3;
-  for (int m0 = 0; m0 < M; m0 += chunk) {
-    const int mc = std::min(chunk, M - m0);
-    const Q8Rows x3 = split_rows_x3(v.quantize_x, xd.data, xt, row_starts(mc, K, m0), 1, K, group_size);
-    y3.resize(size_t(3) * mc * N);
-    q8_gemm_on_pool(v.q8_gemm, {x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases.data, y3.data(), 3 * mc, N, K, group_size, bits, scale_type, biases.ratio});
-    sum_planes_x3(y3.data(), mc, N, y + size_t(m0) * N);
-  }
+  x3_in_chunks(v.quantize_x, xd.data, xt, M, N, K, group_size, kExactGemmRows, y, [&](const Q8Rows& x3, int rows, float* y3) {
+    q8_gemm_on_pool(v.q8_gemm, {x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases.data, y3, rows, N, K, group_size, bits, scale_type, biases.ratio});
+  });
 }
 
 void run_qmm(
@@ -506,7 +500,7 @@ void run_qmm(
   }
 
   const bool panels = is_panel_form(w, scales, group_size, bits);
-  if (panels && !(panel_kernel_available() && (int8 || quantize_x_fn() != nullptr))) {
+  if (panels && !panel_kernel_runs(int8)) {
     // the row form's paths (no AVX-512 VNNI) on a row-form copy
     const auto [rw, rs, rb] = row_form(w, scales, biases);
     return run_qmm(x, rw, rs, rb, out, group_size, bits, int8);

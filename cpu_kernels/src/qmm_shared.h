@@ -3,6 +3,7 @@
 // split into pool tasks. Defined in qmm.cpp.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -52,10 +53,6 @@ constexpr int kExactGemmRows = 3;
 inline bool takes_x3_gemm(Q8GemmFn gemm, QuantizeXFn qx, int M) {
   return gemm != nullptr && qx != nullptr && M >= kExactGemmRows;
 }
-// The three planes' products (3 floats per output) are held for at most this many bytes: rows of x go
-// in chunks where N is large (a 152K-token vocabulary's LM head under a batch's verification: 80 rows
-// would hold 146 MB).
-constexpr size_t kX3ProductBytes = size_t(48) << 20;
 // a's product by the GEMM, its panels of 32 weight rows split into tasks on the shared pool
 void q8_gemm_on_pool(Q8GemmFn gemm, const Q8GemmArgs& a);
 
@@ -110,6 +107,24 @@ bool pair_steps_x(const int8_t* xq, int K, int bits, int8_t* out);
 void pair_runs_x8(const int8_t* x8, int K, int8_t* out);
 // y = the sum of the three planes' products y3 (3M, N): y3[i] + (y3[M + i] + y3[2M + i]).
 void sum_planes_x3(const float* y3, int M, int N, float* y);
+// The three planes' products (3 floats per output) are held for at most this many bytes: rows of x go
+// in chunks where N is large (a 152K-token vocabulary's LM head under a batch's verification: 80 rows
+// would hold 146 MB).
+constexpr size_t kX3ProductBytes = size_t(48) << 20;
+// Exact math's products on three planes of x: M contiguous rows of x (dtype t) in chunks of at least
+// min_rows (kX3ProductBytes apart), each chunk split (split_rows_x3, groups of group_size), multiplied
+// by product(planes, 3 * rows, y3) into y3 (3 * rows, N), and its planes added into y's rows.
+template <typename Product>
+void x3_in_chunks(QuantizeXFn qx, const void* x, mx::Dtype t, int M, int N, int K, int group_size, int min_rows, float* y, Product&& product) {
+  const int chunk = int(std::clamp<size_t>(kX3ProductBytes / (size_t(12) * N), size_t(std::min(min_rows, M)), size_t(M)));
+  std::vector<float> y3;
+  for (int m0 = 0; m0 < M; m0 += chunk) {
+    const int mc = std::min(chunk, M - m0);
+    y3.resize(size_t(3) * mc * N);
+    product(split_rows_x3(qx, x, t, row_starts(mc, K, m0), 1, K, group_size), 3 * mc, y3.data());
+    sum_planes_x3(y3.data(), mc, N, y + size_t(m0) * N);
+  }
+}
 
 // A row-major copy of a's bytes when a is not row contiguous (rare: parameters and activations are).
 struct DenseBytes {
