@@ -1,16 +1,18 @@
-"""Q4_K layers in 16-row panels: the layout the panel kernel reads.
+"""Q4_K and Q6_K layers in 16-row panels: the layout the panel kernel reads.
 
 On AVX-512 VNNI each 4-bit layer with two-level scales (a GGUF's Q4_K, after
-``scales.two_level_scales``; a mixture of experts' stacks too, expert by expert) is regrouped by 16
-rows (``src/panels.h``): one 64-byte load then holds 4 codes of each of 16 rows, one ``vpdpbusd``
-multiplies them with 4 values of a row of x broadcast to every lane, and 16 outputs accumulate side by
-side, where the row form unpacks a row's codes per row of x and sums each output horizontally. One
-thread, a 1B model's matrices: one row of x 35 -> 71-77 GMAC/s, 8-16 rows 62-67 ->
-130-147, 64 rows 107-110 -> 128-133 (the int8 GEMM). Exact math runs on the same kernel with each row
-of x split into three int8 planes (as the exact integer kernels split it: float32's accuracy, within
-float32's rounding of the row form's results). The bytes are the same (4.625 bits a weight); the
-values are the same (``dequantize`` reads panels bit for bit as the row form). The layer's scales say
-which form it is in: ``(N / 16, K / 16 * 10)`` instead of ``(N, K / 256 * 10)``.
+``scales.two_level_scales``; a mixture of experts' stacks too, expert by expert) and each Q6_K linear
+layer (6-bit codes in groups of 16 with the file's own scales) is regrouped by 16 rows
+(``src/panels.h``): one 64-byte load then holds 4 codes of each of 16 rows (Q6_K: their low nibbles,
+their top two bits in a third load per 16 values), one ``vpdpbusd`` multiplies them with 4 values of a
+row of x broadcast to every lane, and 16 outputs accumulate side by side, where the row form unpacks a
+row's codes per row of x and sums each output horizontally. One thread, a 1B model's matrices: one
+row of x 35 -> 71-77 GMAC/s, 8-16 rows 62-67 -> 130-147, 64 rows 107-110 -> 128-133 (the int8 GEMM).
+Exact math runs on the same kernel with each row of x split into three int8 planes (as the exact
+integer kernels split it: float32's accuracy, within float32's rounding of the row form's results).
+The bytes are the same (4.625 bits a weight, Q6_K 6.5625); the values are the same (``dequantize``
+reads panels bit for bit as the row form). The layer's scales say which form it is in:
+``(N / 16, K / 16 * 10)`` instead of ``(N, K / 256 * 10)`` (Q6_K: 18 for 10).
 """
 
 from __future__ import annotations
@@ -39,19 +41,18 @@ def in_panels(layer: nn.Module) -> bool:
 
 
 def _candidates(model: nn.Module) -> list[nn.Module]:
-    """Plain kernel linear layers and expert stacks (not embeddings) with 4-bit codes in groups of 32
-    and two-level scales, N a multiple of 16 and K of 256."""
+    """Kernel layers with two-level scales, N a multiple of 16 and K of 256: plain linear layers and
+    expert stacks (not embeddings) with 4-bit codes in groups of 32 (Q4_K), and plain linear layers
+    with Q6_K's 6-bit codes in groups of 16 (its one-element bias ratio)."""
     out: list[nn.Module] = []
     for _, layer in model.named_modules():
         linear = type(layer) is CPUQuantizedLinear
-        if (
-            not (linear or type(layer) in SWITCH_LINEARS.values())
-            or layer.bits != 4
-            or layer.group_size != 32
-        ):
+        q4k = (linear or type(layer) in SWITCH_LINEARS.values()) and (layer.bits, layer.group_size) == (4, 32)
+        q6k = linear and (layer.bits, layer.group_size) == (6, 16) and layer["biases"].size == 1
+        if not (q4k or q6k):
             continue
         w = layer["weight"]
-        n, k = w.shape[-2], w.shape[-1] * 8
+        n, k = w.shape[-2], w.shape[-1] * 32 // layer.bits
         if layer["scales"].dtype == mx.uint8 and n % PANEL_ROWS == 0 and k % 256 == 0:
             out.append(layer)
     return out

@@ -87,9 +87,10 @@ NB_MODULE(_ext, m) {
       "scales"_a,
       "biases"_a,
       "to_panels"_a,
-      "A 4-bit layer with two-level scales (groups of 32; N a multiple of 16, K of 256) in 16-row panels, the "
-      "int8 panel kernel's layout (scales and biases then (N / 16, K / 16 * 10)), or back; returns (w, scales, "
-      "biases).");
+      "A Q4_K layer (4-bit, two-level scales and biases, groups of 32) or a stack of them, or one Q6_K matrix "
+      "(6-bit, kSuper16 scales, the one-element bias ratio -32), N a multiple of 16 and K of 256, in 16-row "
+      "panels, the int8 panel kernel's layout (scales then (N / 16, K / 16 * 10), Q6_K's (N / 16, K / 16 * 18)), "
+      "or back; returns (w, scales, biases).");
   m.def("panel_kernel", &duet_cpu::panel_kernel_available, "Whether the int8 panel kernel runs here (AVX-512 VNNI).");
   m.def(
       "rms_norm",

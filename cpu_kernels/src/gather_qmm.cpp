@@ -470,7 +470,7 @@ mx::array gather_quantized_matmul(
     throw std::invalid_argument("K must be a multiple of group_size");
   }
   if (is_panel_form(w, scales, group_size, bits)) {
-    check_panel_shapes(scales, biases, K);
+    check_panel_shapes(scales, biases, K, bits);
   } else {
     check_scale_shapes(scales, biases, {w.shape(0), w.shape(1)}, K, group_size);
   }

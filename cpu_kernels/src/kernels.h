@@ -119,8 +119,8 @@ struct AttendChunk {
 // 32 with one scale each (K bytes into q, K / 8 floats into scale; layout in int8_impl.inc) and each
 // run's d * sum(q) (K / 32 floats into run_sum), the same in every variant. q8_rows: y[:, n0:n1] from them (QmmArgs::x8, x8_scale, xsum).
 // qmm_rows: y[:, n0:n1] for every row of x. dequant_rows: rows n0..n1 of the dequantized weights
-// into out (N, K) float32 (x, xsum, y and M unused); dequant_panels: the same for a 4-bit two-level
-// layer in the panel form (panels.h), rows 16 p0 .. 16 p1, bit for bit dequant_rows' values of its
+// into out (N, K) float32 (x, xsum, y and M unused); dequant_panels: the same for a Q4_K or Q6_K
+// layer in the panel form (panels.h; a.bits says which), rows 16 p0 .. 16 p1, bit for bit dequant_rows' values of its
 // row form. Each ISA namespace defines them all.
 namespace base {
 void q8_quantize(const float* x, int K, int bits, int8_t* q, float* scale, float* run_sum);

@@ -70,10 +70,14 @@ void panel_tile(const PanelArgs& a, int p, int m0) {
           _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * l), _MM_HINT_T0);
         }
       }
-      __m512i ia[MT];
+      // few rows of x: two chains of vpdpbusd per row (low and high nibbles), else the chains' latency
+      // (8 in a row per group) bounds the tile
+      constexpr int C = MT <= 4 ? 2 : 1;
+      __m512i ia[MT], ib[MT];
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
         ia[m] = _mm512_setzero_si512();
+        ib[m] = _mm512_setzero_si512();
       }
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {
@@ -87,7 +91,17 @@ void panel_tile(const PanelArgs& a, int p, int m0) {
           __builtin_memcpy(&x0, x, 4);
           __builtin_memcpy(&x1, x + 4, 4);
           ia[m] = _mm512_dpbusd_epi32(ia[m], lo, _mm512_set1_epi32(x0));
-          ia[m] = _mm512_dpbusd_epi32(ia[m], hi, _mm512_set1_epi32(x1));
+          if constexpr (C == 2) {
+            ib[m] = _mm512_dpbusd_epi32(ib[m], hi, _mm512_set1_epi32(x1));
+          } else {
+            ia[m] = _mm512_dpbusd_epi32(ia[m], hi, _mm512_set1_epi32(x1));
+          }
+        }
+      }
+      if constexpr (C == 2) {
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) {
+          ia[m] = _mm512_add_epi32(ia[m], ib[m]);
         }
       }
       const __m512 sc = group_scales(sblock, ssteps, j);
@@ -116,7 +130,117 @@ void panel_rest(const PanelArgs& a, int p, int m0, int rows) {
   }
 }
 
+// Q6_K: the codes of group g (16 values) of a panel, as four vectors of 16 rows x 4 values (vector k
+// holding values g*16 + 4k + b at row r's byte 4r + b): two nibble steps, one of top bits (panels.h).
+struct Codes6 {
+  __m512i c[4];
+};
+
+inline Codes6 codes6(const uint8_t* wg) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i top2 = _mm512_set1_epi8(0x30);
+  const __m512i n0 = _mm512_loadu_si512(wg);
+  const __m512i n1 = _mm512_loadu_si512(wg + 64);
+  const __m512i h = _mm512_loadu_si512(wg + 128);
+  // a | (b & 0x30) in one ternary-logic op: 0xF8 = A | (B & C)
+  const auto join = [&](__m512i nibble, __m512i top) {
+    return _mm512_ternarylogic_epi32(_mm512_and_si512(nibble, low4), top, top2, 0xF8);
+  };
+  // 16-bit shifts move bits across the two bytes of a lane; the masks keep each byte's own
+  return {{join(n0, _mm512_slli_epi16(h, 4)),
+           join(_mm512_srli_epi16(n0, 4), _mm512_slli_epi16(h, 2)),
+           join(n1, h),
+           join(_mm512_srli_epi16(n1, 4), _mm512_srli_epi16(h, 2))}};
+}
+
+// Q6_K (kSuper16, groups of 16): per group, the 16 rows' int32 dot products start from the group's
+// offset (-32 times its sum of x, PanelArgs::xoff), so they are those of the codes less 32, exact; then
+// y += sum * (step * multiple * d) for 16 rows at once. A group is 192 bytes of codes (three loads).
+template <int MT>
+void panel6_tile(const PanelArgs& a, int p, int m0) {
+  const int K = a.K;
+  const int G = K / 16;
+  const size_t sb_bytes = size_t(kPanelRows) * kSuper16Bytes; // 288
+  const uint8_t* wp = a.w + size_t(p) * kPanelRows * (size_t(K) * 3 / 4);
+  const uint8_t* sp = a.scales + size_t(p) * sb_bytes * (K / 256);
+  const int8_t* xq[MT];
+  const float* xd[MT];
+  const int32_t* xo[MT];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    xq[m] = a.xq + size_t(m0 + m) * K;
+    xd[m] = a.xd + size_t(m0 + m) * (K / 8);
+    xo[m] = a.xoff + size_t(m0 + m) * G;
+  }
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm512_setzero_ps();
+  }
+  for (int sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* sblock = sp + size_t(sb) * sb_bytes;
+    const __m512 steps = block_steps(sblock);
+    for (int j = 0; j < kSuper16Groups; ++j) {
+      const int g = sb * kSuper16Groups + j;
+      const uint8_t* wg = wp + size_t(g) * 192;
+      if constexpr (MT <= 3) { // decode (exact math: one row's three planes)
+#pragma GCC unroll 3
+        for (int l = 0; l < 3; ++l) {
+          _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * l), _MM_HINT_T0);
+        }
+      }
+      const Codes6 c = codes6(wg);
+      __m512i ia[MT];
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        ia[m] = _mm512_set1_epi32(xo[m][g]);
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) {
+          int32_t x4;
+          __builtin_memcpy(&x4, xq[m] + size_t(g) * 16 + 4 * k, 4);
+          ia[m] = _mm512_dpbusd_epi32(ia[m], c.c[k], _mm512_set1_epi32(x4));
+        }
+      }
+      const __m128i mult = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sblock + 2 * kPanelRows + j * kPanelRows));
+      const __m512 sc = _mm512_mul_ps(steps, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(mult)));
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) { // x's run of 32 holds groups 2i and 2i + 1
+        const __m512 u = _mm512_mul_ps(sc, _mm512_set1_ps(xd[m][size_t(g / 2) * 4]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m]), u, acc[m]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(a.y + size_t(m0 + m) * a.N + size_t(p) * kPanelRows, acc[m]);
+  }
+}
+
+template <int MT>
+void panel6_rest(const PanelArgs& a, int p, int m0, int rows) {
+  if (rows == MT) {
+    panel6_tile<MT>(a, p, m0);
+  } else if constexpr (MT > 1) {
+    panel6_rest<MT - 1>(a, p, m0, rows);
+  }
+}
+
 } // namespace
+
+void q6_panels(const PanelArgs& a, int p0, int p1) {
+  for (int p = p0; p < p1; ++p) {
+    int m0 = 0;
+    for (; m0 + kTileRows <= a.M; m0 += kTileRows) {
+      panel6_tile<kTileRows>(a, p, m0);
+    }
+    if (m0 < a.M) {
+      panel6_rest<kTileRows - 1>(a, p, m0, a.M - m0);
+    }
+  }
+}
 
 void q8_panels(const PanelArgs& a, int p0, int p1) {
   for (int p = p0; p < p1; ++p) {

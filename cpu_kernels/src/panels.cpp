@@ -18,8 +18,6 @@ namespace duet_cpu {
 
 namespace {
 
-constexpr int kPanelSuperBytes = kPanelRows * kSuperBytes; // 160: one super-block's scales for a panel
-
 // One panel's codes, row form <-> panel form (K / 2 bytes a row, 16 rows).
 void codes_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
   const size_t row_bytes = size_t(K) / 2;
@@ -49,15 +47,61 @@ void codes_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
   }
 }
 
-// One panel's two-level scales (or biases), row form <-> panel form (K / 256 * 10 bytes a row). noipa:
-// GCC 12 at -O3 (its loop peeling) dropped both calls from the conversion's loop as if they had no
-// effect, which left the new scales unwritten (tests/test_cpu_panels.py checks the round trip).
+// Code e (6 bits) of a row of Q6_K codes (a little-endian bit stream), and its store into a zeroed row.
+uint8_t code6(const uint8_t* row, int e) {
+  const int bit = 6 * e, shift = bit % 8;
+  const unsigned v = row[bit / 8] | (shift > 2 ? unsigned(row[bit / 8 + 1]) << 8 : 0u); // within the row
+  return uint8_t((v >> shift) & 63);
+}
+void put_code6(uint8_t* row, int e, uint8_t code) {
+  const int bit = 6 * e, shift = bit % 8;
+  const unsigned v = unsigned(code) << shift;
+  row[bit / 8] |= uint8_t(v);
+  if (shift > 2) {
+    row[bit / 8 + 1] |= uint8_t(v >> 8);
+  }
+}
+
+// One panel's Q6_K codes, row form <-> panel form (K * 3 / 4 bytes a row, 16 rows; panels.h).
+void codes_panel6(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
+  const size_t row_bytes = size_t(K) * 3 / 4;
+  for (int g = 0; g < K / 16; ++g) {
+    uint8_t* block = dst + size_t(g) * 192;
+    const uint8_t* pblock = src + size_t(g) * 192;
+    for (int r = 0; r < kPanelRows; ++r) {
+      const size_t row = size_t(r) * row_bytes;
+      for (int b = 0; b < 4; ++b) {
+        const int at = 4 * r + b;
+        for (int k = 0; k < 4; ++k) { // value g*16 + 4k + b: nibble step k / 2, half k % 2; top bits 2k
+          const int e = g * 16 + 4 * k + b;
+          const int nib = (k / 2) * 64 + at;
+          if (to_panels) {
+            const uint8_t c = code6(src + row, e);
+            block[nib] = uint8_t(block[nib] | ((c & 15) << (4 * (k % 2))));
+            block[128 + at] = uint8_t(block[128 + at] | ((c >> 4) << (2 * k)));
+          } else {
+            const uint8_t lo = (pblock[nib] >> (4 * (k % 2))) & 15;
+            const uint8_t hi = (pblock[128 + at] >> (2 * k)) & 3;
+            put_code6(dst + row, e, uint8_t(lo | (hi << 4)));
+          }
+        }
+      }
+    }
+  }
+}
+
+// One panel's two-level scales (or biases), row form <-> panel form (K / 256 * (2 + Groups) bytes a
+// row: Q4_K's kSuper, Groups 8; Q6_K's kSuper16, 16). noipa: GCC 12 at -O3 (its loop peeling) dropped
+// both calls from the conversion's loop as if they had no effect, which left the new scales unwritten
+// (tests/test_cpu_panels.py checks the round trip).
+template <int Groups>
 __attribute__((noipa)) void scales_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
-  const size_t row_bytes = size_t(K) / 256 * kSuperBytes;
+  constexpr int block_bytes = 2 + Groups;
+  const size_t row_bytes = size_t(K) / 256 * block_bytes;
   for (int sb = 0; sb < K / 256; ++sb) {
     for (int r = 0; r < kPanelRows; ++r) {
-      const size_t row = size_t(r) * row_bytes + size_t(sb) * kSuperBytes;
-      const size_t pan = size_t(sb) * kPanelSuperBytes;
+      const size_t row = size_t(r) * row_bytes + size_t(sb) * block_bytes;
+      const size_t pan = size_t(sb) * kPanelRows * block_bytes;
       // the float16 step, then the 8 multiples
       const size_t step_p = pan + size_t(r) * 2;
       if (to_panels) {
@@ -65,7 +109,7 @@ __attribute__((noipa)) void scales_panel(const uint8_t* src, uint8_t* dst, int K
       } else {
         std::memcpy(dst + row, src + step_p, 2);
       }
-      for (int j = 0; j < kSuperGroups; ++j) {
+      for (int j = 0; j < Groups; ++j) {
         const size_t mp = pan + 2 * kPanelRows + size_t(j) * kPanelRows + r;
         if (to_panels) {
           dst[mp] = src[row + 2 + j];
@@ -91,8 +135,23 @@ void each_panel(int panels, Fn&& fn) {
 
 } // namespace
 
+namespace {
+
+// The one-element ratio Q6_K's biases are (scales.implicit_biases), rather than one per group.
+bool ratio_biases(const mx::array& biases) {
+  return biases.ndim() <= 1 && biases.size() == 1;
+}
+
+// Scales' bytes a row of the row form per super-block of 256 values: Q4_K 10, Q6_K 18.
+int block_bytes(int bits) {
+  return bits == 6 ? kSuper16Bytes : kSuperBytes;
+}
+
+} // namespace
+
 bool is_panel_form(const mx::array& w, const mx::array& scales, int group_size, int bits) {
-  if (bits != 4 || group_size != 32 || scales.dtype() != mx::uint8 || w.ndim() < 2 || scales.ndim() != w.ndim()) {
+  const bool q4k = bits == 4 && group_size == 32, q6k = bits == 6 && group_size == 16 && w.ndim() == 2;
+  if (!(q4k || q6k) || scales.dtype() != mx::uint8 || w.ndim() < 2 || scales.ndim() != w.ndim()) {
     return false;
   }
   for (int d = 0; d + 2 < w.ndim(); ++d) { // stacked experts: the same number of matrices
@@ -103,42 +162,50 @@ bool is_panel_form(const mx::array& w, const mx::array& scales, int group_size, 
   return int64_t(scales.shape(-2)) * kPanelRows == w.shape(-2);
 }
 
-void check_panel_shapes(const mx::array& scales, const mx::array& biases, int K) {
-  if (K % 256 != 0 || scales.shape(-1) != K / 16 * kSuperBytes || biases.shape() != scales.shape()) {
-    throw std::invalid_argument("a layer in 16-row panels needs K a multiple of 256 and scales and biases (..., N / 16, K / 16 * 10)");
+void check_panel_shapes(const mx::array& scales, const mx::array& biases, int K, int bits) {
+  const bool fits = bits == 6 ? ratio_biases(biases) : biases.shape() == scales.shape();
+  if (K % 256 != 0 || scales.shape(-1) != K / 16 * block_bytes(bits) || !fits) {
+    throw std::invalid_argument(
+        "a layer in 16-row panels needs K a multiple of 256 and scales (..., N / 16, K / 16 * 10) with biases "
+        "alike (Q4_K), or scales (N / 16, K / 16 * 18) with a one-element bias ratio (Q6_K)");
   }
 }
 
 namespace {
 
 // Every panel's codes, scales and biases, rows (all the matrices' rows, one after another) -> the
-// other form; the outputs are fresh arrays. w, scales and biases must be evaluated.
-std::tuple<mx::array, mx::array, mx::array> convert(const mx::array& w, const mx::array& scales, const mx::array& biases, bool to_panels) {
+// other form; the outputs are fresh arrays (Q6_K's biases, the ratio, pass as they are). w, scales
+// and biases must be evaluated.
+std::tuple<mx::array, mx::array, mx::array> convert(const mx::array& w, const mx::array& scales, const mx::array& biases, int bits, bool to_panels) {
   const int rows = int(w.size() / size_t(w.shape(-1))); // every matrix's rows
-  const int K = w.shape(-1) * 8;
-  const size_t row_scale_bytes = size_t(K) / 256 * kSuperBytes;
-  const size_t panel_codes = size_t(kPanelRows) * K / 2;
+  const int K = w.shape(-1) * 32 / bits;
+  const size_t row_scale_bytes = size_t(K) / 256 * block_bytes(bits);
+  const size_t panel_codes = size_t(kPanelRows) * K * bits / 8;
   const size_t panel_scales = size_t(kPanelRows) * row_scale_bytes;
   mx::Shape sshape = w.shape();
   sshape.back() = int(to_panels ? panel_scales : row_scale_bytes);
   sshape[sshape.size() - 2] = to_panels ? w.shape(-2) / kPanelRows : w.shape(-2);
   mx::array wo(mx::allocator::malloc(w.nbytes()), w.shape(), mx::uint32);
   mx::array so(mx::allocator::malloc(scales.nbytes()), sshape, mx::uint8);
-  mx::array bo(mx::allocator::malloc(biases.nbytes()), sshape, mx::uint8);
+  mx::array bo = bits == 6 ? biases : mx::array(mx::allocator::malloc(biases.nbytes()), sshape, mx::uint8);
   const DenseBytes wd = dense_bytes(w), sd = dense_bytes(scales), bd = dense_bytes(biases);
   const auto* wsrc = static_cast<const uint8_t*>(wd.data);
   const auto* ssrc = static_cast<const uint8_t*>(sd.data);
   const auto* bsrc = static_cast<const uint8_t*>(bd.data);
   uint8_t* wdst = reinterpret_cast<uint8_t*>(wo.data<uint32_t>());
   uint8_t* sdst = so.data<uint8_t>();
-  uint8_t* bdst = bo.data<uint8_t>();
-  if (!to_panels) {
-    std::memset(wdst, 0, w.nbytes()); // the row form is written a nibble at a time
+  if (!to_panels || bits == 6) {
+    std::memset(wdst, 0, w.nbytes()); // written a few bits at a time
   }
   each_panel(rows / kPanelRows, [&](int p) {
+    if (bits == 6) {
+      codes_panel6(wsrc + p * panel_codes, wdst + p * panel_codes, K, to_panels);
+      scales_panel<kSuper16Groups>(ssrc + p * panel_scales, sdst + p * panel_scales, K, to_panels);
+      return;
+    }
     codes_panel(wsrc + p * panel_codes, wdst + p * panel_codes, K, to_panels);
-    scales_panel(ssrc + p * panel_scales, sdst + p * panel_scales, K, to_panels);
-    scales_panel(bsrc + p * panel_scales, bdst + p * panel_scales, K, to_panels);
+    scales_panel<kSuperGroups>(ssrc + p * panel_scales, sdst + p * panel_scales, K, to_panels);
+    scales_panel<kSuperGroups>(bsrc + p * panel_scales, bo.data<uint8_t>() + p * panel_scales, K, to_panels);
   });
   return {wo, so, bo};
 }
@@ -146,27 +213,34 @@ std::tuple<mx::array, mx::array, mx::array> convert(const mx::array& w, const mx
 } // namespace
 
 std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, bool to_panels) {
-  if (w.dtype() != mx::uint32 || w.ndim() < 2 || scales.dtype() != mx::uint8 || biases.dtype() != mx::uint8 ||
-      scales.ndim() != w.ndim() || biases.shape() != scales.shape()) {
-    throw std::invalid_argument("panel_layout takes a 4-bit layer with two-level (uint8) scales and biases");
+  if (w.dtype() != mx::uint32 || w.ndim() < 2 || scales.dtype() != mx::uint8 || scales.ndim() != w.ndim()) {
+    throw std::invalid_argument("panel_layout takes a Q4_K or Q6_K layer: uint32 codes and two-level (uint8) scales");
   }
+  // Q6_K: one matrix, the one-element bias ratio, 18 bytes of scales a super-block; else Q4_K's form
+  const bool q6k = w.ndim() == 2 && ratio_biases(biases) && w.shape(-1) % 3 == 0;
+  const int bits = q6k ? 6 : 4;
   const int N = w.shape(-2);
-  const int K = w.shape(-1) * 8;
+  const int K = int(int64_t(w.shape(-1)) * 32 / bits);
   mx::Shape expected = w.shape(); // the scales' shape in the form given
   expected[expected.size() - 2] = to_panels ? N : N / kPanelRows;
-  expected.back() = int(size_t(K) / 256 * kSuperBytes * (to_panels ? 1 : kPanelRows));
-  if (N % kPanelRows != 0 || K % 256 != 0 || scales.shape() != expected) {
+  expected.back() = int(size_t(K) / 256 * block_bytes(bits) * (to_panels ? 1 : kPanelRows));
+  const bool biases_fit = q6k || (biases.dtype() == mx::uint8 && biases.shape() == scales.shape());
+  if (N % kPanelRows != 0 || K % 256 != 0 || scales.shape() != expected || !biases_fit) {
     throw std::invalid_argument(
         "panel_layout needs N a multiple of 16, K of 256, and scales (..., N, K / 256 * 10) (to panels) or (..., "
-        "N / 16, K / 16 * 10) (back)");
+        "N / 16, K / 16 * 10) (back) with biases alike (Q4_K), or for one Q6_K matrix scales (N, K / 256 * 18) "
+        "or (N / 16, K / 16 * 18) and a one-element bias ratio");
   }
   mx::array wc = w, sc = scales, bc = biases;
   mx::eval({wc, sc, bc});
-  return convert(wc, sc, bc, to_panels);
+  if (q6k && biases_of(bc).ratio != kQ6Ratio) {
+    throw std::invalid_argument("panel_layout takes Q6_K's own bias ratio (-32) only");
+  }
+  return convert(wc, sc, bc, bits, to_panels);
 }
 
 std::tuple<mx::array, mx::array, mx::array> row_form(const mx::array& w, const mx::array& scales, const mx::array& biases) {
-  return convert(w, scales, biases, false);
+  return convert(w, scales, biases, w.ndim() == 2 && ratio_biases(biases) ? 6 : 4, false);
 }
 
 bool panel_kernel_available() {
@@ -183,39 +257,44 @@ bool panel_kernel_runs(bool int8) {
 
 namespace {
 
-// y (M, N) = M rows of x8 (quantize_rows_q8's or split_rows_x3's layout) times the panel-form layer,
-// the panels split into tasks on the shared pool.
-void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
+// y (M, N) = M rows of x8 (quantize_rows_q8's or split_rows_x3's layout) times the panel-form layer
+// (bits 4: Q4_K, 6: Q6_K), the panels split into tasks on the shared pool.
+void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
 #if defined(DUET_X86)
-  const PanelArgs a{x8.q.data(), x8.unit.data(), x8.sum.data(), w, scales, biases, y, M, N, K};
+  std::vector<int32_t> offsets;
+  PanelArgs a{x8.q.data(), x8.unit.data(), x8.sum.data(), w, scales, biases, y, M, N, K};
+  if (bits == 6) { // Q6_K's bias term (-32 times each scale) in integers, on every plane of x alike
+    a.xoff = offsets_int8(x8.q, M, K, int32_t(kQ6Ratio), offsets);
+  }
+  const auto kernel = bits == 6 ? avx512::q6_panels : avx512::q8_panels;
   auto pool = shared_pool();
   const int panels = N / kPanelRows;
-  const int tasks = std::min(panels, task_count(size_t(N) * K / 2, M, pool->size()));
+  const int tasks = std::min(panels, task_count(size_t(N) * K * bits / 8, M, pool->size()));
   if (tasks <= 1) {
-    avx512::q8_panels(a, 0, panels);
+    kernel(a, 0, panels);
     return;
   }
   pool->run(tasks, [&](int task) {
     const int p0 = int(int64_t(panels) * task / tasks), p1 = int(int64_t(panels) * (task + 1) / tasks);
     if (p0 < p1) {
-      avx512::q8_panels(a, p0, p1);
+      kernel(a, p0, p1);
     }
   });
 #else
-  (void)x8, (void)w, (void)scales, (void)biases, (void)y, (void)M, (void)N, (void)K;
+  (void)x8, (void)w, (void)scales, (void)biases, (void)y, (void)M, (void)N, (void)K, (void)bits;
   throw std::logic_error("the int8 panel kernel needs x86-64");
 #endif
 }
 
 } // namespace
 
-void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
-  panels_on_pool(quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32), w, scales, biases, y, M, N, K);
+void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
+  panels_on_pool(quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32), w, scales, biases, y, M, N, K, bits);
 }
 
-void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K) {
+void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
   x3_in_chunks(quantize_x_fn(), x, t, M, N, K, 32, 1, y, [&](const Q8Rows& x3, int rows, float* y3) {
-    panels_on_pool(x3, w, scales, biases, y3, rows, N, K);
+    panels_on_pool(x3, w, scales, biases, y3, rows, N, K, bits);
   });
 }
 

@@ -1,21 +1,29 @@
-// Q4_K weights in 16-row panels: the layout the int8 panel kernel reads (kernels_panel_avx512.cpp).
+// K-quant weights in 16-row panels: the layout the int8 panel kernel reads (kernels_panel_avx512.cpp).
 //
-// The row form (kernels.h: kSuper) keeps each weight row's 4-bit codes as one bit stream, so a product
-// unpacks a row's codes and multiplies them with each row of x. The panel form keeps the same bytes
-// regrouped by 16 rows: one 64-byte load holds four consecutive codes of each of 16 rows, so that one
-// vpdpbusd multiplies them with four values of one row of x broadcast to every lane, and 16 outputs
+// The row form (kernels.h: kSuper, kSuper16) keeps each weight row's codes as one bit stream, so a
+// product unpacks a row's codes and multiplies them with each row of x. The panel form keeps the same
+// bytes regrouped by 16 rows: one 64-byte load holds four consecutive codes of each of 16 rows, so that
+// one vpdpbusd multiplies them with four values of one row of x broadcast to every lane, and 16 outputs
 // accumulate side by side in one register. No unpacking per row of x, no horizontal sums, and the
 // group's scales are applied to 16 rows at once (llama.cpp's repacked Q4_K does the same for the
-// same reason). Bytes are unchanged (4.625 bits a weight).
+// same reason). Bytes are unchanged (Q4_K 4.625 bits a weight, Q6_K 6.5625).
 //
 // Panel p holds rows 16p..16p+15 where the row form held them (the same byte range of w, scales and
-// biases), reordered:
+// biases), reordered. Q4_K (4-bit, groups of 32, kSuper):
 //   * codes: per group g of 32 values, per step s of 8 values, 64 bytes: row r's 4 bytes at 4r, byte b
 //     holding value g*32 + s*8 + b in its low nibble and value g*32 + s*8 + 4 + b in its high nibble;
 //   * scales (and biases alike): per super-block of 256 values, 160 bytes: the 16 rows' float16 steps,
 //     then per group j of its 8 the 16 rows' uint8 multiples.
-// A layer in the panel form says so by its scales' shape: (N / 16, K / 16 * 10) where the row form's
-// is (N, K / 256 * 10), so nothing that reads the row form can take it for one.
+// Q6_K (6-bit, groups of 16, kSuper16; biases the one-element ratio -32, unchanged):
+//   * codes: per group g of 16 values, 192 bytes: two 64-byte steps of low nibbles laid out as Q4_K's
+//     (step s: row r's byte b at 4r + b, value g*16 + s*8 + b's low 4 bits in its low nibble, value
+//     g*16 + s*8 + 4 + b's in its high), then 64 bytes of top bits: row r's byte b at 4r + b holding the
+//     top 2 bits of value g*16 + 4k + b at bits 2k and 2k + 1 (k = 0..3);
+//   * scales: per super-block of 256 values, 288 bytes: the 16 rows' float16 steps, then per group j of
+//     its 16 the 16 rows' int8 multiples.
+// A layer in the panel form says so by its scales' shape: (N / 16, K / 16 * 10) (Q6_K: K / 16 * 18)
+// where the row form's is (N, K / 256 * 10) (18), so nothing that reads the row form can take it for
+// one.
 #pragma once
 
 #include <cstdint>
@@ -38,23 +46,32 @@ struct PanelArgs {
   int M;
   int N; // a multiple of 16
   int K; // a multiple of 256
+  // Q6_K (biases unused): (M, K / 16) int32, -32 times each group of 16 values' sum of xq, where each
+  // group's integer dot products start (offsets_int8), so they are those of the codes less 32
+  const int32_t* xoff = nullptr;
 };
+
+// Q6_K's biases: each -32 times its scale (the ratio a layer in panels holds; panel_layout checks it)
+constexpr float kQ6Ratio = -32.0f;
 
 #if defined(DUET_X86)
 namespace avx512 {
-// y[:, 16 * p0 : 16 * p1] (AVX-512 VNNI)
+// y[:, 16 * p0 : 16 * p1] (AVX-512 VNNI): Q4_K panels, Q6_K panels (with a.xoff)
 void q8_panels(const PanelArgs& a, int p0, int p1);
+void q6_panels(const PanelArgs& a, int p0, int p1);
 } // namespace avx512
 #endif
 
-// Whether (w, scales) are a layer (or a stack of experts, w (E, N, K / 8)) in the panel form (4-bit,
-// groups of 32, two-level scales); check_panel_shapes throws unless its scales and biases fit K.
+// Whether (w, scales) are a layer in the panel form: Q4_K's (4-bit, groups of 32, two-level scales; or
+// a stack of experts, w (E, N, K / 8)) or Q6_K's (6-bit, groups of 16, kSuper16; one matrix);
+// check_panel_shapes throws unless its scales and biases fit K.
 bool is_panel_form(const mlx::core::array& w, const mlx::core::array& scales, int group_size, int bits);
-void check_panel_shapes(const mlx::core::array& scales, const mlx::core::array& biases, int K);
+void check_panel_shapes(const mlx::core::array& scales, const mlx::core::array& biases, int K, int bits);
 
-// A 4-bit layer with two-level scales (kSuper, groups of 32; N a multiple of 16, K of 256), or a stack
-// of them (..., N, K / 8), into the panel form (to_panels) or back into the row form; the values are
-// unchanged. Evaluates its inputs (Python's call).
+// A Q4_K layer (4-bit, two-level scales, groups of 32) or a stack of them (..., N, K / 8), or a Q6_K
+// layer (6-bit, kSuper16 scales, biases the one-element ratio; one matrix), N a multiple of 16 and K of
+// 256, into the panel form (to_panels) or back into the row form; the values are unchanged (the form
+// is read from the shapes). Evaluates its inputs (Python's call).
 std::tuple<mlx::core::array, mlx::core::array, mlx::core::array>
 panel_layout(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, bool to_panels);
 
@@ -70,12 +87,13 @@ bool panel_kernel_available();
 // the variant splits x into three int8 planes); else they take the row form's paths on a row-form copy.
 bool panel_kernel_runs(bool int8);
 
-// y (M, N) float32 = x (M rows, dtype t) times the panel-form layer, with int8 math.
-void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K);
+// y (M, N) float32 = x (M rows, dtype t) times the panel-form layer (bits 4: Q4_K, 6: Q6_K, whose
+// biases are not read), with int8 math.
+void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 // The same with exact math: each row of x split into three int8 planes (split_rows_x3, as the exact
 // integer kernels split it), the 3M plane rows through the panel kernel, each row's three products
 // added (sum_planes_x3): float32's accuracy, as the row form's exact paths.
-void run_panels_x3(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K);
+void run_panels_x3(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 
 // The rows of a gather over experts (gather_qmm.cpp), sorted by expert: the distinct rows of x (their
 // element offsets in x, every kstep-th value a row), each sorted pair's distinct row, the pairs' order
@@ -92,7 +110,7 @@ struct GatherRows {
 };
 
 // y (sorted pairs, N) float32: each pair's row of x times its expert's matrix, the E experts' w
-// (E, N, K / 2 bytes), scales and biases in panels, int8 math or exact (x in three int8 planes, as
+// (E, N, K / 2 bytes), scales and biases in Q4_K's panels, int8 math or exact (x in three int8 planes, as
 // run_panels_x3); the panel kernel must be available.
 void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, bool int8);
 

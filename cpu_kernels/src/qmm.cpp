@@ -516,6 +516,9 @@ void run_qmm(
   }
   const DenseBytes wd = dense_bytes(w);
   if (panels) {
+    if (bits == 6 && biases_of(biases).ratio != kQ6Ratio) {
+      throw std::invalid_argument("a Q6_K layer in panels needs its bias ratio -32");
+    }
     const DenseBytes sd = dense_bytes(scales);
     const DenseBytes bd = dense_bytes(biases);
     (int8 ? run_panels : run_panels_x3)(
@@ -527,7 +530,8 @@ void run_qmm(
         y,
         M,
         N,
-        K);
+        K,
+        bits);
     write_out(out, yf);
     return;
   }
@@ -652,7 +656,7 @@ void check_groups(const mx::array& w, const mx::array& scales, const mx::array& 
     throw std::invalid_argument("K must be a multiple of group_size");
   }
   if (is_panel_form(w, scales, group_size, bits)) {
-    return check_panel_shapes(scales, biases, K);
+    return check_panel_shapes(scales, biases, K, bits);
   }
   check_scale_shapes(scales, biases, {w.shape(0)}, K, group_size);
 }

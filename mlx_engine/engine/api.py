@@ -88,7 +88,7 @@ class Engine:
         self.draft = self._load_draft()  # the draft model (speculative="draft"), else None
         for m in (loaded, self.draft):
             if m is not None:
-                use_panel_layout(m.model)  # Q4_K layers in 16-row panels where the panel kernel runs
+                use_panel_layout(m.model)  # Q4_K, Q6_K layers in 16-row panels where the panel kernel runs
         self.model_name = loaded.name
         self.context_length = self._context_length(loaded)
         self._mailbox: Mailbox = queue.SimpleQueue()

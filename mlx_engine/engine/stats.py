@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_engine.backend import backend_name
 from mlx_engine.blas import active_blas
 from mlx_engine.engine.build import kernel_math
+from mlx_engine.loading.cpu_layout import panel_types
 
 if TYPE_CHECKING:
     from mlx_engine.engine.core import EngineCore
@@ -54,7 +55,9 @@ def fixed_stats(engine: Any, core: EngineCore) -> dict[str, Any]:
         model=engine.model_name,
         backend=backend_name(),
         blas=active_blas(),
-        weight_format=_with_math(engine.loaded.weight_format, kernel_math(engine.loaded)),
+        weight_format=_with_math(
+            engine.loaded.weight_format, kernel_math(engine.loaded), panel_types(engine.loaded.model)
+        ),
         kv_blocks_total=core.allocator.num_blocks - 1,
         kv_block_bytes=core.block_bytes,
         kv_bits=engine.config.kv_bits,
@@ -62,15 +65,15 @@ def fixed_stats(engine: Any, core: EngineCore) -> dict[str, Any]:
     )
 
 
-def _with_math(weight_format: str, cpu_math: str | None) -> str:
+def _with_math(weight_format: str, cpu_math: str | None, panels: list[str]) -> str:
     """The weight format, how the CPU kernels multiply the weights when it is not the default math,
-    and the panel layout where they read it."""
+    and the quant types they read in the panel layout."""
     if cpu_math is None:
         return weight_format
     return (
         weight_format
         + (", int8 activations" if cpu_math.startswith("int8") else "")
-        + (", Q4_K in 16-row panels" if cpu_math.endswith("+panels") else "")
+        + (f", {' and '.join(panels)} in 16-row panels" if panels else "")
     )
 
 
