@@ -20,7 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from cpu_kernels.modules import SWITCH_LINEARS, CPUQuantizedLinear
+from cpu_kernels.modules import SWITCH_LINEARS, CPUQuantizedEmbedding, CPUQuantizedLinear
 from cpu_kernels.spec import extension
 
 PANEL_ROWS = 16
@@ -41,14 +41,15 @@ def in_panels(layer: nn.Module) -> bool:
 
 
 def _candidates(model: nn.Module) -> list[nn.Module]:
-    """Kernel layers with two-level scales, N a multiple of 16 and K of 256: plain linear layers and
-    expert stacks (not embeddings) with 4-bit codes in groups of 32 (Q4_K), and plain linear layers
-    with Q6_K's 6-bit codes in groups of 16 (its one-element bias ratio)."""
+    """Kernel layers with two-level scales, N a multiple of 16 and K of 256: linear layers, embeddings
+    (a tied LM head is the panel kernel's product; lookups dequantize an id's panel) and expert stacks
+    with 4-bit codes in groups of 32 (Q4_K), and linear layers and embeddings with Q6_K's 6-bit codes
+    in groups of 16 (its one-element bias ratio)."""
     out: list[nn.Module] = []
     for _, layer in model.named_modules():
-        linear = type(layer) is CPUQuantizedLinear
-        q4k = (linear or type(layer) in SWITCH_LINEARS.values()) and (layer.bits, layer.group_size) == (4, 32)
-        q6k = linear and (layer.bits, layer.group_size) == (6, 16) and layer["biases"].size == 1
+        one = type(layer) in (CPUQuantizedLinear, CPUQuantizedEmbedding)
+        q4k = (one or type(layer) in SWITCH_LINEARS.values()) and (layer.bits, layer.group_size) == (4, 32)
+        q6k = one and (layer.bits, layer.group_size) == (6, 16) and layer["biases"].size == 1
         if not (q4k or q6k):
             continue
         w = layer["weight"]

@@ -207,8 +207,8 @@ def test_experts_in_panels_give_the_row_form_results(ext):  # noqa: F811
                 assert mx.array_equal(yp, yr).item(), (tokens, int8)
 
 
-def _k_quant_model():
-    model = _tiny_llama()  # hidden 256, MLP 512, 4-bit, Q4_K-like scales
+def _k_quant_model(vocab: int = 300):
+    model = _tiny_llama(vocab)  # hidden 256, MLP 512, 4-bit, Q4_K-like scales
     use_cpu_kernels(model)
     two_level_scales(model)
     return model
@@ -221,7 +221,7 @@ def test_a_model_in_panels_keeps_its_int8_logits_and_goes_back_exactly(ext):  # 
         id(m): (m["weight"], m["scales"], m["biases"]) for _, m in ours.named_modules() if "scales" in m
     }
     changed = use_panels(ours, True)
-    assert len(changed) == 2 * 7  # every linear layer; the tied embedding stays in rows
+    assert len(changed) == 2 * 7  # every linear layer; the tied embedding's 300 rows are no whole panels
     assert all(in_panels(m) and m["scales"].shape[0] * 16 == m["weight"].shape[0] for m in changed)
     assert use_panels(ours, True) == []  # nothing left to do
     tokens = mx.array([[5, 9, 200, 31, 7, 64, 3, 12, 290, 17, 18, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]])
@@ -250,6 +250,23 @@ def test_a_model_in_panels_keeps_its_int8_logits_and_goes_back_exactly(ext):  # 
                 mx.array_equal(a, b).item()
                 for a, b in zip((m["weight"], m["scales"], m["biases"]), before[id(m)], strict=True)
             )
+
+
+@needs_vnni
+def test_a_tied_embedding_in_panels_looks_up_and_multiplies_as_rows(ext):  # noqa: F811
+    """A tied embedding of whole panels (320 rows) goes into panels with the linear layers: the LM head
+    is then the panel kernel's product, and a lookup dequantizes each id's panel and takes its row: the
+    rows bit for bit the row form's (first and last of a panel, the table's last), the logits within
+    float32 rounding of the row form's, the same greedy tokens."""
+    ours, theirs = _k_quant_model(320), _k_quant_model(320)
+    changed = use_panels(ours, True)
+    assert len(changed) == 2 * 7 + 1 and in_panels(ours.model.embed_tokens)
+    ids = mx.array([[0, 15, 16, 31, 319, 200, 5, 5]])
+    assert mx.array_equal(ours.model.embed_tokens(ids), theirs.model.embed_tokens(ids)).item()
+    for t in (ids, ids[:, :1]):
+        a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+        assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
 def _q4_k_gguf(path: Path, arch: str) -> Path:

@@ -225,3 +225,31 @@ def test_the_engine_puts_q6_k_in_panels_and_says_so(ext, tmp_path):  # noqa: F81
     for _ in range(12):
         ids.append(int(mx.argmax(loaded.model(mx.array([ids]))[0, -1]).item()))
     assert reply == ids[len(req.prompt) :]
+
+
+def _q6k_embedding(m6: Q6K):
+    import mlx.nn as nn
+
+    from cpu_kernels.modules import CPUQuantizedEmbedding
+
+    emb = nn.QuantizedEmbedding(m6.w.shape[0], m6.w.shape[1] * 32 // 6, group_size=32, bits=6)
+    emb.group_size = 16  # Q6_K's groups, as the GGUF loader makes them
+    emb.weight, emb.scales, emb.biases = m6.w, m6.scales, m6.biases
+    emb.__class__ = CPUQuantizedEmbedding
+    return emb
+
+
+@needs_vnni
+def test_a_tied_q6_k_embedding_in_panels_looks_up_and_multiplies_as_rows(ext):  # noqa: F811
+    """A Q6_K table (a tied LM head, as Llama 3.2's files hold it) in panels: lookups give the row
+    form's rows bit for bit, the LM head's product keeps float32's accuracy under exact math."""
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(16)
+    m6 = Q6K(rng, 64, 512)
+    ours, theirs = nn.Sequential(_q6k_embedding(m6)), _q6k_embedding(m6)
+    assert len(use_panels(ours, True)) == 1 and in_panels(ours.layers[0])
+    ids = mx.array([[0, 15, 16, 63, 40, 40]])
+    assert mx.array_equal(ours.layers[0](ids), theirs(ids)).item()
+    x = mx.array(rng.standard_normal((2, 512)).astype(np.float32))
+    _exact_check(ours.layers[0].as_linear(x), x, m6.values, "tied head")

@@ -191,7 +191,7 @@ def _k_quant_like(layer: nn.Module) -> None:
         layer[name] = mx.array((sign * d * mult).astype(np.float32).reshape(layer[name].shape))
 
 
-def quantized_llama(hidden: int, intermediate: int, bits: int, seed: int) -> nn.Module:
+def quantized_llama(hidden: int, intermediate: int, bits: int, seed: int, vocab: int = 300) -> nn.Module:
     """A 2-layer mlx-lm llama with a tied embedding, random weights, quantized in groups of 32."""
     from mlx_lm.models import llama
 
@@ -203,7 +203,7 @@ def quantized_llama(hidden: int, intermediate: int, bits: int, seed: int) -> nn.
         num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
-        vocab_size=300,
+        vocab_size=vocab,
         tie_word_embeddings=True,
     )
     mx.random.seed(seed)
@@ -212,8 +212,8 @@ def quantized_llama(hidden: int, intermediate: int, bits: int, seed: int) -> nn.
     return model
 
 
-def _tiny_llama() -> nn.Module:
-    model = quantized_llama(256, 512, 4, seed=3)
+def _tiny_llama(vocab: int = 300) -> nn.Module:
+    model = quantized_llama(256, 512, 4, seed=3, vocab=vocab)
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             _k_quant_like(m)
