@@ -47,43 +47,45 @@ void codes_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
   }
 }
 
-// Code e (6 bits) of a row of Q6_K codes (a little-endian bit stream), and its store into a zeroed row.
-uint8_t code6(const uint8_t* row, int e) {
-  const int bit = 6 * e, shift = bit % 8;
-  const unsigned v = row[bit / 8] | (shift > 2 ? unsigned(row[bit / 8 + 1]) << 8 : 0u); // within the row
-  return uint8_t((v >> shift) & 63);
-}
-void put_code6(uint8_t* row, int e, uint8_t code) {
-  const int bit = 6 * e, shift = bit % 8;
-  const unsigned v = unsigned(code) << shift;
-  row[bit / 8] |= uint8_t(v);
-  if (shift > 2) {
-    row[bit / 8 + 1] |= uint8_t(v >> 8);
-  }
-}
-
-// One panel's Q6_K codes, row form <-> panel form (K * 3 / 4 bytes a row, 16 rows; panels.h).
+// One panel's Q6_K codes, row form <-> panel form (K * 3 / 4 bytes a row, 16 rows; panels.h). A row's
+// 16 codes of a group are 12 bytes of its bit stream, four codes to each 3 bytes; in the panel form the
+// four codes of vector k (values 4k .. 4k + 3) sit in one 32-bit word per row, a byte each: low nibbles
+// in step k / 2 (half k % 2), top bits at 2k of the third step's word.
 void codes_panel6(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
   const size_t row_bytes = size_t(K) * 3 / 4;
+  constexpr uint32_t kLow = 0x0F0F0F0Fu, kTop = 0x03030303u;
   for (int g = 0; g < K / 16; ++g) {
-    uint8_t* block = dst + size_t(g) * 192;
-    const uint8_t* pblock = src + size_t(g) * 192;
     for (int r = 0; r < kPanelRows; ++r) {
-      const size_t row = size_t(r) * row_bytes;
-      for (int b = 0; b < 4; ++b) {
-        const int at = 4 * r + b;
-        for (int k = 0; k < 4; ++k) { // value g*16 + 4k + b: nibble step k / 2, half k % 2; top bits 2k
-          const int e = g * 16 + 4 * k + b;
-          const int nib = (k / 2) * 64 + at;
-          if (to_panels) {
-            const uint8_t c = code6(src + row, e);
-            block[nib] = uint8_t(block[nib] | ((c & 15) << (4 * (k % 2))));
-            block[128 + at] = uint8_t(block[128 + at] | ((c >> 4) << (2 * k)));
-          } else {
-            const uint8_t lo = (pblock[nib] >> (4 * (k % 2))) & 15;
-            const uint8_t hi = (pblock[128 + at] >> (2 * k)) & 3;
-            put_code6(dst + row, e, uint8_t(lo | (hi << 4)));
-          }
+      uint8_t* rowp = (to_panels ? const_cast<uint8_t*>(src) : dst) + size_t(r) * row_bytes + size_t(g) * 12;
+      uint8_t* block = (to_panels ? dst : const_cast<uint8_t*>(src)) + size_t(g) * 192 + 4 * r;
+      uint32_t vec[4]; // vector k's four codes, a byte each
+      if (to_panels) {
+        for (int k = 0; k < 4; ++k) {
+          const uint8_t* t = rowp + 3 * k;
+          const uint32_t v = uint32_t(t[0]) | uint32_t(t[1]) << 8 | uint32_t(t[2]) << 16;
+          vec[k] = (v & 63) | ((v >> 6) & 63) << 8 | ((v >> 12) & 63) << 16 | ((v >> 18) & 63) << 24;
+        }
+        const uint32_t n0 = (vec[0] & kLow) | (vec[1] & kLow) << 4;
+        const uint32_t n1 = (vec[2] & kLow) | (vec[3] & kLow) << 4;
+        uint32_t top = 0;
+        for (int k = 0; k < 4; ++k) {
+          top |= ((vec[k] >> 4) & kTop) << (2 * k);
+        }
+        std::memcpy(block, &n0, 4);
+        std::memcpy(block + 64, &n1, 4);
+        std::memcpy(block + 128, &top, 4);
+      } else {
+        uint32_t n0, n1, top;
+        std::memcpy(&n0, block, 4);
+        std::memcpy(&n1, block + 64, 4);
+        std::memcpy(&top, block + 128, 4);
+        const uint32_t nib[4] = {n0 & kLow, (n0 >> 4) & kLow, n1 & kLow, (n1 >> 4) & kLow};
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t c = nib[k] | ((top >> (2 * k)) & kTop) << 4;
+          const uint32_t v = (c & 63) | ((c >> 8) & 63) << 6 | ((c >> 16) & 63) << 12 | ((c >> 24) & 63) << 18;
+          rowp[3 * k] = uint8_t(v);
+          rowp[3 * k + 1] = uint8_t(v >> 8);
+          rowp[3 * k + 2] = uint8_t(v >> 16);
         }
       }
     }
@@ -194,8 +196,8 @@ std::tuple<mx::array, mx::array, mx::array> convert(const mx::array& w, const mx
   const auto* bsrc = static_cast<const uint8_t*>(bd.data);
   uint8_t* wdst = reinterpret_cast<uint8_t*>(wo.data<uint32_t>());
   uint8_t* sdst = so.data<uint8_t>();
-  if (!to_panels || bits == 6) {
-    std::memset(wdst, 0, w.nbytes()); // written a few bits at a time
+  if (!to_panels && bits == 4) {
+    std::memset(wdst, 0, w.nbytes()); // written a nibble at a time
   }
   each_panel(rows / kPanelRows, [&](int p) {
     if (bits == 6) {
