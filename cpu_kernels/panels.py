@@ -1,8 +1,8 @@
 """Q4_K and Q6_K layers in 16-row panels: the layout the panel kernel reads.
 
 On AVX-512 VNNI each 4-bit layer with two-level scales (a GGUF's Q4_K, after
-``scales.two_level_scales``; a mixture of experts' stacks too, expert by expert) and each Q6_K linear
-layer (6-bit codes in groups of 16 with the file's own scales) is regrouped by 16 rows
+``scales.two_level_scales``) and each Q6_K layer (6-bit codes in groups of 16 with the file's own
+scales), a mixture of experts' stacks too, expert by expert, is regrouped by 16 rows
 (``src/panels.h``): one 64-byte load then holds 4 codes of each of 16 rows (Q6_K: their low nibbles,
 their top two bits in a third load per 16 values), one ``vpdpbusd`` multiplies them with 4 values of a
 row of x broadcast to every lane, and 16 outputs accumulate side by side, where the row form unpacks a
@@ -42,14 +42,15 @@ def in_panels(layer: nn.Module) -> bool:
 
 def _candidates(model: nn.Module) -> list[nn.Module]:
     """Kernel layers with two-level scales, N a multiple of 16 and K of 256: linear layers, embeddings
-    (a tied LM head is the panel kernel's product; lookups dequantize an id's panel) and expert stacks
-    with 4-bit codes in groups of 32 (Q4_K), and linear layers and embeddings with Q6_K's 6-bit codes
-    in groups of 16 (its one-element bias ratio)."""
+    (a tied LM head is the panel kernel's product; lookups dequantize an id's panel) and expert stacks,
+    with 4-bit codes in groups of 32 (Q4_K) or Q6_K's 6-bit codes in groups of 16 (its one-element bias
+    ratio)."""
     out: list[nn.Module] = []
     for _, layer in model.named_modules():
-        one = type(layer) in (CPUQuantizedLinear, CPUQuantizedEmbedding)
-        q4k = (one or type(layer) in SWITCH_LINEARS.values()) and (layer.bits, layer.group_size) == (4, 32)
-        q6k = one and (layer.bits, layer.group_size) == (6, 16) and layer["biases"].size == 1
+        if type(layer) not in (CPUQuantizedLinear, CPUQuantizedEmbedding, *SWITCH_LINEARS.values()):
+            continue
+        q4k = (layer.bits, layer.group_size) == (4, 32)
+        q6k = (layer.bits, layer.group_size) == (6, 16) and layer["biases"].size == 1
         if not (q4k or q6k):
             continue
         w = layer["weight"]

@@ -253,3 +253,59 @@ def test_a_tied_q6_k_embedding_in_panels_looks_up_and_multiplies_as_rows(ext):  
     assert mx.array_equal(ours.layers[0](ids), theirs(ids)).item()
     x = mx.array(rng.standard_normal((2, 512)).astype(np.float32))
     _exact_check(ours.layers[0].as_linear(x), x, m6.values, "tied head")
+
+
+def test_q6_k_experts_in_panels_give_the_row_form_results(ext):  # noqa: F811
+    """A stack of Q6_K experts in panels (converted as E * N rows): the gather per chosen expert, int8
+    math within float32 rounding of the row form's, exact math within float32's tolerance of float64
+    per token and expert (bit for bit the row form's where the panel kernel does not run)."""
+    rng = np.random.default_rng(17)
+    experts, n, k = 4, 48, 512
+    stack = Q6K(rng, n, k, lead=(experts,))
+    panels = ext.panel_layout(stack.w, stack.scales, stack.biases, True)
+    assert panels[1].shape == (experts, n // 16, k // 16 * 18)
+    back = ext.panel_layout(*panels, False)
+    assert all(
+        mx.array_equal(a, b).item() for a, b in zip(back, (stack.w, stack.scales, stack.biases), strict=True)
+    )
+    for tokens in (1, 3, 64):
+        x = mx.array(rng.standard_normal((tokens, 1, 1, k)).astype(np.float32))
+        idx = mx.array(rng.integers(0, experts, (tokens, 1, 2)).astype(np.uint32))
+        for int8 in (False, True):
+            yr = ext.gather_quantized_matmul(x, stack.w, stack.scales, stack.biases, idx, 16, 6, int8=int8)
+            yp = ext.gather_quantized_matmul(x, *panels, idx, 16, 6, int8=int8)
+            assert yp.shape == yr.shape == (tokens, tokens, 2, 1, n)
+            if not ext.panel_kernel():
+                assert mx.array_equal(yp, yr).item(), (tokens, int8)
+            elif int8:
+                assert float(mx.abs(yp - yr).max()) <= 1e-5 * float(mx.abs(yr).max()) * k / 32
+            else:
+                for t in range(tokens):
+                    for j in range(2):
+                        e = int(idx[t, 0, j].item())
+                        _exact_check(yp[t, t, j], x[t].reshape(1, k), stack.values[e], (tokens, t, j))
+
+
+@needs_vnni
+def test_a_q6_k_mixture_of_experts_in_panels_keeps_its_logits(ext, tmp_path):  # noqa: F811
+    """A Qwen3-MoE whose experts (and every other matrix) are Q6_K: the expert stacks go into panels
+    with the linear layers, the logits within float32 rounding of the row form's (exact math), the same
+    greedy tokens."""
+    from mlx_engine.loading.loader import load_model
+    from tests.gguf_families import write_family_gguf
+    from tests.gguf_quantize import TINY_IDS, Q
+
+    def qtype(name: str, shape: tuple[int, ...]) -> Q:
+        return (
+            Q.Q6_K if len(shape) >= 2 and name.endswith(".weight") and ".ffn_gate_inp" not in name else Q.F32
+        )
+
+    path = tmp_path / "moe-q6k.gguf"
+    write_family_gguf(path, "qwen3moe", qtype_of=qtype, moe_intermediate_size=256, **_SHAPES)
+    ours, theirs = load_model(str(path)).model, load_model(str(path)).model
+    changed = use_panels(ours, True)
+    assert sum(m["weight"].ndim == 3 for m in changed) == 2 * 3  # gate, up, down stacks of 2 layers
+    for t in (TINY_IDS, TINY_IDS[:, :1]):
+        a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+        assert (a.argmax(-1) == b.argmax(-1)).all()

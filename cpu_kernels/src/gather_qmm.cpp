@@ -172,6 +172,9 @@ void run_gather(
     });
   };
   if (panels) { // AVX-512 VNNI: the panel kernel per expert (panels.cpp), int8 math or exact
+    if (bits == 6 && biases_of(biases).ratio != kQ6Ratio) {
+      throw std::invalid_argument("Q6_K experts in panels need their bias ratio -32");
+    }
     const DenseBytes wd = dense_bytes(w), sd = dense_bytes(scales), bd = dense_bytes(biases);
     gather_panels(
         {x.data<void>(), x.dtype(), kstep, unique, source, order, start, count},
@@ -182,6 +185,7 @@ void run_gather(
         E,
         N,
         K,
+        bits,
         int8);
     return write_back();
   }

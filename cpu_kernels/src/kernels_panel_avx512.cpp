@@ -1,4 +1,5 @@
-// The int8 panel kernel (panels.h): int8 rows of x times 4-bit weights in 16-row panels, AVX-512 VNNI.
+// The int8 panel kernel (panels.h): int8 rows of x times Q4_K (q8_panels) or Q6_K (q6_panels) weights
+// in 16-row panels, AVX-512 VNNI.
 //
 // Per group of 32 values and panel, four 64-byte loads give 16 rows x 8 values each (two nibbles a
 // byte); each row of x then takes 8 vpdpbusd with 4 of its int8 values broadcast to every lane, and
@@ -7,7 +8,9 @@
 // per row. The codes are unpacked once per tile of up to 8 rows of x. One thread, a 1B model's
 // matrices from L3 (cpu_kernels/panels.py): one row of x 71-77 GMAC/s (the row kernel 35), 8-16 rows
 // 130-147 (62-67), 64 rows 128-133 (the int8 GEMM 107-110). Exact math sends each row of x as three
-// int8 planes (panels.cpp: run_panels_x3), so one row of x in decode is a tile of three.
+// int8 planes (panels.cpp: run_panels_x3), so one row of x in decode is a tile of three. Q6_K's
+// groups of 16 join their codes from two nibble steps and a step of top bits (codes6), and start their
+// int32 sums from -32 times the group's sum of x (the bias term, in integers).
 #include <immintrin.h>
 
 #include <cstddef>

@@ -47,46 +47,54 @@ void codes_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
   }
 }
 
-// One panel's Q6_K codes, row form <-> panel form (K * 3 / 4 bytes a row, 16 rows; panels.h). A row's
-// 16 codes of a group are 12 bytes of its bit stream, four codes to each 3 bytes; in the panel form the
-// four codes of vector k (values 4k .. 4k + 3) sit in one 32-bit word per row, a byte each: low nibbles
-// in step k / 2 (half k % 2), top bits at 2k of the third step's word.
+// One row's 16 Q6_K codes of a group (12 bytes of its bit stream, four codes to each 3 bytes) <-> the
+// panel form's three 32-bit words of that row (panels.h): vector k's codes (values 4k .. 4k + 3) a byte
+// each, low nibbles in word k / 2 (half k % 2), top bits at bit 2k of the third word.
+constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu, kTopBits = 0x03030303u;
+
+void pack_group6(const uint8_t* row, uint8_t* block) {
+  uint32_t vec[4];
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t* t = row + 3 * k;
+    const uint32_t v = uint32_t(t[0]) | uint32_t(t[1]) << 8 | uint32_t(t[2]) << 16;
+    vec[k] = (v & 63) | ((v >> 6) & 63) << 8 | ((v >> 12) & 63) << 16 | ((v >> 18) & 63) << 24;
+  }
+  const uint32_t n0 = (vec[0] & kLowNibbles) | (vec[1] & kLowNibbles) << 4;
+  const uint32_t n1 = (vec[2] & kLowNibbles) | (vec[3] & kLowNibbles) << 4;
+  uint32_t top = 0;
+  for (int k = 0; k < 4; ++k) {
+    top |= ((vec[k] >> 4) & kTopBits) << (2 * k);
+  }
+  std::memcpy(block, &n0, 4);
+  std::memcpy(block + 64, &n1, 4);
+  std::memcpy(block + 128, &top, 4);
+}
+
+void unpack_group6(const uint8_t* block, uint8_t* row) {
+  uint32_t n0, n1, top;
+  std::memcpy(&n0, block, 4);
+  std::memcpy(&n1, block + 64, 4);
+  std::memcpy(&top, block + 128, 4);
+  const uint32_t nib[4] = {n0 & kLowNibbles, (n0 >> 4) & kLowNibbles, n1 & kLowNibbles, (n1 >> 4) & kLowNibbles};
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t c = nib[k] | ((top >> (2 * k)) & kTopBits) << 4;
+    const uint32_t v = (c & 63) | ((c >> 8) & 63) << 6 | ((c >> 16) & 63) << 12 | ((c >> 24) & 63) << 18;
+    row[3 * k] = uint8_t(v);
+    row[3 * k + 1] = uint8_t(v >> 8);
+    row[3 * k + 2] = uint8_t(v >> 16);
+  }
+}
+
+// One panel's Q6_K codes, row form <-> panel form (K * 3 / 4 bytes a row, 16 rows; 192 bytes a group).
 void codes_panel6(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
   const size_t row_bytes = size_t(K) * 3 / 4;
-  constexpr uint32_t kLow = 0x0F0F0F0Fu, kTop = 0x03030303u;
   for (int g = 0; g < K / 16; ++g) {
     for (int r = 0; r < kPanelRows; ++r) {
-      uint8_t* rowp = (to_panels ? const_cast<uint8_t*>(src) : dst) + size_t(r) * row_bytes + size_t(g) * 12;
-      uint8_t* block = (to_panels ? dst : const_cast<uint8_t*>(src)) + size_t(g) * 192 + 4 * r;
-      uint32_t vec[4]; // vector k's four codes, a byte each
+      const size_t row = size_t(r) * row_bytes + size_t(g) * 12, block = size_t(g) * 192 + 4 * r;
       if (to_panels) {
-        for (int k = 0; k < 4; ++k) {
-          const uint8_t* t = rowp + 3 * k;
-          const uint32_t v = uint32_t(t[0]) | uint32_t(t[1]) << 8 | uint32_t(t[2]) << 16;
-          vec[k] = (v & 63) | ((v >> 6) & 63) << 8 | ((v >> 12) & 63) << 16 | ((v >> 18) & 63) << 24;
-        }
-        const uint32_t n0 = (vec[0] & kLow) | (vec[1] & kLow) << 4;
-        const uint32_t n1 = (vec[2] & kLow) | (vec[3] & kLow) << 4;
-        uint32_t top = 0;
-        for (int k = 0; k < 4; ++k) {
-          top |= ((vec[k] >> 4) & kTop) << (2 * k);
-        }
-        std::memcpy(block, &n0, 4);
-        std::memcpy(block + 64, &n1, 4);
-        std::memcpy(block + 128, &top, 4);
+        pack_group6(src + row, dst + block);
       } else {
-        uint32_t n0, n1, top;
-        std::memcpy(&n0, block, 4);
-        std::memcpy(&n1, block + 64, 4);
-        std::memcpy(&top, block + 128, 4);
-        const uint32_t nib[4] = {n0 & kLow, (n0 >> 4) & kLow, n1 & kLow, (n1 >> 4) & kLow};
-        for (int k = 0; k < 4; ++k) {
-          const uint32_t c = nib[k] | ((top >> (2 * k)) & kTop) << 4;
-          const uint32_t v = (c & 63) | ((c >> 8) & 63) << 6 | ((c >> 16) & 63) << 12 | ((c >> 24) & 63) << 18;
-          rowp[3 * k] = uint8_t(v);
-          rowp[3 * k + 1] = uint8_t(v >> 8);
-          rowp[3 * k + 2] = uint8_t(v >> 16);
-        }
+        unpack_group6(src + block, dst + row);
       }
     }
   }
@@ -98,13 +106,13 @@ void codes_panel6(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
 // (tests/test_cpu_panels.py checks the round trip).
 template <int Groups>
 __attribute__((noipa)) void scales_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
-  constexpr int block_bytes = 2 + Groups;
-  const size_t row_bytes = size_t(K) / 256 * block_bytes;
+  constexpr int sb_bytes = 2 + Groups;
+  const size_t row_bytes = size_t(K) / 256 * sb_bytes;
   for (int sb = 0; sb < K / 256; ++sb) {
     for (int r = 0; r < kPanelRows; ++r) {
-      const size_t row = size_t(r) * row_bytes + size_t(sb) * block_bytes;
-      const size_t pan = size_t(sb) * kPanelRows * block_bytes;
-      // the float16 step, then the 8 multiples
+      const size_t row = size_t(r) * row_bytes + size_t(sb) * sb_bytes;
+      const size_t pan = size_t(sb) * kPanelRows * sb_bytes;
+      // the float16 step, then the Groups multiples
       const size_t step_p = pan + size_t(r) * 2;
       if (to_panels) {
         std::memcpy(dst + step_p, src + row, 2);
@@ -152,7 +160,7 @@ int block_bytes(int bits) {
 } // namespace
 
 bool is_panel_form(const mx::array& w, const mx::array& scales, int group_size, int bits) {
-  const bool q4k = bits == 4 && group_size == 32, q6k = bits == 6 && group_size == 16 && w.ndim() == 2;
+  const bool q4k = bits == 4 && group_size == 32, q6k = bits == 6 && group_size == 16;
   if (!(q4k || q6k) || scales.dtype() != mx::uint8 || w.ndim() < 2 || scales.ndim() != w.ndim()) {
     return false;
   }
@@ -218,8 +226,8 @@ std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, con
   if (w.dtype() != mx::uint32 || w.ndim() < 2 || scales.dtype() != mx::uint8 || scales.ndim() != w.ndim()) {
     throw std::invalid_argument("panel_layout takes a Q4_K or Q6_K layer: uint32 codes and two-level (uint8) scales");
   }
-  // Q6_K: one matrix, the one-element bias ratio, 18 bytes of scales a super-block; else Q4_K's form
-  const bool q6k = w.ndim() == 2 && ratio_biases(biases) && w.shape(-1) % 3 == 0;
+  // Q6_K: the one-element bias ratio (its scales' shape checked below); else Q4_K's form
+  const bool q6k = ratio_biases(biases);
   const int bits = q6k ? 6 : 4;
   const int N = w.shape(-2);
   const int K = int(int64_t(w.shape(-1)) * 32 / bits);
@@ -230,8 +238,8 @@ std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, con
   if (N % kPanelRows != 0 || K % 256 != 0 || scales.shape() != expected || !biases_fit) {
     throw std::invalid_argument(
         "panel_layout needs N a multiple of 16, K of 256, and scales (..., N, K / 256 * 10) (to panels) or (..., "
-        "N / 16, K / 16 * 10) (back) with biases alike (Q4_K), or for one Q6_K matrix scales (N, K / 256 * 18) "
-        "or (N / 16, K / 16 * 18) and a one-element bias ratio");
+        "N / 16, K / 16 * 10) (back) with biases alike (Q4_K), or scales (..., N, K / 256 * 18) or (..., N / 16, "
+        "K / 16 * 18) and a one-element bias ratio (Q6_K)");
   }
   mx::array wc = w, sc = scales, bc = biases;
   mx::eval({wc, sc, bc});
@@ -242,7 +250,7 @@ std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, con
 }
 
 std::tuple<mx::array, mx::array, mx::array> row_form(const mx::array& w, const mx::array& scales, const mx::array& biases) {
-  return convert(w, scales, biases, w.ndim() == 2 && ratio_biases(biases) ? 6 : 4, false);
+  return convert(w, scales, biases, ratio_biases(biases) ? 6 : 4, false);
 }
 
 bool panel_kernel_available() {
@@ -300,7 +308,7 @@ void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* 
   });
 }
 
-void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, bool int8) {
+void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, bool int8) {
 #if defined(DUET_X86)
   const int G = K / 32;
   const int sorted = g.start[E];
@@ -324,6 +332,10 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
       }
     }
   }
+  std::vector<int32_t> offsets; // Q6_K: each sorted row's bias term in integers (panels_on_pool)
+  if (bits == 6) {
+    offsets_int8(xq, planes * sorted, K, int32_t(kQ6Ratio), offsets);
+  }
   std::vector<float> y3(int8 ? 0 : size_t(3) * sorted * N); // exact math: the planes' products
   float* yp = int8 ? y : y3.data();
   // units of (expert, run of panels), claimed by the pool's threads as they come free
@@ -343,23 +355,27 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
       units.push_back({e, p, std::min(panels, p + per)});
     }
   }
-  const size_t expert_codes = size_t(N) * K / 2;
-  const size_t expert_scales = size_t(N) / kPanelRows * (size_t(K) / 16 * kSuperBytes);
+  const size_t expert_codes = size_t(N) * K * bits / 8;
+  const size_t expert_scales = size_t(N) / kPanelRows * (size_t(K) / 16 * block_bytes(bits));
+  const auto kernel = bits == 6 ? avx512::q6_panels : avx512::q8_panels;
   pool->run(int(units.size()), [&](int i) {
     const Unit& u = units[size_t(i)];
     const size_t q0 = size_t(planes) * g.start[u.e];
-    const PanelArgs a{
+    PanelArgs a{
         xq.data() + q0 * K,
         xd.data() + q0 * (K / 8),
         xs.data() + q0 * G,
         w + u.e * expert_codes,
         scales + u.e * expert_scales,
-        biases + u.e * expert_scales,
+        bits == 6 ? biases : biases + u.e * expert_scales, // Q6_K's: the ratio, not read
         yp + q0 * N,
         planes * g.count[u.e],
         N,
         K};
-    avx512::q8_panels(a, u.p0, u.p1);
+    if (bits == 6) {
+      a.xoff = offsets.data() + q0 * (K / 16);
+    }
+    kernel(a, u.p0, u.p1);
   });
   if (!int8) {
     for (int e = 0; e < E; ++e) {
@@ -368,7 +384,7 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
     }
   }
 #else
-  (void)g, (void)w, (void)scales, (void)biases, (void)y, (void)E, (void)N, (void)K, (void)int8;
+  (void)g, (void)w, (void)scales, (void)biases, (void)y, (void)E, (void)N, (void)K, (void)bits, (void)int8;
   throw std::logic_error("the int8 panel kernel needs x86-64");
 #endif
 }

@@ -14,7 +14,7 @@
 //     holding value g*32 + s*8 + b in its low nibble and value g*32 + s*8 + 4 + b in its high nibble;
 //   * scales (and biases alike): per super-block of 256 values, 160 bytes: the 16 rows' float16 steps,
 //     then per group j of its 8 the 16 rows' uint8 multiples.
-// Q6_K (6-bit, groups of 16, kSuper16; biases the one-element ratio -32, unchanged):
+// Q6_K (6-bit, groups of 16, kSuper16; biases the one-element ratio -32, unchanged; experts' stacks too):
 //   * codes: per group g of 16 values, 192 bytes: two 64-byte steps of low nibbles laid out as Q4_K's
 //     (step s: row r's byte b at 4r + b, value g*16 + s*8 + b's low 4 bits in its low nibble, value
 //     g*16 + s*8 + 4 + b's in its high), then 64 bytes of top bits: row r's byte b at 4r + b holding the
@@ -62,15 +62,14 @@ void q6_panels(const PanelArgs& a, int p0, int p1);
 } // namespace avx512
 #endif
 
-// Whether (w, scales) are a layer in the panel form: Q4_K's (4-bit, groups of 32, two-level scales; or
-// a stack of experts, w (E, N, K / 8)) or Q6_K's (6-bit, groups of 16, kSuper16; one matrix);
+// Whether (w, scales) are a layer (or a stack of experts, w (E, N, ...)) in the panel form: Q4_K's
+// (4-bit, groups of 32, two-level scales) or Q6_K's (6-bit, groups of 16, kSuper16);
 // check_panel_shapes throws unless its scales and biases fit K.
 bool is_panel_form(const mlx::core::array& w, const mlx::core::array& scales, int group_size, int bits);
 void check_panel_shapes(const mlx::core::array& scales, const mlx::core::array& biases, int K, int bits);
 
-// A Q4_K layer (4-bit, two-level scales, groups of 32) or a stack of them (..., N, K / 8), or a Q6_K
-// layer (6-bit, kSuper16 scales, biases the one-element ratio; one matrix), N a multiple of 16 and K of
-// 256, into the panel form (to_panels) or back into the row form; the values are unchanged (the form
+// A Q4_K layer (4-bit, two-level scales, groups of 32) or a Q6_K layer (6-bit, kSuper16 scales, biases
+// the one-element ratio -32), or a stack of either (..., N, ...), N a multiple of 16 and K of 256, into the panel form (to_panels) or back into the row form; the values are unchanged (the form
 // is read from the shapes). Evaluates its inputs (Python's call).
 std::tuple<mlx::core::array, mlx::core::array, mlx::core::array>
 panel_layout(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, bool to_panels);
@@ -110,8 +109,8 @@ struct GatherRows {
 };
 
 // y (sorted pairs, N) float32: each pair's row of x times its expert's matrix, the E experts' w
-// (E, N, K / 2 bytes), scales and biases in Q4_K's panels, int8 math or exact (x in three int8 planes, as
-// run_panels_x3); the panel kernel must be available.
-void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, bool int8);
+// (E, N, K * bits / 8 bytes), scales and biases in panels (bits 4: Q4_K; 6: Q6_K, biases the ratio),
+// int8 math or exact (x in three int8 planes, as run_panels_x3); the panel kernel must be available.
+void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, bool int8);
 
 } // namespace duet_cpu
