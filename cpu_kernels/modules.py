@@ -109,10 +109,12 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
         one, ~20 µs at a 2048-wide table: what decode looks up a step)."""
         from cpu_kernels.panels import PANEL_ROWS
 
+        ext = extension()
+        assert ext is not None  # only the extension puts a table in panels
         ids = x.reshape(-1)
         panel = ids // PANEL_ROWS
         w, k = self["weight"], self["weight"].shape[-1]
-        rows = extension().dequantize(
+        rows = ext.dequantize(
             w.reshape(w.shape[0] // PANEL_ROWS, -1)[panel].reshape(-1, k),
             self["scales"][panel],
             ratio if ratio is not None else self["biases"][panel],

@@ -321,7 +321,7 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F
             assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
             # the experts' stacks too, where the MoE has them in Q4_K
             assert any(in_panels(m) and m["weight"].ndim == 3 for m in layers) == (arch == "qwen3moe")
-            assert engine.numerics_profile()["cpu_math"] == "int8+panels"
+            assert engine.numerics_profile()["cpu_math"] == "int8+panels(Q4_K)"
             assert engine.stats().weight_format.endswith(", int8 activations, Q4_K in 16-row panels")
             with_panels = reply(engine)
         finally:
@@ -336,7 +336,7 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F
         try:
             # exact math: in panels too (x in three int8 planes)
             assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
-            assert engine.numerics_profile()["cpu_math"] == "exact+panels"
+            assert engine.numerics_profile()["cpu_math"] == "exact+panels(Q4_K)"
             assert engine.stats().weight_format == loaded.weight_format + ", Q4_K in 16-row panels"
             exact_panels = reply(engine)
         finally:

@@ -215,7 +215,7 @@ def test_the_engine_puts_q6_k_in_panels_and_says_so(ext, tmp_path):  # noqa: F81
 
     engine = Engine(loaded, EngineConfig(cpu_math="exact", speculative="off"))
     try:
-        assert engine.numerics_profile()["cpu_math"] == "exact+panels"
+        assert engine.numerics_profile()["cpu_math"] == "exact+panels(Q6_K)"
         assert engine.stats().weight_format == loaded.weight_format + ", Q6_K in 16-row panels"
         reply = asyncio.run(go(engine))
     finally:

@@ -68,10 +68,12 @@ def kernel_math(m: LoadedModel) -> str | None:
     if backend_name() != "cpu" or m.weight_format.startswith("dense"):
         return None
     from cpu_kernels.spec import cpu_math
-    from mlx_engine.loading.cpu_layout import in_panels
+    from mlx_engine.loading.cpu_layout import panel_types
 
-    # the panel kernel sums in another order than the row kernel: not the same bits
-    return cpu_math() + ("+panels" if in_panels(m.model) else "")
+    # the panel kernel sums in another order than the row kernel: not the same bits, so the types it
+    # reads are named (a peer, or an earlier build, with Q6_K in rows computes other KV bits)
+    types = panel_types(m.model)
+    return cpu_math() + (f"+panels({','.join(types)})" if types else "")
 
 
 def _pool(config: EngineConfig, m: LoadedModel, num_blocks: int) -> KVPool:

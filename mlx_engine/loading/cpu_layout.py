@@ -41,10 +41,3 @@ def panel_types(model: nn.Module) -> list[str]:
 
     bits = {layer.bits for _, layer in model.named_modules() if layer_in_panels(layer)}
     return [name for b, name in ((4, "Q4_K"), (6, "Q6_K")) if b in bits]
-
-
-def in_panels(model: nn.Module) -> bool:
-    """Whether any of the model's layers is in 16-row panels."""
-    from cpu_kernels.panels import in_panels as layer_in_panels
-
-    return any(layer_in_panels(layer) for _, layer in model.named_modules())
