@@ -3,7 +3,7 @@
 ``use_cpu_kernels(model)`` turns every ``QuantizedLinear`` whose format the kernel supports into a
 :class:`CPUQuantizedLinear` and every such ``QuantizedEmbedding`` into a
 :class:`CPUQuantizedEmbedding` (its ``as_linear``, the tied LM head, uses the kernel; the lookup stays
-MLX's), and every ``nn.RMSNorm`` into a :class:`CPURMSNorm` (one op instead of MLX's ~8-op CPU
+MLX's, or the kernel's dequantize for two-level scales and a table in 16-row panels), and every ``nn.RMSNorm`` into a :class:`CPURMSNorm` (one op instead of MLX's ~8-op CPU
 fallback) and every ``nn.RoPE`` into a :class:`CPURoPE` (one op instead of ~25), and every mlx-lm MLP
 that is exactly ``down_proj(swiglu(gate_proj(x), up_proj(x)))`` into a subclass whose activation is
 the ``swiglu`` kernel (vectorised instead of a scalar exp per element), likewise the activation
