@@ -145,19 +145,29 @@ def test_exact_math_on_panels_keeps_float32_accuracy(ext):  # noqa: F811
             outs.append(np.array(y))
         spec.set_threads()
         assert np.array_equal(outs[0], outs[1]), m
-    # as the row form's exact kernels are tested: a run of x mixing an outlier with values 1e6 times
-    # smaller, a zero run, a tiny one; a NaN or infinity makes its own row NaN alone
-    x = rng.standard_normal((3, 768)).astype(np.float32)
+    check_hard_rows(
+        rng,
+        768,
+        lambda x: ext.quantized_matmul(x, *panels, 32, 4, int8=False),
+        lambda y, x: check_f64(y, x, w, s, b, 32, 4, F32_TOL),
+    )
+
+
+def check_hard_rows(rng: np.random.Generator, k: int, product, check) -> None:
+    """As the row form's exact kernels are tested: a run of x mixing an outlier with values 1e6 times
+    smaller, a zero run, a tiny one (``check(y, x)`` holds them to float64); a NaN or infinity makes its
+    own row NaN alone."""
+    x = rng.standard_normal((3, k)).astype(np.float32)
     x[0, :32] *= 1e-4
     x[0, 5] = 300.0
     x[0, 64:96] = 0.0
     x[0, 128:160] *= 1e-30
-    y = ext.quantized_matmul(mx.array(x), *panels, 32, 4, int8=False)
-    check_f64(y, mx.array(x), w, s, b, 32, 4, F32_TOL)
+    y = product(mx.array(x))
+    check(y, mx.array(x))
     for bad in (np.nan, np.inf):
         xb = x.copy()
         xb[1, 100] = bad
-        yb = np.array(ext.quantized_matmul(mx.array(xb), *panels, 32, 4, int8=False))
+        yb = np.array(product(mx.array(xb)))
         assert np.isnan(yb[1]).all() and np.array_equal(yb[[0, 2]], np.array(y)[[0, 2]]), bad
 
 
@@ -228,20 +238,16 @@ def test_a_model_in_panels_keeps_its_int8_logits_and_goes_back_exactly(ext):  # 
     spec.set_cpu_math("int8")
     try:
         for t in (tokens, tokens[:, :1], tokens[:, :3]):
-            a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
             # the two kernels sum in other orders, so a later layer's input can round to the neighbouring
             # int8 value at a place (one step: max|x| / 127 of its run): measured up to 0.2% of the
             # logits' largest magnitude here, where int8 against exact math differs by ~0.5%
-            assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max()
-            assert (a.argmax(-1) == b.argmax(-1)).all()
+            same_logits(ours, theirs, t, 1e-2)
     finally:
         spec.set_cpu_math("exact")
     # exact math on a model left in panels (x in three int8 planes): the row form's logits within
     # float32's rounding, the same greedy tokens
     for t in (tokens, tokens[:, :1], tokens[:, :3]):
-        a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
-        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
-        assert (a.argmax(-1) == b.argmax(-1)).all()
+        same_logits(ours, theirs, t, 1e-5)
     assert len(use_panels(ours, False)) == len(changed)
     for _, m in ours.named_modules():
         if "scales" in m:
@@ -264,9 +270,22 @@ def test_a_tied_embedding_in_panels_looks_up_and_multiplies_as_rows(ext):  # noq
     ids = mx.array([[0, 15, 16, 31, 319, 200, 5, 5]])
     assert mx.array_equal(ours.model.embed_tokens(ids), theirs.model.embed_tokens(ids)).item()
     for t in (ids, ids[:, :1]):
-        a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
-        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
-        assert (a.argmax(-1) == b.argmax(-1)).all()
+        same_logits(ours, theirs, t, 1e-5)
+
+
+def same_logits(ours, theirs, tokens: mx.array, tol: float) -> None:
+    """The two models' logits for tokens within tol of the largest magnitude, the same greedy choices."""
+    a, b = np.array(ours(tokens)).astype(np.float64), np.array(theirs(tokens)).astype(np.float64)
+    assert np.abs(a - b).max() <= tol * np.abs(b).max()
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after prompt by the model's own loop (no cache): the reference for an engine's."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(mx.argmax(model(mx.array([ids]))[0, -1]).item()))
+    return ids[len(prompt) :]
 
 
 def _q4_k_gguf(path: Path, arch: str) -> Path:
@@ -328,10 +347,7 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F
             engine.shutdown()
         # the same math on the row form: the same greedy tokens (the model's own loop, no cache)
         use_panels(loaded.model, False)
-        ids = list(req.prompt)
-        for _ in range(12):
-            ids.append(int(mx.argmax(loaded.model(mx.array([ids]))[0, -1]).item()))
-        assert with_panels == ids[len(req.prompt) :]
+        assert with_panels == greedy(loaded.model, req.prompt, 12)
         engine = Engine(loaded, EngineConfig(cpu_math="exact", speculative="off"))
         try:
             # exact math: in panels too (x in three int8 planes)
@@ -342,9 +358,6 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch):  # noqa: F
         finally:
             engine.shutdown()
         use_panels(loaded.model, False)
-        ids = list(req.prompt)
-        for _ in range(12):
-            ids.append(int(mx.argmax(loaded.model(mx.array([ids]))[0, -1]).item()))
-        assert exact_panels == ids[len(req.prompt) :]
+        assert exact_panels == greedy(loaded.model, req.prompt, 12)
     finally:
         spec.set_cpu_math("exact")

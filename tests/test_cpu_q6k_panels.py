@@ -18,6 +18,7 @@ import pytest
 from cpu_kernels import spec
 from cpu_kernels.panels import in_panels, use_panels
 from tests.test_cpu_kernels import F32_TOL, ext, f64, variants  # noqa: F401
+from tests.test_cpu_panels import check_hard_rows, greedy, same_logits
 from tests.test_cpu_q6k_scales import _SHAPES, INT8_TOL, Q6K, _exact_check, _int8_oracle
 
 pytestmark = pytest.mark.skipif(
@@ -28,6 +29,20 @@ needs_vnni = pytest.mark.skipif(
     spec.extension() is None or not spec.extension().panel_kernel(),
     reason="the int8 panel kernel needs AVX-512 VNNI",
 )
+
+
+def _q6k_llama(tmp_path):
+    """A tiny llama GGUF with every matrix Q6_K (2 layers; 262 vocabulary rows)."""
+    from tests.gguf_quantize import Q, write_tiny_gguf
+
+    path = tmp_path / "q6k.gguf"
+    write_tiny_gguf(
+        path,
+        "llama",
+        qtypes=lambda name: Q.F32 if "norm" in name else Q.Q6_K,
+        config=_SHAPES | {"intermediate_size": 512},
+    )
+    return path
 
 
 def _rows(m6: Q6K) -> tuple[mx.array, mx.array, mx.array]:
@@ -105,18 +120,12 @@ def test_exact_math_on_panels_keeps_float32_accuracy(ext):  # noqa: F811
             outs.append(np.array(y))
         spec.set_threads()
         assert np.array_equal(outs[0], outs[1]), rows
-    x = rng.standard_normal((3, 768)).astype(np.float32)
-    x[0, :32] *= 1e-4
-    x[0, 5] = 300.0
-    x[0, 64:96] = 0.0
-    x[0, 128:160] *= 1e-30
-    y = ext.quantized_matmul(mx.array(x), *panels, 16, 6, int8=False)
-    _exact_check(y, mx.array(x), m6.values, "outliers")
-    for bad in (np.nan, np.inf):
-        xb = x.copy()
-        xb[1, 100] = bad
-        yb = np.array(ext.quantized_matmul(mx.array(xb), *panels, 16, 6, int8=False))
-        assert np.isnan(yb[1]).all() and np.array_equal(yb[[0, 2]], np.array(y)[[0, 2]]), bad
+    check_hard_rows(
+        rng,
+        768,
+        lambda x: ext.quantized_matmul(x, *panels, 16, 6, int8=False),
+        lambda y, x: _exact_check(y, x, m6.values, "outliers"),
+    )
 
 
 def test_dequantize_and_other_isas_read_panels_as_rows(ext):  # noqa: F811
@@ -149,15 +158,9 @@ def test_a_q6_k_model_in_panels_keeps_its_logits(ext, tmp_path):  # noqa: F811
     """Every matrix Q6_K: each linear layer goes into panels (the embedding, looked up by rows, stays), the logits under exact math within float32 rounding of the row form's and the same
     greedy tokens, under int8 math the same greedy tokens; back in rows bit for bit."""
     from mlx_engine.loading.loader import load_model
-    from tests.gguf_quantize import TINY_IDS, Q, write_tiny_gguf
+    from tests.gguf_quantize import TINY_IDS
 
-    path = tmp_path / "q6k.gguf"
-    write_tiny_gguf(
-        path,
-        "llama",
-        qtypes=lambda name: Q.F32 if "norm" in name else Q.Q6_K,
-        config=_SHAPES | {"intermediate_size": 512},
-    )
+    path = _q6k_llama(tmp_path)
     ours, theirs = load_model(str(path)).model, load_model(str(path)).model
     before = {id(m): (m["weight"], m["scales"]) for _, m in ours.named_modules() if "scales" in m}
     changed = use_panels(ours, True)
@@ -165,15 +168,11 @@ def test_a_q6_k_model_in_panels_keeps_its_logits(ext, tmp_path):  # noqa: F811
     assert len(changed) == 2 * 7
     assert all(in_panels(m) and m["scales"].shape[-1] % 18 == 0 for m in changed)
     for t in (TINY_IDS, TINY_IDS[:, :1], TINY_IDS[:, :3]):
-        a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
-        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
-        assert (a.argmax(-1) == b.argmax(-1)).all()
+        same_logits(ours, theirs, t, 1e-5)
     spec.set_cpu_math("int8")
     try:
         for t in (TINY_IDS, TINY_IDS[:, :1]):
-            a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
-            assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max()
-            assert (a.argmax(-1) == b.argmax(-1)).all()
+            same_logits(ours, theirs, t, 1e-2)
     finally:
         spec.set_cpu_math("exact")
     assert len(use_panels(ours, False)) == len(changed)
@@ -196,15 +195,8 @@ def test_the_engine_puts_q6_k_in_panels_and_says_so(ext, tmp_path):  # noqa: F81
     from mlx_engine.engine import Engine
     from mlx_engine.loading.loader import load_model
     from mlx_engine.request import GenerationRequest, SamplingParams
-    from tests.gguf_quantize import Q, write_tiny_gguf
 
-    path = tmp_path / "q6k.gguf"
-    write_tiny_gguf(
-        path,
-        "llama",
-        qtypes=lambda name: Q.F32 if "norm" in name else Q.Q6_K,
-        config=_SHAPES | {"intermediate_size": 512},
-    )
+    path = _q6k_llama(tmp_path)
     loaded = load_model(str(path))
     req = GenerationRequest(
         prompt=[5, 9, 20, 31, 7, 6], max_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=0)
@@ -221,10 +213,7 @@ def test_the_engine_puts_q6_k_in_panels_and_says_so(ext, tmp_path):  # noqa: F81
     finally:
         engine.shutdown()
     use_panels(loaded.model, False)
-    ids = list(req.prompt)
-    for _ in range(12):
-        ids.append(int(mx.argmax(loaded.model(mx.array([ids]))[0, -1]).item()))
-    assert reply == ids[len(req.prompt) :]
+    assert reply == greedy(loaded.model, req.prompt, 12)
 
 
 def _q6k_embedding(m6: Q6K):
@@ -306,6 +295,4 @@ def test_a_q6_k_mixture_of_experts_in_panels_keeps_its_logits(ext, tmp_path):  #
     changed = use_panels(ours, True)
     assert sum(m["weight"].ndim == 3 for m in changed) == 2 * 3  # gate, up, down stacks of 2 layers
     for t in (TINY_IDS, TINY_IDS[:, :1]):
-        a, b = np.array(ours(t)).astype(np.float64), np.array(theirs(t)).astype(np.float64)
-        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
-        assert (a.argmax(-1) == b.argmax(-1)).all()
+        same_logits(ours, theirs, t, 1e-5)

@@ -172,9 +172,7 @@ void run_gather(
     });
   };
   if (panels) { // AVX-512 VNNI: the panel kernel per expert (panels.cpp), int8 math or exact
-    if (bits == 6 && biases_of(biases).ratio != kQ6Ratio) {
-      throw std::invalid_argument("Q6_K experts in panels need their bias ratio -32");
-    }
+    check_panel_biases(biases, bits);
     const DenseBytes wd = dense_bytes(w), sd = dense_bytes(scales), bd = dense_bytes(biases);
     gather_panels(
         {x.data<void>(), x.dtype(), kstep, unique, source, order, start, count},

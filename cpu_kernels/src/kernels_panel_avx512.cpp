@@ -26,10 +26,21 @@ namespace {
 constexpr int kTileRows = 8; // rows of x per pass over a panel: 8 int32 and 8 float accumulators
 constexpr int kAhead = 3072; // bytes of codes prefetched ahead for up to three rows of x (decode)
 
-// 16 rows' scales of group j of super-block sb: step * multiple in float32 (exact, as the row form's)
+// 16 rows' scales of group j of a super-block: step * multiple in float32 (exact, as the row form's);
+// the multiples uint8 (Q4_K) or int8 (Q6_K)
+template <bool Signed = false>
 inline __m512 group_scales(const uint8_t* block, __m512 steps, int j) {
   const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * kPanelRows + j * kPanelRows));
-  return _mm512_mul_ps(steps, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m)));
+  return _mm512_mul_ps(steps, _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(m) : _mm512_cvtepu8_epi32(m)));
+}
+
+// A tile's outputs: row m0 + m of y, the panel's 16 columns, from acc[m]
+template <int MT>
+inline void store_tile(const PanelArgs& a, int p, int m0, const __m512* acc) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(a.y + size_t(m0 + m) * a.N + size_t(p) * kPanelRows, acc[m]);
+  }
 }
 
 inline __m512 block_steps(const uint8_t* block) {
@@ -117,20 +128,7 @@ void panel_tile(const PanelArgs& a, int p, int m0) {
       }
     }
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m) {
-    _mm512_storeu_ps(a.y + size_t(m0 + m) * a.N + size_t(p) * kPanelRows, acc[m]);
-  }
-}
-
-// The last rows of x (fewer than a tile), with the tile that holds exactly them.
-template <int MT>
-void panel_rest(const PanelArgs& a, int p, int m0, int rows) {
-  if (rows == MT) {
-    panel_tile<MT>(a, p, m0);
-  } else if constexpr (MT > 1) {
-    panel_rest<MT - 1>(a, p, m0, rows);
-  }
+  store_tile<MT>(a, p, m0, acc);
 }
 
 // Q6_K: the codes of group g (16 values) of a panel, as four vectors of 16 rows x 4 values (vector k
@@ -207,8 +205,7 @@ void panel6_tile(const PanelArgs& a, int p, int m0) {
           ia[m] = _mm512_dpbusd_epi32(ia[m], c.c[k], _mm512_set1_epi32(x4));
         }
       }
-      const __m128i mult = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sblock + 2 * kPanelRows + j * kPanelRows));
-      const __m512 sc = _mm512_mul_ps(steps, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(mult)));
+      const __m512 sc = group_scales<true>(sblock, steps, j);
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) { // x's run of 32 holds groups 2i and 2i + 1
         const __m512 u = _mm512_mul_ps(sc, _mm512_set1_ps(xd[m][size_t(g / 2) * 4]));
@@ -216,45 +213,50 @@ void panel6_tile(const PanelArgs& a, int p, int m0) {
       }
     }
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m) {
-    _mm512_storeu_ps(a.y + size_t(m0 + m) * a.N + size_t(p) * kPanelRows, acc[m]);
+  store_tile<MT>(a, p, m0, acc);
+}
+
+// A tile of MT rows of x against panel p in the format's kernel (Bits 4: Q4_K, 6: Q6_K)
+template <int Bits, int MT>
+inline void tile(const PanelArgs& a, int p, int m0) {
+  if constexpr (Bits == 6) {
+    panel6_tile<MT>(a, p, m0);
+  } else {
+    panel_tile<MT>(a, p, m0);
   }
 }
 
-template <int MT>
-void panel6_rest(const PanelArgs& a, int p, int m0, int rows) {
+// The last rows of x (fewer than a tile), with the tile that holds exactly them.
+template <int Bits, int MT>
+void rest(const PanelArgs& a, int p, int m0, int rows) {
   if (rows == MT) {
-    panel6_tile<MT>(a, p, m0);
+    tile<Bits, MT>(a, p, m0);
   } else if constexpr (MT > 1) {
-    panel6_rest<MT - 1>(a, p, m0, rows);
+    rest<Bits, MT - 1>(a, p, m0, rows);
+  }
+}
+
+template <int Bits>
+void panels(const PanelArgs& a, int p0, int p1) {
+  for (int p = p0; p < p1; ++p) {
+    int m0 = 0;
+    for (; m0 + kTileRows <= a.M; m0 += kTileRows) {
+      tile<Bits, kTileRows>(a, p, m0);
+    }
+    if (m0 < a.M) {
+      rest<Bits, kTileRows - 1>(a, p, m0, a.M - m0);
+    }
   }
 }
 
 } // namespace
 
-void q6_panels(const PanelArgs& a, int p0, int p1) {
-  for (int p = p0; p < p1; ++p) {
-    int m0 = 0;
-    for (; m0 + kTileRows <= a.M; m0 += kTileRows) {
-      panel6_tile<kTileRows>(a, p, m0);
-    }
-    if (m0 < a.M) {
-      panel6_rest<kTileRows - 1>(a, p, m0, a.M - m0);
-    }
-  }
+void q8_panels(const PanelArgs& a, int p0, int p1) {
+  panels<4>(a, p0, p1);
 }
 
-void q8_panels(const PanelArgs& a, int p0, int p1) {
-  for (int p = p0; p < p1; ++p) {
-    int m0 = 0;
-    for (; m0 + kTileRows <= a.M; m0 += kTileRows) {
-      panel_tile<kTileRows>(a, p, m0);
-    }
-    if (m0 < a.M) {
-      panel_rest<kTileRows - 1>(a, p, m0, a.M - m0);
-    }
-  }
+void q6_panels(const PanelArgs& a, int p0, int p1) {
+  panels<6>(a, p0, p1);
 }
 
 } // namespace avx512

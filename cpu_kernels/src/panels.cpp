@@ -147,11 +147,6 @@ void each_panel(int panels, Fn&& fn) {
 
 namespace {
 
-// The one-element ratio Q6_K's biases are (scales.implicit_biases), rather than one per group.
-bool ratio_biases(const mx::array& biases) {
-  return biases.ndim() <= 1 && biases.size() == 1;
-}
-
 // Scales' bytes a row of the row form per super-block of 256 values: Q4_K 10, Q6_K 18.
 int block_bytes(int bits) {
   return bits == 6 ? kSuper16Bytes : kSuperBytes;
@@ -173,11 +168,17 @@ bool is_panel_form(const mx::array& w, const mx::array& scales, int group_size, 
 }
 
 void check_panel_shapes(const mx::array& scales, const mx::array& biases, int K, int bits) {
-  const bool fits = bits == 6 ? ratio_biases(biases) : biases.shape() == scales.shape();
+  const bool fits = bits == 6 ? implicit_biases(biases) : biases.shape() == scales.shape();
   if (K % 256 != 0 || scales.shape(-1) != K / 16 * block_bytes(bits) || !fits) {
     throw std::invalid_argument(
         "a layer in 16-row panels needs K a multiple of 256 and scales (..., N / 16, K / 16 * 10) with biases "
         "alike (Q4_K), or scales (N / 16, K / 16 * 18) with a one-element bias ratio (Q6_K)");
+  }
+}
+
+void check_panel_biases(const mx::array& biases, int bits) {
+  if (bits == 6 && biases_of(biases).ratio != kQ6Ratio) {
+    throw std::invalid_argument("a Q6_K layer in panels takes Q6_K's own bias ratio (-32) only");
   }
 }
 
@@ -227,7 +228,7 @@ std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, con
     throw std::invalid_argument("panel_layout takes a Q4_K or Q6_K layer: uint32 codes and two-level (uint8) scales");
   }
   // Q6_K: the one-element bias ratio (its scales' shape checked below); else Q4_K's form
-  const bool q6k = ratio_biases(biases);
+  const bool q6k = implicit_biases(biases);
   const int bits = q6k ? 6 : 4;
   const int N = w.shape(-2);
   const int K = int(int64_t(w.shape(-1)) * 32 / bits);
@@ -243,14 +244,12 @@ std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, con
   }
   mx::array wc = w, sc = scales, bc = biases;
   mx::eval({wc, sc, bc});
-  if (q6k && biases_of(bc).ratio != kQ6Ratio) {
-    throw std::invalid_argument("panel_layout takes Q6_K's own bias ratio (-32) only");
-  }
+  check_panel_biases(bc, bits);
   return convert(wc, sc, bc, bits, to_panels);
 }
 
 std::tuple<mx::array, mx::array, mx::array> row_form(const mx::array& w, const mx::array& scales, const mx::array& biases) {
-  return convert(w, scales, biases, ratio_biases(biases) ? 6 : 4, false);
+  return convert(w, scales, biases, implicit_biases(biases) ? 6 : 4, false);
 }
 
 bool panel_kernel_available() {

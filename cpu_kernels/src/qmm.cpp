@@ -516,9 +516,7 @@ void run_qmm(
   }
   const DenseBytes wd = dense_bytes(w);
   if (panels) {
-    if (bits == 6 && biases_of(biases).ratio != kQ6Ratio) {
-      throw std::invalid_argument("a Q6_K layer in panels needs its bias ratio -32");
-    }
+    check_panel_biases(biases, bits);
     const DenseBytes sd = dense_bytes(scales);
     const DenseBytes bd = dense_bytes(biases);
     (int8 ? run_panels : run_panels_x3)(
