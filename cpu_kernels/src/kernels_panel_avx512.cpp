@@ -1,5 +1,5 @@
-// The int8 panel kernel (panels.h): int8 rows of x times Q4_K (q8_panels) or Q6_K (q6_panels) weights
-// in 16-row panels, AVX-512 VNNI.
+// The int8 panel kernel (panels.h): int8 rows of x times Q4_K (q8_panels), Q5_K (q5_panels) or Q6_K
+// (q6_panels) weights in 16-row panels, AVX-512 VNNI.
 //
 // Per group of 32 values and panel, four 64-byte loads give 16 rows x 8 values each (two nibbles a
 // byte); each row of x then takes 8 vpdpbusd with 4 of its int8 values broadcast to every lane, and
@@ -8,13 +8,15 @@
 // per row. The codes are unpacked once per tile of up to 8 rows of x. One thread, a 1B model's
 // matrices from L3 (cpu_kernels/panels.py): one row of x 71-77 GMAC/s (the row kernel 35), 8-16 rows
 // 130-147 (62-67), 64 rows 128-133 (the int8 GEMM 107-110). Exact math sends each row of x as three
-// int8 planes (panels.cpp: run_panels_x3), so one row of x in decode is a tile of three. Q6_K's
+// int8 planes (panels.cpp: run_panels_x3), so one row of x in decode is a tile of three. Q5_K's codes
+// are Q4_K's nibbles with a fifth bit joined from a fifth load per group (step_codes). Q6_K's
 // groups of 16 join their codes from two nibble steps and a step of top bits (codes6), and start their
 // int32 sums from -32 times the group's sum of x (the bias term, in integers).
 #include <immintrin.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernels.h"
 #include "panels.h"
@@ -47,15 +49,56 @@ inline __m512 block_steps(const uint8_t* block) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
 }
 
-template <int MT>
-void panel_tile(const PanelArgs& a, int p, int m0) {
+// Q5_K: the fifth bits of step s's low (h = 0) or high (h = 1) nibbles at bit 4 of each byte, from the
+// group's fifth-bit vector (panels.h: bit 2s + h of each byte); 16-bit shifts, whose bits crossing into
+// the neighbouring byte the caller's mask drops
+template <int Bit>
+inline __m512i fifth_bits(__m512i top) {
+  if constexpr (Bit < 4) {
+    return _mm512_slli_epi16(top, 4 - Bit);
+  } else if constexpr (Bit > 4) {
+    return _mm512_srli_epi16(top, Bit - 4);
+  } else {
+    return top;
+  }
+}
+
+// Step s's low and high codes of a group, 4-bit (Q4_K) or joined with their fifth bits (Q5_K): a | (b &
+// 0x10) in one ternary-logic op (0xF8 = A | (B & C))
+template <int Bits, int S>
+inline void step_codes(const uint8_t* wg, __m512i top, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i raw = _mm512_loadu_si512(wg + S * 64);
+  lo = _mm512_and_si512(raw, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+  if constexpr (Bits == 5) {
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    lo = _mm512_ternarylogic_epi32(lo, fifth_bits<2 * S>(top), bit4, 0xF8);
+    hi = _mm512_ternarylogic_epi32(hi, fifth_bits<2 * S + 1>(top), bit4, 0xF8);
+  }
+}
+
+// Many rows of x against Q5_K or Q6_K: each panel's codes are joined once (expand) into a buffer of
+// bytes the tiles then load as they are, where each tile of 8 rows would join them again: per group of
+// a panel, Q5_K 512 bytes (per step, its low codes' 64 bytes, then its high codes'), Q6_K 256 (codes6's
+// four vectors). Two threads, int8 math, an 8192 x 2048 Q5_K matrix and a 2048 x 8192 Q6_K one from L3
+// (in-process A/B, medians of 7): 512 rows of x 46 -> 42 ms and 59 -> 54; 64 rows 1.06x; 16 rows 0.85-0.9x
+// (the buffer's writes not paid back). Q4_K's nibbles cost the tile nothing measurable to unpack (40.3
+// against 40.3 ms at 512 rows: the tile is bound by vpdpbusd's port), so Q4_K never expands.
+constexpr int kExpandRows = 48; // from this many rows of x
+constexpr int kExpandedGroup = 512; // bytes a group of 32 of a panel, expanded (Q6_K: half, for 16)
+
+// Q4_K and Q5_K (kSuper, groups of 32): a group is 256 bytes of codes (four loads), Q5_K's 64 more of
+// fifth bits; Expanded: the panel's codes as expand wrote them to ex
+template <int Bits, int MT, bool Expanded = false>
+void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) {
+  constexpr int kGroupBytes = Expanded ? kExpandedGroup : Bits * 64;
   const int K = a.K;
   const int G = K / 32;
   const size_t sb_bytes = size_t(kPanelRows) * kSuperBytes;
-  const uint8_t* wp = a.w + size_t(p) * kPanelRows * (K / 2);
+  const uint8_t* wp = Expanded ? ex : a.w + size_t(p) * kPanelRows * (size_t(K) * Bits / 8);
   const uint8_t* sp = a.scales + size_t(p) * sb_bytes * (K / 256);
   const uint8_t* bp = a.biases + size_t(p) * sb_bytes * (K / 256);
-  const __m512i low4 = _mm512_set1_epi8(15);
   const int8_t* xq[MT];
   const float* xd[MT];
   const float* xs[MT];
@@ -77,13 +120,14 @@ void panel_tile(const PanelArgs& a, int p, int m0) {
     const __m512 bsteps = block_steps(bblock);
     for (int j = 0; j < kSuperGroups; ++j) {
       const int g = sb * kSuperGroups + j;
-      const uint8_t* wg = wp + size_t(g) * 256;
-      if constexpr (MT <= 3) { // decode: one or two rows of x, or one row's three planes (exact math)
-#pragma GCC unroll 4
-        for (int l = 0; l < 4; ++l) {
+      const uint8_t* wg = wp + size_t(g) * kGroupBytes;
+      if constexpr (MT <= 3 && !Expanded) { // decode: one or two rows of x, or one row's three planes (exact math)
+#pragma GCC unroll 5
+        for (int l = 0; l < Bits; ++l) {
           _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * l), _MM_HINT_T0);
         }
       }
+      const __m512i top = Bits == 5 && !Expanded ? _mm512_loadu_si512(wg + 256) : _mm512_setzero_si512();
       // few rows of x: two chains of vpdpbusd per row (low and high nibbles), else the chains' latency
       // (8 in a row per group) bounds the tile
       constexpr int C = MT <= 4 ? 2 : 1;
@@ -93,14 +137,17 @@ void panel_tile(const PanelArgs& a, int p, int m0) {
         ia[m] = _mm512_setzero_si512();
         ib[m] = _mm512_setzero_si512();
       }
-#pragma GCC unroll 4
-      for (int s = 0; s < 4; ++s) {
-        const __m512i raw = _mm512_loadu_si512(wg + s * 64);
-        const __m512i lo = _mm512_and_si512(raw, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      const auto step = [&]<int S>() {
+        __m512i lo, hi;
+        if constexpr (Expanded) {
+          lo = _mm512_loadu_si512(wg + S * 128);
+          hi = _mm512_loadu_si512(wg + S * 128 + 64);
+        } else {
+          step_codes<Bits, S>(wg, top, lo, hi);
+        }
 #pragma GCC unroll 8
         for (int m = 0; m < MT; ++m) {
-          const int8_t* x = xq[m] + size_t(g) * 32 + s * 8;
+          const int8_t* x = xq[m] + size_t(g) * 32 + S * 8;
           int32_t x0, x1;
           __builtin_memcpy(&x0, x, 4);
           __builtin_memcpy(&x1, x + 4, 4);
@@ -111,7 +158,11 @@ void panel_tile(const PanelArgs& a, int p, int m0) {
             ia[m] = _mm512_dpbusd_epi32(ia[m], hi, _mm512_set1_epi32(x1));
           }
         }
-      }
+      };
+      step.template operator()<0>();
+      step.template operator()<1>();
+      step.template operator()<2>();
+      step.template operator()<3>();
       if constexpr (C == 2) {
 #pragma GCC unroll 8
         for (int m = 0; m < MT; ++m) {
@@ -157,12 +208,12 @@ inline Codes6 codes6(const uint8_t* wg) {
 // Q6_K (kSuper16, groups of 16): per group, the 16 rows' int32 dot products start from the group's
 // offset (-32 times its sum of x, PanelArgs::xoff), so they are those of the codes less 32, exact; then
 // y += sum * (step * multiple * d) for 16 rows at once. A group is 192 bytes of codes (three loads).
-template <int MT>
-void panel6_tile(const PanelArgs& a, int p, int m0) {
+template <int MT, bool Expanded = false>
+void panel6_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) {
   const int K = a.K;
   const int G = K / 16;
   const size_t sb_bytes = size_t(kPanelRows) * kSuper16Bytes; // 288
-  const uint8_t* wp = a.w + size_t(p) * kPanelRows * (size_t(K) * 3 / 4);
+  const uint8_t* wp = Expanded ? ex : a.w + size_t(p) * kPanelRows * (size_t(K) * 3 / 4);
   const uint8_t* sp = a.scales + size_t(p) * sb_bytes * (K / 256);
   const int8_t* xq[MT];
   const float* xd[MT];
@@ -183,14 +234,22 @@ void panel6_tile(const PanelArgs& a, int p, int m0) {
     const __m512 steps = block_steps(sblock);
     for (int j = 0; j < kSuper16Groups; ++j) {
       const int g = sb * kSuper16Groups + j;
-      const uint8_t* wg = wp + size_t(g) * 192;
-      if constexpr (MT <= 3) { // decode (exact math: one row's three planes)
+      const uint8_t* wg = wp + size_t(g) * (Expanded ? kExpandedGroup / 2 : 192);
+      if constexpr (MT <= 3 && !Expanded) { // decode (exact math: one row's three planes)
 #pragma GCC unroll 3
         for (int l = 0; l < 3; ++l) {
           _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * l), _MM_HINT_T0);
         }
       }
-      const Codes6 c = codes6(wg);
+      Codes6 c;
+      if constexpr (Expanded) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          c.c[k] = _mm512_loadu_si512(wg + 64 * k);
+        }
+      } else {
+        c = codes6(wg);
+      }
       __m512i ia[MT];
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
@@ -216,36 +275,86 @@ void panel6_tile(const PanelArgs& a, int p, int m0) {
   store_tile<MT>(a, p, m0, acc);
 }
 
-// A tile of MT rows of x against panel p in the format's kernel (Bits 4: Q4_K, 6: Q6_K)
-template <int Bits, int MT>
-inline void tile(const PanelArgs& a, int p, int m0) {
+// A tile of MT rows of x against panel p in the format's kernel (Bits 4: Q4_K, 5: Q5_K, 6: Q6_K), on
+// the panel's codes as they are or expanded to ex
+template <int Bits, int MT, bool Expanded>
+inline void tile(const PanelArgs& a, int p, int m0, const uint8_t* ex) {
   if constexpr (Bits == 6) {
-    panel6_tile<MT>(a, p, m0);
+    panel6_tile<MT, Expanded>(a, p, m0, ex);
   } else {
-    panel_tile<MT>(a, p, m0);
+    panel_tile<Bits, MT, Expanded>(a, p, m0, ex);
   }
 }
 
 // The last rows of x (fewer than a tile), with the tile that holds exactly them.
-template <int Bits, int MT>
-void rest(const PanelArgs& a, int p, int m0, int rows) {
+template <int Bits, int MT, bool Expanded>
+void rest(const PanelArgs& a, int p, int m0, int rows, const uint8_t* ex) {
   if (rows == MT) {
-    tile<Bits, MT>(a, p, m0);
+    tile<Bits, MT, Expanded>(a, p, m0, ex);
   } else if constexpr (MT > 1) {
-    rest<Bits, MT - 1>(a, p, m0, rows);
+    rest<Bits, MT - 1, Expanded>(a, p, m0, rows, ex);
+  }
+}
+
+// Panel p's codes joined into bytes, group after group (kExpandRows): Q5_K's low and high codes of each
+// step (step_codes), Q6_K's four vectors (codes6)
+template <int Bits>
+void expand(const PanelArgs& a, int p, uint8_t* ex) {
+  const int K = a.K;
+  if constexpr (Bits == 6) {
+    const uint8_t* wp = a.w + size_t(p) * kPanelRows * (size_t(K) * 3 / 4);
+    for (int g = 0; g < K / 16; ++g) {
+      const Codes6 c = codes6(wp + size_t(g) * 192);
+      for (int k = 0; k < 4; ++k) {
+        _mm512_storeu_si512(ex + size_t(g) * (kExpandedGroup / 2) + 64 * k, c.c[k]);
+      }
+    }
+  } else {
+    const uint8_t* wp = a.w + size_t(p) * kPanelRows * (size_t(K) * Bits / 8);
+    for (int g = 0; g < K / 32; ++g) {
+      const uint8_t* wg = wp + size_t(g) * (Bits * 64);
+      uint8_t* eg = ex + size_t(g) * kExpandedGroup;
+      const __m512i top = Bits == 5 ? _mm512_loadu_si512(wg + 256) : _mm512_setzero_si512();
+      const auto step = [&]<int S>() {
+        __m512i lo, hi;
+        step_codes<Bits, S>(wg, top, lo, hi);
+        _mm512_storeu_si512(eg + S * 128, lo);
+        _mm512_storeu_si512(eg + S * 128 + 64, hi);
+      };
+      step.template operator()<0>();
+      step.template operator()<1>();
+      step.template operator()<2>();
+      step.template operator()<3>();
+    }
+  }
+}
+
+template <int Bits, bool Expanded>
+void panel_rows(const PanelArgs& a, int p, const uint8_t* ex) {
+  int m0 = 0;
+  for (; m0 + kTileRows <= a.M; m0 += kTileRows) {
+    tile<Bits, kTileRows, Expanded>(a, p, m0, ex);
+  }
+  if (m0 < a.M) {
+    rest<Bits, kTileRows - 1, Expanded>(a, p, m0, a.M - m0, ex);
   }
 }
 
 template <int Bits>
 void panels(const PanelArgs& a, int p0, int p1) {
+  if constexpr (Bits != 4) {
+    if (a.M >= kExpandRows) {
+      thread_local std::vector<uint8_t> ex; // 16 bytes a value of a row: 128 KiB at K 8192
+      ex.resize(size_t(a.K) * kPanelRows);
+      for (int p = p0; p < p1; ++p) {
+        expand<Bits>(a, p, ex.data());
+        panel_rows<Bits, true>(a, p, ex.data());
+      }
+      return;
+    }
+  }
   for (int p = p0; p < p1; ++p) {
-    int m0 = 0;
-    for (; m0 + kTileRows <= a.M; m0 += kTileRows) {
-      tile<Bits, kTileRows>(a, p, m0);
-    }
-    if (m0 < a.M) {
-      rest<Bits, kTileRows - 1>(a, p, m0, a.M - m0);
-    }
+    panel_rows<Bits, false>(a, p, nullptr);
   }
 }
 
@@ -253,6 +362,10 @@ void panels(const PanelArgs& a, int p0, int p1) {
 
 void q8_panels(const PanelArgs& a, int p0, int p1) {
   panels<4>(a, p0, p1);
+}
+
+void q5_panels(const PanelArgs& a, int p0, int p1) {
+  panels<5>(a, p0, p1);
 }
 
 void q6_panels(const PanelArgs& a, int p0, int p1) {

@@ -47,6 +47,74 @@ void codes_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
   }
 }
 
+// One row's 32 Q5_K codes of a group (20 bytes of its bit stream, eight codes to each 5 bytes) <-> the
+// panel form's four step words and fifth-bit word of that row (panels.h): step s's byte b holds values
+// s * 8 + b (low nibble) and s * 8 + 4 + b (high) of the group, the fifth-bit word's byte b at bit
+// 2s + h the fifth bit of value s * 8 + 4h + b.
+void pack_group5(const uint8_t* row, uint8_t* block) {
+  uint8_t c[32];
+  for (int k = 0; k < 4; ++k) {
+    uint64_t v = 0;
+    std::memcpy(&v, row + 5 * k, 5);
+    for (int i = 0; i < 8; ++i) {
+      c[8 * k + i] = uint8_t((v >> (5 * i)) & 31);
+    }
+  }
+  uint32_t top = 0;
+  for (int s = 0; s < 4; ++s) {
+    uint32_t step = 0;
+    for (int b = 0; b < 4; ++b) {
+      const uint8_t lo = c[s * 8 + b], hi = c[s * 8 + 4 + b];
+      step |= uint32_t((lo & 15) | (hi & 15) << 4) << (8 * b);
+      top |= uint32_t((lo >> 4) << (2 * s) | (hi >> 4) << (2 * s + 1)) << (8 * b);
+    }
+    std::memcpy(block + 64 * s, &step, 4);
+  }
+  std::memcpy(block + 256, &top, 4);
+}
+
+void unpack_group5(const uint8_t* block, uint8_t* row) {
+  uint32_t top;
+  std::memcpy(&top, block + 256, 4);
+  uint8_t c[32];
+  for (int s = 0; s < 4; ++s) {
+    uint32_t step;
+    std::memcpy(&step, block + 64 * s, 4);
+    for (int b = 0; b < 4; ++b) {
+      const uint32_t byte = step >> (8 * b), t = top >> (8 * b);
+      c[s * 8 + b] = uint8_t((byte & 15) | ((t >> (2 * s)) & 1) << 4);
+      c[s * 8 + 4 + b] = uint8_t(((byte >> 4) & 15) | ((t >> (2 * s + 1)) & 1) << 4);
+    }
+  }
+  for (int k = 0; k < 4; ++k) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) {
+      v |= uint64_t(c[8 * k + i]) << (5 * i);
+    }
+    std::memcpy(row + 5 * k, &v, 5);
+  }
+}
+
+// One panel's codes, row form <-> panel form, a group of Values values of a row (RowBytes of its bit
+// stream) at a time through Pack / Unpack, row r's words at 4r of the group's PanelBytes (16 rows).
+template <int Values, int RowBytes, int PanelBytes, void (*Pack)(const uint8_t*, uint8_t*), void (*Unpack)(const uint8_t*, uint8_t*)>
+void codes_panel_by_groups(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
+  const size_t row_bytes = size_t(K) / Values * RowBytes;
+  for (int g = 0; g < K / Values; ++g) {
+    for (int r = 0; r < kPanelRows; ++r) {
+      const size_t row = size_t(r) * row_bytes + size_t(g) * RowBytes, block = size_t(g) * PanelBytes + 4 * r;
+      if (to_panels) {
+        Pack(src + row, dst + block);
+      } else {
+        Unpack(src + block, dst + row);
+      }
+    }
+  }
+}
+
+// Q5_K: K * 5 / 8 bytes a row, 320 bytes a group of 32 of a panel
+constexpr auto codes_panel5 = codes_panel_by_groups<32, 20, 320, pack_group5, unpack_group5>;
+
 // One row's 16 Q6_K codes of a group (12 bytes of its bit stream, four codes to each 3 bytes) <-> the
 // panel form's three 32-bit words of that row (panels.h): vector k's codes (values 4k .. 4k + 3) a byte
 // each, low nibbles in word k / 2 (half k % 2), top bits at bit 2k of the third word.
@@ -85,20 +153,8 @@ void unpack_group6(const uint8_t* block, uint8_t* row) {
   }
 }
 
-// One panel's Q6_K codes, row form <-> panel form (K * 3 / 4 bytes a row, 16 rows; 192 bytes a group).
-void codes_panel6(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
-  const size_t row_bytes = size_t(K) * 3 / 4;
-  for (int g = 0; g < K / 16; ++g) {
-    for (int r = 0; r < kPanelRows; ++r) {
-      const size_t row = size_t(r) * row_bytes + size_t(g) * 12, block = size_t(g) * 192 + 4 * r;
-      if (to_panels) {
-        pack_group6(src + row, dst + block);
-      } else {
-        unpack_group6(src + block, dst + row);
-      }
-    }
-  }
-}
+// Q6_K: K * 3 / 4 bytes a row, 192 bytes a group of 16 of a panel
+constexpr auto codes_panel6 = codes_panel_by_groups<16, 12, 192, pack_group6, unpack_group6>;
 
 // One panel's two-level scales (or biases), row form <-> panel form (K / 256 * (2 + Groups) bytes a
 // row: Q4_K's kSuper, Groups 8; Q6_K's kSuper16, 16). noipa: GCC 12 at -O3 (its loop peeling) dropped
@@ -155,8 +211,8 @@ int block_bytes(int bits) {
 } // namespace
 
 bool is_panel_form(const mx::array& w, const mx::array& scales, int group_size, int bits) {
-  const bool q4k = bits == 4 && group_size == 32, q6k = bits == 6 && group_size == 16;
-  if (!(q4k || q6k) || scales.dtype() != mx::uint8 || w.ndim() < 2 || scales.ndim() != w.ndim()) {
+  const bool k32 = (bits == 4 || bits == 5) && group_size == 32, q6k = bits == 6 && group_size == 16;
+  if (!(k32 || q6k) || scales.dtype() != mx::uint8 || w.ndim() < 2 || scales.ndim() != w.ndim()) {
     return false;
   }
   for (int d = 0; d + 2 < w.ndim(); ++d) { // stacked experts: the same number of matrices
@@ -172,7 +228,7 @@ void check_panel_shapes(const mx::array& scales, const mx::array& biases, int K,
   if (K % 256 != 0 || scales.shape(-1) != K / 16 * block_bytes(bits) || !fits) {
     throw std::invalid_argument(
         "a layer in 16-row panels needs K a multiple of 256 and scales (..., N / 16, K / 16 * 10) with biases "
-        "alike (Q4_K), or scales (N / 16, K / 16 * 18) with a one-element bias ratio (Q6_K)");
+        "alike (Q4_K, Q5_K), or scales (N / 16, K / 16 * 18) with a one-element bias ratio (Q6_K)");
   }
 }
 
@@ -214,7 +270,7 @@ std::tuple<mx::array, mx::array, mx::array> convert(const mx::array& w, const mx
       scales_panel<kSuper16Groups>(ssrc + p * panel_scales, sdst + p * panel_scales, K, to_panels);
       return;
     }
-    codes_panel(wsrc + p * panel_codes, wdst + p * panel_codes, K, to_panels);
+    (bits == 5 ? codes_panel5 : codes_panel)(wsrc + p * panel_codes, wdst + p * panel_codes, K, to_panels);
     scales_panel<kSuperGroups>(ssrc + p * panel_scales, sdst + p * panel_scales, K, to_panels);
     scales_panel<kSuperGroups>(bsrc + p * panel_scales, bo.data<uint8_t>() + p * panel_scales, K, to_panels);
   });
@@ -223,13 +279,28 @@ std::tuple<mx::array, mx::array, mx::array> convert(const mx::array& w, const mx
 
 } // namespace
 
+namespace {
+
+// A two-level layer's bits from its arrays in either form: Q6_K by its one-element bias ratio, else 5
+// where the codes are 5 bits to each value the scales cover (Q5_K), else 4 (Q4_K; the shapes checked
+// by the caller). The scales hold 10 bytes per 256 values of a row (the row form) or 10 per 16 values of
+// 16 rows (a panel).
+int panel_bits(const mx::array& w, const mx::array& scales, const mx::array& biases, bool in_panels) {
+  if (implicit_biases(biases)) {
+    return 6;
+  }
+  const int64_t K = int64_t(scales.shape(-1)) / kSuperBytes * (in_panels ? 16 : 256);
+  return int64_t(w.shape(-1)) * 32 == K * 5 ? 5 : 4;
+}
+
+} // namespace
+
 std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, bool to_panels) {
   if (w.dtype() != mx::uint32 || w.ndim() < 2 || scales.dtype() != mx::uint8 || scales.ndim() != w.ndim()) {
-    throw std::invalid_argument("panel_layout takes a Q4_K or Q6_K layer: uint32 codes and two-level (uint8) scales");
+    throw std::invalid_argument("panel_layout takes a Q4_K, Q5_K or Q6_K layer: uint32 codes and two-level (uint8) scales");
   }
-  // Q6_K: the one-element bias ratio (its scales' shape checked below); else Q4_K's form
-  const bool q6k = implicit_biases(biases);
-  const int bits = q6k ? 6 : 4;
+  const int bits = panel_bits(w, scales, biases, !to_panels);
+  const bool q6k = bits == 6;
   const int N = w.shape(-2);
   const int K = int(int64_t(w.shape(-1)) * 32 / bits);
   mx::Shape expected = w.shape(); // the scales' shape in the form given
@@ -239,8 +310,8 @@ std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, con
   if (N % kPanelRows != 0 || K % 256 != 0 || scales.shape() != expected || !biases_fit) {
     throw std::invalid_argument(
         "panel_layout needs N a multiple of 16, K of 256, and scales (..., N, K / 256 * 10) (to panels) or (..., "
-        "N / 16, K / 16 * 10) (back) with biases alike (Q4_K), or scales (..., N, K / 256 * 18) or (..., N / 16, "
-        "K / 16 * 18) and a one-element bias ratio (Q6_K)");
+        "N / 16, K / 16 * 10) (back) with biases alike (Q4_K, Q5_K), or scales (..., N, K / 256 * 18) or (..., N / "
+        "16, K / 16 * 18) and a one-element bias ratio (Q6_K)");
   }
   mx::array wc = w, sc = scales, bc = biases;
   mx::eval({wc, sc, bc});
@@ -249,7 +320,7 @@ std::tuple<mx::array, mx::array, mx::array> panel_layout(const mx::array& w, con
 }
 
 std::tuple<mx::array, mx::array, mx::array> row_form(const mx::array& w, const mx::array& scales, const mx::array& biases) {
-  return convert(w, scales, biases, implicit_biases(biases) ? 6 : 4, false);
+  return convert(w, scales, biases, panel_bits(w, scales, biases, true), false);
 }
 
 bool panel_kernel_available() {
@@ -266,8 +337,15 @@ bool panel_kernel_runs(bool int8) {
 
 namespace {
 
+#if defined(DUET_X86)
+// The panel kernel for a format: Q4_K, Q5_K or Q6_K (bits 4, 5, 6)
+auto panel_kernel(int bits) {
+  return bits == 6 ? avx512::q6_panels : bits == 5 ? avx512::q5_panels : avx512::q8_panels;
+}
+#endif
+
 // y (M, N) = M rows of x8 (quantize_rows_q8's or split_rows_x3's layout) times the panel-form layer
-// (bits 4: Q4_K, 6: Q6_K), the panels split into tasks on the shared pool.
+// (bits 4: Q4_K, 5: Q5_K, 6: Q6_K), the panels split into tasks on the shared pool.
 void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
 #if defined(DUET_X86)
   std::vector<int32_t> offsets;
@@ -275,7 +353,7 @@ void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, c
   if (bits == 6) { // Q6_K's bias term (-32 times each scale) in integers, on every plane of x alike
     a.xoff = offsets_int8(x8.q, M, K, int32_t(kQ6Ratio), offsets);
   }
-  const auto kernel = bits == 6 ? avx512::q6_panels : avx512::q8_panels;
+  const auto kernel = panel_kernel(bits);
   auto pool = shared_pool();
   const int panels = N / kPanelRows;
   const int tasks = std::min(panels, task_count(size_t(N) * K * bits / 8, M, pool->size()));
@@ -356,7 +434,7 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
   }
   const size_t expert_codes = size_t(N) * K * bits / 8;
   const size_t expert_scales = size_t(N) / kPanelRows * (size_t(K) / 16 * block_bytes(bits));
-  const auto kernel = bits == 6 ? avx512::q6_panels : avx512::q8_panels;
+  const auto kernel = panel_kernel(bits);
   pool->run(int(units.size()), [&](int i) {
     const Unit& u = units[size_t(i)];
     const size_t q0 = size_t(planes) * g.start[u.e];

@@ -6,7 +6,7 @@
 // one vpdpbusd multiplies them with four values of one row of x broadcast to every lane, and 16 outputs
 // accumulate side by side in one register. No unpacking per row of x, no horizontal sums, and the
 // group's scales are applied to 16 rows at once (llama.cpp's repacked Q4_K does the same for the
-// same reason). Bytes are unchanged (Q4_K 4.625 bits a weight, Q6_K 6.5625).
+// same reason). Bytes are unchanged (Q4_K 4.625 bits a weight, Q5_K 5.625, Q6_K 6.5625).
 //
 // Panel p holds rows 16p..16p+15 where the row form held them (the same byte range of w, scales and
 // biases), reordered. Q4_K (4-bit, groups of 32, kSuper):
@@ -14,6 +14,10 @@
 //     holding value g*32 + s*8 + b in its low nibble and value g*32 + s*8 + 4 + b in its high nibble;
 //   * scales (and biases alike): per super-block of 256 values, 160 bytes: the 16 rows' float16 steps,
 //     then per group j of its 8 the 16 rows' uint8 multiples.
+// Q5_K (5-bit, groups of 32, kSuper as Q4_K's): per group g, 320 bytes: the low 4 bits of each code
+//   laid out as Q4_K's four steps (256 bytes), then 64 bytes of fifth bits: row r's byte b at 4r + b
+//   holding at bit 2s + h the fifth bit of value g*32 + s*8 + 4h + b (the code whose low bits are in
+//   step s's byte b, low nibble h = 0, high h = 1); scales and biases as Q4_K's.
 // Q6_K (6-bit, groups of 16, kSuper16; biases the one-element ratio -32, unchanged; experts' stacks too):
 //   * codes: per group g of 16 values, 192 bytes: two 64-byte steps of low nibbles laid out as Q4_K's
 //     (step s: row r's byte b at 4r + b, value g*16 + s*8 + b's low 4 bits in its low nibble, value
@@ -39,7 +43,7 @@ struct PanelArgs {
   const int8_t* xq; // (M, K) int8, element order
   const float* xd; // (M, K / 8): each run's scale d four times over (q8_quantize's layout)
   const float* xsum; // (M, K / 32): each group's sum of d * q
-  const uint8_t* w; // (N, K / 2) bytes in panels
+  const uint8_t* w; // (N, K * bits / 8) bytes in panels
   const uint8_t* scales; // (N / 16, K / 16 * 10) bytes in panels
   const uint8_t* biases; // likewise
   float* y; // (M, N), written
@@ -56,14 +60,15 @@ constexpr float kQ6Ratio = -32.0f;
 
 #if defined(DUET_X86)
 namespace avx512 {
-// y[:, 16 * p0 : 16 * p1] (AVX-512 VNNI): Q4_K panels, Q6_K panels (with a.xoff)
+// y[:, 16 * p0 : 16 * p1] (AVX-512 VNNI): Q4_K panels, Q5_K panels, Q6_K panels (with a.xoff)
 void q8_panels(const PanelArgs& a, int p0, int p1);
+void q5_panels(const PanelArgs& a, int p0, int p1);
 void q6_panels(const PanelArgs& a, int p0, int p1);
 } // namespace avx512
 #endif
 
-// Whether (w, scales) are a layer (or a stack of experts, w (E, N, ...)) in the panel form: Q4_K's
-// (4-bit, groups of 32, two-level scales) or Q6_K's (6-bit, groups of 16, kSuper16);
+// Whether (w, scales) are a layer (or a stack of experts, w (E, N, ...)) in the panel form: Q4_K's or
+// Q5_K's (4- or 5-bit, groups of 32, two-level scales) or Q6_K's (6-bit, groups of 16, kSuper16);
 // check_panel_shapes throws unless its scales and biases fit K.
 bool is_panel_form(const mlx::core::array& w, const mlx::core::array& scales, int group_size, int bits);
 void check_panel_shapes(const mlx::core::array& scales, const mlx::core::array& biases, int K, int bits);
@@ -71,7 +76,7 @@ void check_panel_shapes(const mlx::core::array& scales, const mlx::core::array& 
 // in as integer offsets (nothing to check for Q4_K).
 void check_panel_biases(const mlx::core::array& biases, int bits);
 
-// A Q4_K layer (4-bit, two-level scales, groups of 32) or a Q6_K layer (6-bit, kSuper16 scales, biases
+// A Q4_K or Q5_K layer (4- or 5-bit, two-level scales, groups of 32) or a Q6_K layer (6-bit, kSuper16 scales, biases
 // the one-element ratio -32), or a stack of either (..., N, ...), N a multiple of 16 and K of 256, into the panel form (to_panels) or back into the row form; the values are unchanged (the form
 // is read from the shapes). Evaluates its inputs (Python's call).
 std::tuple<mlx::core::array, mlx::core::array, mlx::core::array>
@@ -89,8 +94,8 @@ bool panel_kernel_available();
 // the variant splits x into three int8 planes); else they take the row form's paths on a row-form copy.
 bool panel_kernel_runs(bool int8);
 
-// y (M, N) float32 = x (M rows, dtype t) times the panel-form layer (bits 4: Q4_K, 6: Q6_K, whose
-// biases are not read), with int8 math.
+// y (M, N) float32 = x (M rows, dtype t) times the panel-form layer (bits 4: Q4_K, 5: Q5_K, 6: Q6_K,
+// whose biases are not read), with int8 math.
 void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 // The same with exact math: each row of x split into three int8 planes (split_rows_x3, as the exact
 // integer kernels split it), the 3M plane rows through the panel kernel, each row's three products
@@ -112,7 +117,7 @@ struct GatherRows {
 };
 
 // y (sorted pairs, N) float32: each pair's row of x times its expert's matrix, the E experts' w
-// (E, N, K * bits / 8 bytes), scales and biases in panels (bits 4: Q4_K; 6: Q6_K, biases the ratio),
+// (E, N, K * bits / 8 bytes), scales and biases in panels (bits 4: Q4_K; 5: Q5_K; 6: Q6_K, biases the ratio),
 // int8 math or exact (x in three int8 planes, as run_panels_x3); the panel kernel must be available.
 void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, bool int8);
 

@@ -1,6 +1,6 @@
-"""The CPU kernels' weight layout: Q4_K and Q6_K layers in 16-row panels where the panel kernel runs.
+"""The CPU kernels' weight layout: Q4_K, Q5_K and Q6_K layers in 16-row panels where the panel kernel runs.
 
-``cpu_kernels.panels`` regroups a model's Q4_K and Q6_K layers for the panel kernel (about twice the
+``cpu_kernels.panels`` regroups a model's Q4_K, Q5_K and Q6_K layers for the panel kernel (about twice the
 row kernel's rate at 1-16 rows of x on AVX-512 VNNI), which both maths use (exact math with x in three
 int8 planes). The engine puts them there each time one is made (a model loaded before may have been
 put back in rows by a caller).
@@ -34,10 +34,10 @@ def use_panel_layout(model: nn.Module) -> int:
 
 
 def panel_types(model: nn.Module) -> list[str]:
-    """The quant types of the model's layers in 16-row panels ("Q4_K", "Q6_K"), in that order."""
+    """The quant types of the model's layers in 16-row panels ("Q4_K", "Q5_K", "Q6_K"), in that order."""
     if backend_name() != "cpu":
         return []
     from cpu_kernels.panels import in_panels as layer_in_panels
 
     bits = {layer.bits for _, layer in model.named_modules() if layer_in_panels(layer)}
-    return [name for b, name in ((4, "Q4_K"), (6, "Q6_K")) if b in bits]
+    return [name for b, name in ((4, "Q4_K"), (5, "Q5_K"), (6, "Q6_K")) if b in bits]
