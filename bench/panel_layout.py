@@ -1,4 +1,4 @@
-"""Q4_K layers in 16-row panels against the row form, under exact or int8 math, on a GGUF's own layers.
+"""Q4_K and Q5_K layers in 16-row panels against the row form, under exact or int8 math, on a GGUF's own layers.
 
     PYTHONPATH=. HF_HUB_OFFLINE=1 env $(.venv/bin/python -m mlx_engine.blas --env) \\
         .venv/bin/python bench/panel_layout.py --model bench/out/synthetic/llama-1b-Q4_K_M.gguf \\
@@ -7,8 +7,9 @@
 
 Three measurements (AVX-512 VNNI only: elsewhere there is no panel kernel):
 
-* **products**: layer 0's q_proj (2048 x 2048 at 1B) and gate_proj (8192 x 2048) as the loader makes
-  them (row form) and in panels (``ext.panel_layout``), ``rows`` rows of x, each kernel thread count:
+* **products**: layer 0's q_proj (2048 x 2048 at 1B) and gate_proj (8192 x 2048), Q4_K or Q5_K (a
+  Q4_K_M or Q5_K_M file), as the loader makes them (row form) and in panels (``ext.panel_layout``),
+  ``rows`` rows of x, each kernel thread count:
   the best of 15 batches of 16 calls in one ``mx.eval`` (the weights stay in L2/L3: the kernels'
   compute, not DRAM), and each form's max error against float64 relative to the output's magnitude;
 * **crossover** (exact math): gate_proj in panels at many rows of x, the panel kernel on three planes
@@ -17,8 +18,8 @@ Three measurements (AVX-512 VNNI only: elsewhere there is no panel kernel):
 * **rows kept** (``--rows-kept``): the layers that stay in rows (Q6_K, and Q4_K as the loader makes it),
   one row of x (decode) from DRAM: every layer of a kind (down_proj, v_proj, the LM head) in one
   ``mx.eval``, median of 7, µs a product and GB/s of weights, both maths;
-* **engine**: Duet's engine (speculation off) on the whole model, its layers switched between the two
-  forms run by run (interleaved, fresh prompts each run so no prefix is cached): decode tok/s at a
+* **engine**: Duet's engine (speculation off) on the whole model, its layers (Q4_K or Q5_K, and Q6_K)
+  switched between the two forms run by run (interleaved, fresh prompts each run so no prefix is cached): decode tok/s at a
   64-token context (32 tokens) and prefill tok/s of a 512-token prompt, medians.
 """
 
@@ -62,8 +63,9 @@ def products(model, rows: list[int], threads: list[int], math: str) -> None:
         forms = {"rows": (mod.weight, mod.scales, mod.biases)}
         forms["panels"] = ext.panel_layout(*forms["rows"], True)
         mx.eval(*forms["panels"])
-        n, k = mod.weight.shape[0], mod.weight.shape[1] * 8
-        w64 = np.array(ext.dequantize(*forms["rows"], 32, 4)).astype(np.float64)
+        bits = mod.bits
+        n, k = mod.weight.shape[0], mod.weight.shape[1] * 32 // bits
+        w64 = np.array(ext.dequantize(*forms["rows"], 32, bits)).astype(np.float64)
         for m in rows:
             xs = [mx.random.normal((m, k)) for _ in range(16)]
             mx.eval(xs)
@@ -74,14 +76,14 @@ def products(model, rows: list[int], threads: list[int], math: str) -> None:
                 us, err = {}, {}
                 for form, (w, s, b) in forms.items():
 
-                    def batch(w=w, s=s, b=b, xs=xs) -> None:
-                        mx.eval([ext.quantized_matmul(x, w, s, b, 32, 4, int8=math == "int8") for x in xs])
+                    def batch(w=w, s=s, b=b, xs=xs, bits=bits) -> None:
+                        mx.eval([ext.quantized_matmul(x, w, s, b, 32, bits, int8=math == "int8") for x in xs])
 
                     us[form] = timed(batch, 15) / len(xs) * 1e6
-                    y = np.array(ext.quantized_matmul(xs[0], w, s, b, 32, 4, int8=math == "int8"))
+                    y = np.array(ext.quantized_matmul(xs[0], w, s, b, 32, bits, int8=math == "int8"))
                     err[form] = float((np.abs(y - ref) / (mag + 1e-30)).max())
                 print(
-                    f"| {name} {n} x {k} | {m} | {t} | {us['rows']:.0f} | {us['panels']:.0f} | "
+                    f"| {name} {n} x {k}, {bits}-bit | {m} | {t} | {us['rows']:.0f} | {us['panels']:.0f} | "
                     f"{us['rows'] / us['panels']:.2f}x | {err['rows']:.1e} | {err['panels']:.1e} |"
                 )
     set_threads()
@@ -128,15 +130,16 @@ def crossover(model, rows: list[int]) -> None:
     mod = model.model.layers[0].mlp.gate_proj
     w, s, b = ext.panel_layout(mod.weight, mod.scales, mod.biases, True)
     mx.eval(w, s, b)
-    k = mod.weight.shape[1] * 8
+    bits = mod.bits
+    k = mod.weight.shape[1] * 32 // bits
     print("\ncrossover, exact math, gate_proj in panels: ms per product")
     print("| rows | panel kernel, three planes | dequantize + GEMM |")
     print("|---:|---:|---:|")
     for m in rows:
         x = mx.random.normal((m, k))
         mx.eval(x)
-        planes = timed(lambda x=x: mx.eval(ext.quantized_matmul(x, w, s, b, 32, 4, int8=False)), 5)
-        gemm = timed(lambda x=x: mx.eval(mx.matmul(x, ext.dequantize(w, s, b, 32, 4).T)), 5)
+        planes = timed(lambda x=x: mx.eval(ext.quantized_matmul(x, w, s, b, 32, bits, int8=False)), 5)
+        gemm = timed(lambda x=x: mx.eval(mx.matmul(x, ext.dequantize(w, s, b, 32, bits).T)), 5)
         print(f"| {m} | {planes * 1e3:.1f} | {gemm * 1e3:.1f} |")
 
 
@@ -171,7 +174,9 @@ def engine(path: str, math: str, runs: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="a Q4_K GGUF (bench/synthetic_gguf.py makes one)")
+    ap.add_argument(
+        "--model", required=True, help="a Q4_K_M or Q5_K_M GGUF (bench/synthetic_gguf.py makes one)"
+    )
     ap.add_argument("--math", choices=("exact", "int8"), default="exact")
     ap.add_argument("--threads", default="1,2", help="kernel threads for the products")
     ap.add_argument("--rows", default="1,2,5,40", help="rows of x for the products")
