@@ -1,6 +1,7 @@
-"""Q4_K layers in 16-row panels (cpu_kernels/panels.py, src/panels.h): the int8 panel kernel.
+"""Q4_K and Q5_K layers in 16-row panels (cpu_kernels/panels.py, src/panels.h): the int8 panel kernel.
 
-The layout regroups a 4-bit layer with two-level scales by 16 rows; nothing about the values changes.
+The layout regroups a 4- or 5-bit layer with two-level scales by 16 rows (Q5_K: Q4_K's nibbles and a
+step of fifth bits); nothing about the values changes. Each kernel-level test runs for both.
 So: the conversion goes there and back bit for bit; the int8 panel kernel matches the int8 path's
 float64 oracle at every row count and thread count (each output computed by one thread); exact math
 on the panel kernel (x in three int8 planes) keeps float32's accuracy against float64; dequantize
@@ -300,7 +301,8 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def _k_quant_gguf(path: Path, arch: str, quant: str = "Q4_K") -> Path:
-    """A tiny model of the family with every matrix the K-quant ``quant`` (Q4_K or Q5_K)."""
+    """A tiny model of the family with every matrix the K-quant ``quant`` (Q4_K or Q5_K), or ``mixed``:
+    its FFN Q5_K, its attention's V Q6_K, the other matrices Q4_K."""
     from tests.gguf_families import write_family_gguf
 
     def qtype(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
@@ -308,7 +310,11 @@ def _k_quant_gguf(path: Path, arch: str, quant: str = "Q4_K") -> Path:
         matrix = (
             len(shape) >= 2 and shape[-1] % 256 == 0 and "token_embd" not in name and "gate_inp" not in name
         )
-        return q[quant] if matrix else q.F32
+        if not matrix:
+            return q.F32
+        if quant == "mixed":
+            return q.Q5_K if "ffn" in name else q.Q6_K if "attn_v" in name else q.Q4_K
+        return q[quant]
 
     write_family_gguf(
         path,
@@ -323,19 +329,27 @@ def _k_quant_gguf(path: Path, arch: str, quant: str = "Q4_K") -> Path:
 
 @needs_vnni
 @pytest.mark.parametrize(
-    "arch, quant", [("granite", "Q4_K"), ("qwen3moe", "Q4_K"), ("granite", "Q5_K"), ("qwen3moe", "Q5_K")]
+    "arch, quant",
+    [
+        ("granite", "Q4_K"),
+        ("qwen3moe", "Q4_K"),
+        ("granite", "Q5_K"),
+        ("qwen3moe", "Q5_K"),
+        ("granite", "mixed"),
+    ],
 )
 def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch, quant):  # noqa: F811
-    """An int8 engine on a Q4_K (Q5_K) model puts its layers in panels and says so (numerics profile,
-    weight format); its greedy reply is the one the row form gives with int8 math; an exact engine on
-    the same loaded model (put back in rows meanwhile) puts them in panels too and replies as the row
-    form does with exact math."""
+    """An int8 engine on a Q4_K (Q5_K, or a mix with Q6_K) model puts its layers in panels and says so
+    (numerics profile, weight format); its greedy reply is the one the row form gives with int8 math; an
+    exact engine on the same loaded model (put back in rows meanwhile) puts them in panels too and replies
+    as the row form does with exact math."""
     from mlx_engine.config import EngineConfig
     from mlx_engine.engine import Engine
     from mlx_engine.loading.loader import load_model
     from mlx_engine.request import GenerationRequest, SamplingParams
 
     loaded = load_model(str(_k_quant_gguf(tmp_path / "kquant.gguf", arch, quant)))
+    types, named = (["Q4_K", "Q5_K", "Q6_K"], "Q4_K, Q5_K and Q6_K") if quant == "mixed" else ([quant], quant)
     layers = [m for _, m in loaded.model.named_modules() if "scales" in m and m["scales"].dtype == mx.uint8]
     assert layers
     req = GenerationRequest(
@@ -354,8 +368,8 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch, quant):  # 
             assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
             # the experts' stacks too, where the MoE has them in the K-quant
             assert any(in_panels(m) and m["weight"].ndim == 3 for m in layers) == (arch == "qwen3moe")
-            assert engine.numerics_profile()["cpu_math"] == f"int8+panels({quant})"
-            assert engine.stats().weight_format.endswith(f", int8 activations, {quant} in 16-row panels")
+            assert engine.numerics_profile()["cpu_math"] == f"int8+panels({','.join(types)})"
+            assert engine.stats().weight_format.endswith(f", int8 activations, {named} in 16-row panels")
             with_panels = reply(engine)
         finally:
             engine.shutdown()
@@ -370,8 +384,8 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch, quant):  # 
         try:
             # exact math: in panels too (x in three int8 planes)
             assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
-            assert engine.numerics_profile()["cpu_math"] == f"exact+panels({quant})"
-            assert engine.stats().weight_format == loaded.weight_format + f", {quant} in 16-row panels"
+            assert engine.numerics_profile()["cpu_math"] == f"exact+panels({','.join(types)})"
+            assert engine.stats().weight_format == loaded.weight_format + f", {named} in 16-row panels"
             exact_panels = reply(engine)
         finally:
             engine.shutdown()

@@ -18,32 +18,41 @@ namespace duet_cpu {
 
 namespace {
 
-// One panel's codes, row form <-> panel form (K / 2 bytes a row, 16 rows).
-void codes_panel(const uint8_t* src, uint8_t* dst, int K, bool to_panels) {
-  const size_t row_bytes = size_t(K) / 2;
-  for (int g = 0; g < K / 32; ++g) {
-    for (int s = 0; s < 4; ++s) {
-      for (int r = 0; r < kPanelRows; ++r) {
-        for (int b = 0; b < 4; ++b) {
-          const int lo = g * 32 + s * 8 + b; // this byte's low nibble's value; its high nibble's is lo + 4
-          const size_t p = ((size_t(g) * 4 + s) * kPanelRows + r) * 4 + b;
-          const size_t row = size_t(r) * row_bytes;
-          if (to_panels) {
-            const uint8_t a = (src[row + lo / 2] >> (4 * (lo % 2))) & 15;
-            const uint8_t h = (src[row + (lo + 4) / 2] >> (4 * ((lo + 4) % 2))) & 15;
-            dst[p] = uint8_t(a | (h << 4));
-          } else {
-            const uint8_t v = src[p];
-            for (int half = 0; half < 2; ++half) {
-              const int e = lo + 4 * half;
-              const uint8_t code = half == 0 ? (v & 15) : (v >> 4);
-              uint8_t& out = dst[row + e / 2];
-              out = uint8_t((out & (e % 2 == 0 ? 0xF0 : 0x0F)) | (code << (4 * (e % 2))));
-            }
-          }
-        }
-      }
-    }
+// Eight 4-bit codes (a 32-bit word, code i at bit 4i) <-> a byte each (code i in byte i), halving the
+// fields twice: 16-bit halves to 32-bit lanes, bytes to 16-bit lanes, nibbles to bytes.
+uint64_t spread4(uint32_t w) {
+  uint64_t x = (w & 0xFFFFull) | uint64_t(w >> 16) << 32;
+  x = (x & 0x000000FF000000FFull) | (x & 0x0000FF000000FF00ull) << 8;
+  return (x & 0x000F000F000F000Full) | (x & 0x00F000F000F000F0ull) << 4;
+}
+
+uint32_t gather4(uint64_t x) {
+  x = (x & 0x000F000F000F000Full) | (x & 0x0F000F000F000F00ull) >> 4;
+  x = (x & 0x000000FF000000FFull) | (x & 0x00FF000000FF0000ull) >> 8;
+  return uint32_t((x & 0xFFFF) | (x >> 32 & 0xFFFF) << 16);
+}
+
+constexpr uint32_t kByteLow4 = 0x0F0F0F0Fu, kByteBit0 = 0x01010101u;
+
+// One row's 32 Q4_K codes of a group (16 bytes of its bit stream) <-> the panel form's four step words
+// of that row (panels.h): step s is the group's codes 8s .. 8s + 7 (4 bytes of the stream), its byte b
+// holding code 8s + b in the low nibble and 8s + 4 + b in the high.
+void pack_group4(const uint8_t* row, uint8_t* block) {
+  for (int s = 0; s < 4; ++s) {
+    uint32_t w;
+    std::memcpy(&w, row + 4 * s, 4);
+    const uint64_t x = spread4(w);
+    const uint32_t step = (uint32_t(x) & kByteLow4) | (uint32_t(x >> 32) & kByteLow4) << 4;
+    std::memcpy(block + 64 * s, &step, 4);
+  }
+}
+
+void unpack_group4(const uint8_t* block, uint8_t* row) {
+  for (int s = 0; s < 4; ++s) {
+    uint32_t step;
+    std::memcpy(&step, block + 64 * s, 4);
+    const uint32_t w = gather4(uint64_t(step & kByteLow4) | uint64_t((step >> 4) & kByteLow4) << 32);
+    std::memcpy(row + 4 * s, &w, 4);
   }
 }
 
@@ -60,8 +69,6 @@ uint64_t gather5(uint64_t x) {
   x = (x & 0x000003FF000003FFull) | (x & 0x03FF000003FF0000ull) >> 6;
   return (x & 0xFFFFF) | ((x >> 32) & 0xFFFFF) << 20;
 }
-
-constexpr uint32_t kByteLow4 = 0x0F0F0F0Fu, kByteBit0 = 0x01010101u;
 
 // One row's 32 Q5_K codes of a group (20 bytes of its bit stream, eight codes to each 5 bytes) <-> the
 // panel form's four step words and fifth-bit word of that row (panels.h): step s's byte b holds values
@@ -139,6 +146,8 @@ void codes_panel_by_groups(const uint8_t* src, uint8_t* dst, int K, bool to_pane
   }
 }
 
+// Q4_K: K / 2 bytes a row, 256 bytes a group of 32 of a panel
+constexpr auto codes_panel = codes_panel_by_groups<32, 16, 256, pack_group4, unpack_group4>;
 // Q5_K: K * 5 / 8 bytes a row, 320 bytes a group of 32 of a panel
 constexpr auto codes_panel5 = codes_panel_by_groups<32, 20, 320, pack_group5, unpack_group5>;
 
@@ -288,9 +297,6 @@ std::tuple<mx::array, mx::array, mx::array> convert(const mx::array& w, const mx
   const auto* bsrc = static_cast<const uint8_t*>(bd.data);
   uint8_t* wdst = reinterpret_cast<uint8_t*>(wo.data<uint32_t>());
   uint8_t* sdst = so.data<uint8_t>();
-  if (!to_panels && bits == 4) {
-    std::memset(wdst, 0, w.nbytes()); // written a nibble at a time
-  }
   each_panel(rows / kPanelRows, [&](int p) {
     if (bits == 6) {
       codes_panel6(wsrc + p * panel_codes, wdst + p * panel_codes, K, to_panels);

@@ -73,8 +73,13 @@ def _with_math(weight_format: str, cpu_math: str | None, panels: list[str]) -> s
     return (
         weight_format
         + (", int8 activations" if cpu_math.startswith("int8") else "")
-        + (f", {' and '.join(panels)} in 16-row panels" if panels else "")
+        + (f", {_and_list(panels)} in 16-row panels" if panels else "")
     )
+
+
+def _and_list(names: list[str]) -> str:
+    """'A', 'A and B', 'A, B and C'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def engine_stats(fixed: dict[str, Any], core: EngineCore) -> EngineStats:
