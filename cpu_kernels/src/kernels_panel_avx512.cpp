@@ -78,6 +78,15 @@ inline void step_codes(const uint8_t* wg, __m512i top, __m512i& lo, __m512i& hi)
   }
 }
 
+// f.template operator()<S>() for the four steps S of a group of 32 (S a constant: the fifth bits' shifts)
+template <typename F>
+inline void each_step(F&& f) {
+  f.template operator()<0>();
+  f.template operator()<1>();
+  f.template operator()<2>();
+  f.template operator()<3>();
+}
+
 // Many rows of x against Q5_K or Q6_K: each panel's codes are joined once (expand) into a buffer of
 // bytes the tiles then load as they are, where each tile of 8 rows would join them again: per group of
 // a panel, Q5_K 512 bytes (per step, its low codes' 64 bytes, then its high codes'), Q6_K 256 (codes6's
@@ -137,7 +146,7 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
         ia[m] = _mm512_setzero_si512();
         ib[m] = _mm512_setzero_si512();
       }
-      const auto step = [&]<int S>() {
+      each_step([&]<int S>() {
         __m512i lo, hi;
         if constexpr (Expanded) {
           lo = _mm512_loadu_si512(wg + S * 128);
@@ -158,11 +167,7 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
             ia[m] = _mm512_dpbusd_epi32(ia[m], hi, _mm512_set1_epi32(x1));
           }
         }
-      };
-      step.template operator()<0>();
-      step.template operator()<1>();
-      step.template operator()<2>();
-      step.template operator()<3>();
+      });
       if constexpr (C == 2) {
 #pragma GCC unroll 8
         for (int m = 0; m < MT; ++m) {
@@ -315,16 +320,12 @@ void expand(const PanelArgs& a, int p, uint8_t* ex) {
       const uint8_t* wg = wp + size_t(g) * (Bits * 64);
       uint8_t* eg = ex + size_t(g) * kExpandedGroup;
       const __m512i top = Bits == 5 ? _mm512_loadu_si512(wg + 256) : _mm512_setzero_si512();
-      const auto step = [&]<int S>() {
+      each_step([&]<int S>() {
         __m512i lo, hi;
         step_codes<Bits, S>(wg, top, lo, hi);
         _mm512_storeu_si512(eg + S * 128, lo);
         _mm512_storeu_si512(eg + S * 128 + 64, hi);
-      };
-      step.template operator()<0>();
-      step.template operator()<1>();
-      step.template operator()<2>();
-      step.template operator()<3>();
+      });
     }
   }
 }
