@@ -154,7 +154,7 @@ constexpr auto codes_panel5 = codes_panel_by_groups<32, 20, 320, pack_group5, un
 // One row's 16 Q6_K codes of a group (12 bytes of its bit stream, four codes to each 3 bytes) <-> the
 // panel form's three 32-bit words of that row (panels.h): vector k's codes (values 4k .. 4k + 3) a byte
 // each, low nibbles in word k / 2 (half k % 2), top bits at bit 2k of the third word.
-constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu, kTopBits = 0x03030303u;
+constexpr uint32_t kTopBits = 0x03030303u;
 
 void pack_group6(const uint8_t* row, uint8_t* block) {
   uint32_t vec[4];
@@ -163,8 +163,8 @@ void pack_group6(const uint8_t* row, uint8_t* block) {
     const uint32_t v = uint32_t(t[0]) | uint32_t(t[1]) << 8 | uint32_t(t[2]) << 16;
     vec[k] = (v & 63) | ((v >> 6) & 63) << 8 | ((v >> 12) & 63) << 16 | ((v >> 18) & 63) << 24;
   }
-  const uint32_t n0 = (vec[0] & kLowNibbles) | (vec[1] & kLowNibbles) << 4;
-  const uint32_t n1 = (vec[2] & kLowNibbles) | (vec[3] & kLowNibbles) << 4;
+  const uint32_t n0 = (vec[0] & kByteLow4) | (vec[1] & kByteLow4) << 4;
+  const uint32_t n1 = (vec[2] & kByteLow4) | (vec[3] & kByteLow4) << 4;
   uint32_t top = 0;
   for (int k = 0; k < 4; ++k) {
     top |= ((vec[k] >> 4) & kTopBits) << (2 * k);
@@ -179,7 +179,7 @@ void unpack_group6(const uint8_t* block, uint8_t* row) {
   std::memcpy(&n0, block, 4);
   std::memcpy(&n1, block + 64, 4);
   std::memcpy(&top, block + 128, 4);
-  const uint32_t nib[4] = {n0 & kLowNibbles, (n0 >> 4) & kLowNibbles, n1 & kLowNibbles, (n1 >> 4) & kLowNibbles};
+  const uint32_t nib[4] = {n0 & kByteLow4, (n0 >> 4) & kByteLow4, n1 & kByteLow4, (n1 >> 4) & kByteLow4};
   for (int k = 0; k < 4; ++k) {
     const uint32_t c = nib[k] | ((top >> (2 * k)) & kTopBits) << 4;
     const uint32_t v = (c & 63) | ((c >> 8) & 63) << 6 | ((c >> 16) & 63) << 12 | ((c >> 24) & 63) << 18;
