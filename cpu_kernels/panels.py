@@ -6,13 +6,13 @@ scales), a mixture of experts' stacks too, expert by expert, is regrouped by 16 
 (``src/panels.h``): one 64-byte load then holds 4 codes of each of 16 rows (Q6_K: their low nibbles,
 their top two bits in a third load per 16 values), one ``vpdpbusd`` multiplies them with 4 values of a
 row of x broadcast to every lane (Q5_K: their fifth bits joined from a fifth load per 32 values), and
-16 outputs accumulate side by side, where the row form unpacks a
-row's codes per row of x and sums each output horizontally. One thread, a 1B model's matrices: one
+16 outputs accumulate side by side, where the row form unpacks a row's codes per row of x and sums each
+output horizontally. One thread, a 1B model's matrices: one
 row of x 35 -> 71-77 GMAC/s, 8-16 rows 62-67 -> 130-147, 64 rows 107-110 -> 128-133 (the int8 GEMM).
 Exact math runs on the same kernel with each row of x split into three int8 planes (as the exact
 integer kernels split it: float32's accuracy, within float32's rounding of the row form's results).
-The bytes are the same (4.625 bits a weight, Q5_K 5.625, Q6_K 6.5625); the values are the same (``dequantize``
-reads panels bit for bit as the row form). The layer's scales say which form it is in:
+The bytes are the same (4.625 bits a weight, Q5_K 5.625, Q6_K 6.5625); the values are the same
+(``dequantize`` reads panels bit for bit as the row form). The layer's scales say which form it is in:
 ``(N / 16, K / 16 * 10)`` instead of ``(N, K / 256 * 10)`` (Q6_K: 18 for 10).
 """
 

@@ -70,13 +70,6 @@ uint64_t gather5(uint64_t x) {
   return (x & 0xFFFFF) | ((x >> 32) & 0xFFFFF) << 20;
 }
 
-// One row's 32 Q5_K codes of a group (20 bytes of its bit stream, eight codes to each 5 bytes) <-> the
-// panel form's four step words and fifth-bit word of that row (panels.h): step s's byte b holds values
-// s * 8 + b (low nibble) and s * 8 + 4 + b (high) of the group, the fifth-bit word's byte b at bit
-// 2s + h the fifth bit of value s * 8 + 4h + b.
-// Step s is the group's codes 8s .. 8s + 7 (5 bytes of the stream): bytes 0-3 of their spread word
-// give the step's low nibbles, bytes 4-7 its high ones, bit 4 of each byte the fifth bits.
-
 // A group's 20 bytes as its four steps' 40 bits (whole-word loads: a 5-byte copy into a zeroed word
 // stalled on store forwarding, 40% of the conversion's time)
 constexpr uint64_t kLow40 = (uint64_t(1) << 40) - 1;
@@ -101,6 +94,12 @@ void store_steps5(const uint64_t* v, uint8_t* row) {
   std::memcpy(row + 16, &c, 4);
 }
 
+// One row's 32 Q5_K codes of a group (20 bytes of its bit stream, eight codes to each 5 bytes) <-> the
+// panel form's four step words and fifth-bit word of that row (panels.h): step s's byte b holds values
+// s * 8 + b (low nibble) and s * 8 + 4 + b (high) of the group, the fifth-bit word's byte b at bit
+// 2s + h the fifth bit of value s * 8 + 4h + b.
+// Step s is the group's codes 8s .. 8s + 7 (5 bytes of the stream): bytes 0-3 of their spread word
+// give the step's low nibbles, bytes 4-7 its high ones, bit 4 of each byte the fifth bits.
 void pack_group5(const uint8_t* row, uint8_t* block) {
   uint64_t v[4];
   load_steps5(row, v);
@@ -239,7 +238,7 @@ void each_panel(int panels, Fn&& fn) {
 
 namespace {
 
-// Scales' bytes a row of the row form per super-block of 256 values: Q4_K 10, Q6_K 18.
+// Scales' bytes a row of the row form per super-block of 256 values: Q4_K and Q5_K 10, Q6_K 18.
 int block_bytes(int bits) {
   return bits == 6 ? kSuper16Bytes : kSuperBytes;
 }

@@ -73,7 +73,7 @@ void q6_panels(const PanelArgs& a, int p0, int p1);
 bool is_panel_form(const mlx::core::array& w, const mlx::core::array& scales, int group_size, int bits);
 void check_panel_shapes(const mlx::core::array& scales, const mlx::core::array& biases, int K, int bits);
 // Throws unless a Q6_K layer's biases (evaluated) are its own ratio, -32, which the panel kernel builds
-// in as integer offsets (nothing to check for Q4_K).
+// in as integer offsets (nothing to check for Q4_K and Q5_K).
 void check_panel_biases(const mlx::core::array& biases, int bits);
 
 // A Q4_K or Q5_K layer (4- or 5-bit, two-level scales, groups of 32) or a Q6_K layer (6-bit, kSuper16 scales, biases
