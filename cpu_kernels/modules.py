@@ -25,7 +25,7 @@ import mlx.nn as nn
 from cpu_kernels.gather_qmm import SPEC as GATHER_SPEC
 from cpu_kernels.gather_qmm import gather_qmm
 from cpu_kernels.norm import rms_norm
-from cpu_kernels.qmm import SPEC, dequantize_rows, int8_gemm, quantized_matmul
+from cpu_kernels.qmm import SPEC, dequantize_rows, int8_gemm, on_tiles, quantized_matmul
 from cpu_kernels.rope import rope
 from cpu_kernels.route import ROUTE_ROWS
 from cpu_kernels.spec import FLOATS, available, extension, int8_math
@@ -37,7 +37,8 @@ def _product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> 
     straight to the extension: ``use_cpu_kernels`` checked the layer's format when it switched it."""
     k = x.shape[-1]
     ext = extension()
-    few = x.size < dequantize_rows() * k or int8_gemm(layer.bits)
+    tiles = on_tiles(layer["weight"], layer["scales"], layer.bits)
+    few = x.size < dequantize_rows(tiles) * k or int8_gemm(layer.bits)
     if ext is not None and k and few and x.dtype in FLOATS:
         return ext.quantized_matmul(
             x,

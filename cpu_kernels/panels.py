@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cpu_kernels.modules import SWITCH_LINEARS, CPUQuantizedEmbedding, CPUQuantizedLinear
+from cpu_kernels.qmm import panel_form
 from cpu_kernels.spec import extension
 
 PANEL_ROWS = 16
@@ -32,13 +33,7 @@ def in_panels(layer: nn.Module) -> bool:
     per 16 weight rows (the kernels read the form from the same shapes)."""
     scales = layer.get("scales")
     w = layer.get("weight")
-    return (
-        scales is not None
-        and w is not None
-        and scales.dtype == mx.uint8
-        and scales.ndim == w.ndim
-        and scales.shape[-2] * PANEL_ROWS == w.shape[-2]
-    )
+    return scales is not None and w is not None and panel_form(w, scales)
 
 
 def _candidates(model: nn.Module) -> list[nn.Module]:

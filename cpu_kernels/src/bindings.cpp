@@ -92,6 +92,12 @@ NB_MODULE(_ext, m) {
       "panels, the int8 panel kernel's layout (scales then (N / 16, K / 16 * 10), Q6_K's (N / 16, K / 16 * 18)), "
       "or back; returns (w, scales, biases).");
   m.def("panel_kernel", &duet_cpu::panel_kernel_available, "Whether the int8 panel kernel runs here (AVX-512 VNNI).");
+  m.def("panel_tiles", &duet_cpu::panel_tiles, "Whether the panel kernel's products of 16 or more rows of x run on AMX tiles.");
+  m.def(
+      "set_panel_tiles",
+      &duet_cpu::set_panel_tiles,
+      "on"_a,
+      "Turn the AMX tiles' path on (where the CPU and OS allow it) or off; returns whether it is on.");
   m.def(
       "rms_norm",
       &duet_cpu::rms_norm,

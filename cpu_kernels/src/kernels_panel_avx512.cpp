@@ -28,13 +28,7 @@ namespace {
 constexpr int kTileRows = 8; // rows of x per pass over a panel: 8 int32 and 8 float accumulators
 constexpr int kAhead = 3072; // bytes of codes prefetched ahead for up to three rows of x (decode)
 
-// 16 rows' scales of group j of a super-block: step * multiple in float32 (exact, as the row form's);
-// the multiples uint8 (Q4_K) or int8 (Q6_K)
-template <bool Signed = false>
-inline __m512 group_scales(const uint8_t* block, __m512 steps, int j) {
-  const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * kPanelRows + j * kPanelRows));
-  return _mm512_mul_ps(steps, _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(m) : _mm512_cvtepu8_epi32(m)));
-}
+#include "panel_codes.inc"
 
 // A tile's outputs: row m0 + m of y, the panel's 16 columns, from acc[m]
 template <int MT>
@@ -45,48 +39,6 @@ inline void store_tile(const PanelArgs& a, int p, int m0, const __m512* acc) {
   }
 }
 
-inline __m512 block_steps(const uint8_t* block) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
-}
-
-// Q5_K: the fifth bits of step s's low (h = 0) or high (h = 1) nibbles at bit 4 of each byte, from the
-// group's fifth-bit vector (panels.h: bit 2s + h of each byte); 16-bit shifts, whose bits crossing into
-// the neighbouring byte the caller's mask drops
-template <int Bit>
-inline __m512i fifth_bits(__m512i top) {
-  if constexpr (Bit < 4) {
-    return _mm512_slli_epi16(top, 4 - Bit);
-  } else if constexpr (Bit > 4) {
-    return _mm512_srli_epi16(top, Bit - 4);
-  } else {
-    return top;
-  }
-}
-
-// Step s's low and high codes of a group, 4-bit (Q4_K) or joined with their fifth bits (Q5_K): a | (b &
-// 0x10) in one ternary-logic op (0xF8 = A | (B & C))
-template <int Bits, int S>
-inline void step_codes(const uint8_t* wg, __m512i top, __m512i& lo, __m512i& hi) {
-  const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i raw = _mm512_loadu_si512(wg + S * 64);
-  lo = _mm512_and_si512(raw, low4);
-  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-  if constexpr (Bits == 5) {
-    const __m512i bit4 = _mm512_set1_epi8(0x10);
-    lo = _mm512_ternarylogic_epi32(lo, fifth_bits<2 * S>(top), bit4, 0xF8);
-    hi = _mm512_ternarylogic_epi32(hi, fifth_bits<2 * S + 1>(top), bit4, 0xF8);
-  }
-}
-
-// f.template operator()<S>() for the four steps S of a group of 32 (S a constant: the fifth bits' shifts)
-template <typename F>
-inline void each_step(F&& f) {
-  f.template operator()<0>();
-  f.template operator()<1>();
-  f.template operator()<2>();
-  f.template operator()<3>();
-}
-
 // Many rows of x against Q5_K or Q6_K: each panel's codes are joined once (expand) into a buffer of
 // bytes the tiles then load as they are, where each tile of 8 rows would join them again: per group of
 // a panel, Q5_K 512 bytes (per step, its low codes' 64 bytes, then its high codes'), Q6_K 256 (codes6's
@@ -95,7 +47,6 @@ inline void each_step(F&& f) {
 // (the buffer's writes not paid back). Q4_K's nibbles cost the tile nothing measurable to unpack (40.3
 // against 40.3 ms at 512 rows: the tile is bound by vpdpbusd's port), so Q4_K never expands.
 constexpr int kExpandRows = 48; // from this many rows of x
-constexpr int kExpandedGroup = 512; // bytes a group of 32 of a panel, expanded (Q6_K: half, for 16)
 
 // Q4_K and Q5_K (kSuper, groups of 32): a group is 256 bytes of codes (four loads), Q5_K's 64 more of
 // fifth bits; Expanded: the panel's codes as expand wrote them to ex
@@ -187,29 +138,6 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
   store_tile<MT>(a, p, m0, acc);
 }
 
-// Q6_K: the codes of group g (16 values) of a panel, as four vectors of 16 rows x 4 values (vector k
-// holding values g*16 + 4k + b at row r's byte 4r + b): two nibble steps, one of top bits (panels.h).
-struct Codes6 {
-  __m512i c[4];
-};
-
-inline Codes6 codes6(const uint8_t* wg) {
-  const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i top2 = _mm512_set1_epi8(0x30);
-  const __m512i n0 = _mm512_loadu_si512(wg);
-  const __m512i n1 = _mm512_loadu_si512(wg + 64);
-  const __m512i h = _mm512_loadu_si512(wg + 128);
-  // a | (b & 0x30) in one ternary-logic op: 0xF8 = A | (B & C)
-  const auto join = [&](__m512i nibble, __m512i top) {
-    return _mm512_ternarylogic_epi32(_mm512_and_si512(nibble, low4), top, top2, 0xF8);
-  };
-  // 16-bit shifts move bits across the two bytes of a lane; the masks keep each byte's own
-  return {{join(n0, _mm512_slli_epi16(h, 4)),
-           join(_mm512_srli_epi16(n0, 4), _mm512_slli_epi16(h, 2)),
-           join(n1, h),
-           join(_mm512_srli_epi16(n1, 4), _mm512_srli_epi16(h, 2))}};
-}
-
 // Q6_K (kSuper16, groups of 16): per group, the 16 rows' int32 dot products start from the group's
 // offset (-32 times its sum of x, PanelArgs::xoff), so they are those of the codes less 32, exact; then
 // y += sum * (step * multiple * d) for 16 rows at once. A group is 192 bytes of codes (three loads).
@@ -298,35 +226,6 @@ void rest(const PanelArgs& a, int p, int m0, int rows, const uint8_t* ex) {
     tile<Bits, MT, Expanded>(a, p, m0, ex);
   } else if constexpr (MT > 1) {
     rest<Bits, MT - 1, Expanded>(a, p, m0, rows, ex);
-  }
-}
-
-// Panel p's codes joined into bytes, group after group (kExpandRows): Q5_K's low and high codes of each
-// step (step_codes), Q6_K's four vectors (codes6)
-template <int Bits>
-void expand(const PanelArgs& a, int p, uint8_t* ex) {
-  const int K = a.K;
-  if constexpr (Bits == 6) {
-    const uint8_t* wp = a.w + size_t(p) * kPanelRows * (size_t(K) * 3 / 4);
-    for (int g = 0; g < K / 16; ++g) {
-      const Codes6 c = codes6(wp + size_t(g) * 192);
-      for (int k = 0; k < 4; ++k) {
-        _mm512_storeu_si512(ex + size_t(g) * (kExpandedGroup / 2) + 64 * k, c.c[k]);
-      }
-    }
-  } else {
-    const uint8_t* wp = a.w + size_t(p) * kPanelRows * (size_t(K) * Bits / 8);
-    for (int g = 0; g < K / 32; ++g) {
-      const uint8_t* wg = wp + size_t(g) * (Bits * 64);
-      uint8_t* eg = ex + size_t(g) * kExpandedGroup;
-      const __m512i top = Bits == 5 ? _mm512_loadu_si512(wg + 256) : _mm512_setzero_si512();
-      each_step([&]<int S>() {
-        __m512i lo, hi;
-        step_codes<Bits, S>(wg, top, lo, hi);
-        _mm512_storeu_si512(eg + S * 128, lo);
-        _mm512_storeu_si512(eg + S * 128 + 64, hi);
-      });
-    }
   }
 }
 

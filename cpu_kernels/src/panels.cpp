@@ -1,6 +1,9 @@
 #include "panels.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
 #include <cstring>
 
 #include "mlx/allocator.h"
@@ -370,8 +373,26 @@ bool panel_kernel_runs(bool int8) {
 namespace {
 
 #if defined(DUET_X86)
-// The panel kernel for a format: Q4_K, Q5_K or Q6_K (bits 4, 5, 6)
-auto panel_kernel(int bits) {
+bool tiles_usable() {
+  static const bool usable = panel_kernel_available() && amx::usable();
+  return usable;
+}
+
+std::atomic<bool> g_tiles{[] {
+  const char* env = std::getenv("DUET_CPU_AMX");
+  return !(env != nullptr && std::string(env) == "0") && tiles_usable();
+}()};
+#endif
+
+// Rows of x from which the AMX tiles take a panel-form product (see amx::q4_panels): from one whole tile
+constexpr int kTileRows = 16;
+
+#if defined(DUET_X86)
+// The panel kernel for a format (Q4_K, Q5_K or Q6_K: bits 4, 5, 6) and M rows of x
+auto panel_kernel(int bits, int M) {
+  if (M >= kTileRows && bits != 6 && g_tiles.load(std::memory_order_relaxed)) {
+    return bits == 5 ? amx::q5_panels : amx::q4_panels;
+  }
   return bits == 6 ? avx512::q6_panels : bits == 5 ? avx512::q5_panels : avx512::q8_panels;
 }
 #endif
@@ -385,7 +406,7 @@ void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, c
   if (bits == 6) { // Q6_K's bias term (-32 times each scale) in integers, on every plane of x alike
     a.xoff = offsets_int8(x8.q, M, K, int32_t(kQ6Ratio), offsets);
   }
-  const auto kernel = panel_kernel(bits);
+  const auto kernel = panel_kernel(bits, M);
   auto pool = shared_pool();
   const int panels = N / kPanelRows;
   const int tasks = std::min(panels, task_count(size_t(N) * K * bits / 8, M, pool->size()));
@@ -406,6 +427,23 @@ void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, c
 }
 
 } // namespace
+
+bool panel_tiles() {
+#if defined(DUET_X86)
+  return g_tiles.load();
+#else
+  return false;
+#endif
+}
+
+bool set_panel_tiles(bool on) {
+#if defined(DUET_X86)
+  g_tiles.store(on && tiles_usable());
+#else
+  (void)on;
+#endif
+  return panel_tiles();
+}
 
 void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
   panels_on_pool(quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32), w, scales, biases, y, M, N, K, bits);
@@ -466,7 +504,6 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
   }
   const size_t expert_codes = size_t(N) * K * bits / 8;
   const size_t expert_scales = size_t(N) / kPanelRows * (size_t(K) / 16 * block_bytes(bits));
-  const auto kernel = panel_kernel(bits);
   pool->run(int(units.size()), [&](int i) {
     const Unit& u = units[size_t(i)];
     const size_t q0 = size_t(planes) * g.start[u.e];
@@ -484,7 +521,7 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
     if (bits == 6) {
       a.xoff = offsets.data() + q0 * (K / 16);
     }
-    kernel(a, u.p0, u.p1);
+    panel_kernel(bits, a.M)(a, u.p0, u.p1);
   });
   if (!int8) {
     for (int e = 0; e < E; ++e) {

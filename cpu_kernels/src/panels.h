@@ -65,7 +65,23 @@ void q8_panels(const PanelArgs& a, int p0, int p1);
 void q5_panels(const PanelArgs& a, int p0, int p1);
 void q6_panels(const PanelArgs& a, int p0, int p1);
 } // namespace avx512
+namespace amx {
+// Whether this CPU has AMX tiles with int8 products (AMX-TILE, AMX-INT8) and the OS lets this process
+// use them (asks Linux for the permission once: ARCH_REQ_XCOMP_PERM)
+bool usable();
+// The same products as avx512's on AMX tiles (kernels_panel_amx.cpp), bit for bit: whole tiles of 16
+// rows of x, the rows past them on the VNNI kernel
+void q4_panels(const PanelArgs& a, int p0, int p1);
+void q5_panels(const PanelArgs& a, int p0, int p1);
+void q6_panels(const PanelArgs& a, int p0, int p1);
+} // namespace amx
 #endif
+
+// Whether the panel kernel's many-row products run on AMX tiles: where amx::usable() and not turned
+// off (set_panel_tiles(false), or DUET_CPU_AMX=0 in the environment)
+bool panel_tiles();
+// Turns the AMX path on (where usable; returns whether it is now on) or off: for A/B runs and tests.
+bool set_panel_tiles(bool on);
 
 // Whether (w, scales) are a layer (or a stack of experts, w (E, N, ...)) in the panel form: Q4_K's or
 // Q5_K's (4- or 5-bit, groups of 32, two-level scales) or Q6_K's (6-bit, groups of 16, kSuper16);

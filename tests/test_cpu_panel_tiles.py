@@ -1,0 +1,119 @@
+"""The panel kernel on AMX tiles (cpu_kernels/src/kernels_panel_amx.cpp): Q4_K and Q5_K layers in panels
+times 16 or more rows of x, where the CPU has AMX and Linux lets the process use it.
+
+The tiles compute each group's integer sums and the vector units scale them in the VNNI kernel's order,
+so the tiles' results are the VNNI kernel's bit for bit: for int8 and exact math (x's three planes), at
+row counts around whole tiles of 16 (the rows past the last whole tile take the VNNI kernel), on 1 and 2
+threads, for a stack of experts too. The switch turns the path off and on, exact math then routes a
+prefill chunk's rows through the tiles instead of dequantize + GEMM, and a model in panels gives the same
+greedy tokens with the tiles as without. Skipped where the CPU or OS offers no AMX (the VNNI tests in
+test_cpu_panels.py cover the arithmetic there).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cpu_kernels import qmm, spec
+from cpu_kernels.panels import use_panels
+from tests.test_cpu_kernels import ext  # noqa: F401
+from tests.test_cpu_panels import K32_BITS, _k_quant_model, _layer, greedy
+
+needs_tiles = pytest.mark.skipif(
+    spec.extension() is None or not spec.extension().panel_tiles(),
+    reason="the AMX panel kernel needs AMX-INT8 tiles the OS lets this process use",
+)
+
+
+@pytest.fixture
+def tiles_restored():
+    yield
+    spec.set_panel_tiles(True)
+    spec.set_threads()
+
+
+def _both(ext, x, panels, bits: int, int8: bool, gs: int = 32) -> tuple[np.ndarray, np.ndarray]:  # noqa: F811
+    outs = []
+    for on in (False, True):
+        assert spec.set_panel_tiles(on) == on
+        outs.append(np.array(ext.quantized_matmul(x, *panels, gs, bits, int8=int8)))
+    return outs[0], outs[1]
+
+
+@needs_tiles
+@K32_BITS
+def test_the_tiles_give_the_vnni_kernels_results_bit_for_bit(ext, bits, tiles_restored):  # noqa: F811
+    rng = np.random.default_rng(21)
+    for n, k in ((16, 256), (48, 768), (80, 2304)):
+        rows, _ = _layer(rng, n, k, bits)
+        panels = ext.panel_layout(*rows, True)
+        for m in (5, 15, 16, 17, 31, 32, 33, 47, 130):  # exact math: 3m plane rows
+            x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+            x[0, :32] = 1e6  # an outlier run beside ordinary ones
+            for int8 in (True, False):
+                for threads in (1, 2):
+                    spec.set_threads(threads)
+                    vnni, tiles = _both(ext, x, panels, bits, int8)
+                    assert np.isfinite(tiles).all()
+                    assert np.array_equal(vnni, tiles), (n, k, m, int8, threads)
+
+
+@needs_tiles
+@K32_BITS
+def test_experts_on_the_tiles_give_the_vnni_kernels_results(ext, bits, tiles_restored):  # noqa: F811
+    rng = np.random.default_rng(22)
+    experts, n, k = 3, 32, 512
+    rows, _ = _layer(rng, experts * n, k, bits)
+    pw, ps, pb = ext.panel_layout(*rows, True)
+    panels = (pw.reshape(experts, n, -1), ps.reshape(experts, n // 16, -1), pb.reshape(experts, n // 16, -1))
+    tokens = 40  # ~27 rows an expert: a whole tile and a rest
+    x = mx.array(rng.standard_normal((tokens, 1, 1, k)).astype(np.float32))
+    idx = mx.array(rng.integers(0, experts, (tokens, 1, 2)).astype(np.uint32))
+    for int8 in (True, False):
+        outs = []
+        for on in (False, True):
+            spec.set_panel_tiles(on)
+            outs.append(np.array(ext.gather_quantized_matmul(x, *panels, idx, 32, bits, int8=int8)))
+        assert np.array_equal(outs[0], outs[1]), int8
+
+
+@needs_tiles
+def test_the_switch_and_exact_maths_routing(ext, tiles_restored):  # noqa: F811
+    """Off, exact math dequantizes from X3_GEMM_ROWS rows of a panel layer as before; on, a Q4_K or Q5_K
+    layer in panels keeps its products on the tiles up to TILES_ROWS (Q6_K and row-form layers do not)."""
+    rng = np.random.default_rng(23)
+    rows, _ = _layer(rng, 32, 512, 4)
+    w, s, _b = ext.panel_layout(*rows, True)
+    spec.set_cpu_math("exact")
+    try:
+        assert spec.set_panel_tiles(False) is False and not ext.panel_tiles()
+        assert not qmm.on_tiles(w, s, 4)
+        assert spec.set_panel_tiles(True) is True and ext.panel_tiles()
+        assert qmm.on_tiles(w, s, 4) and qmm.on_tiles(w, s, 5)
+        assert not qmm.on_tiles(w, s, 6) and not qmm.on_tiles(*rows[:2], 4)
+        assert qmm.dequantize_rows(True) == qmm.TILES_ROWS > qmm.dequantize_rows(False) == qmm.X3_GEMM_ROWS
+    finally:
+        spec.set_cpu_math()
+
+
+@needs_tiles
+@pytest.mark.parametrize("math", ["exact", "int8"])
+def test_a_model_in_panels_decodes_the_same_tokens_on_the_tiles(ext, math, tiles_restored):  # noqa: F811
+    """A random-weight K-quant model in panels, a 40-token prompt (a prefill of whole tiles and a rest):
+    the same logits bit for bit and the same greedy tokens with the tiles as without."""
+    model = _k_quant_model()
+    assert use_panels(model, True)
+    prompt = [int(t) for t in np.random.default_rng(24).integers(0, 300, 40)]
+    spec.set_cpu_math(math)
+    try:
+        out, logits = [], []
+        for on in (False, True):
+            spec.set_panel_tiles(on)
+            logits.append(np.array(model(mx.array([prompt]))))
+            out.append(greedy(model, prompt, 6))
+        assert np.array_equal(logits[0], logits[1])
+        assert out[0] == out[1]
+    finally:
+        spec.set_cpu_math()
