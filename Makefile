@@ -60,7 +60,7 @@ bench: $(STAMP) $(MODEL) kernels
 
 # llama-cpp-python for bench/cpu.py (never part of `make test`): installing it compiles llama.cpp
 # (~15-30 min on 2 cores), so the wheel is built once, for this CPU, into build/wheels/ and reused.
-# A native build, unless the CPU reports AMX its OS cannot use (bench/llama_cmake_args.py says why).
+# A native build, unless the CPU lists AMX, where llama.cpp's AMX kernels die (bench/llama_cmake_args.py says why).
 LLAMA_CPP_VERSION ?= 0.3.36
 WHEELS = build/wheels/$(shell $(PY) bench/llama_cmake_args.py --tag)
 LLAMA_CMAKE_ARGS ?= $(shell $(PY) bench/llama_cmake_args.py)

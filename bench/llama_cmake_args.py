@@ -3,26 +3,21 @@
     python3 bench/llama_cmake_args.py          # prints them (the Makefile's LLAMA_CMAKE_ARGS)
     python3 bench/llama_cmake_args.py --tag    # "native" or "noamx": the wheel cache's folder
 
-A native build (``-march=native``) is what llama.cpp's users build, except where the CPU reports AMX
-that the operating system cannot use: some virtual machines (an Emerald Rapids guest here) list
-``amx_tile`` in /proc/cpuinfo and grant the ``ARCH_REQ_XCOMP_PERM`` request, yet leave tile data out
-of the state the kernel saves (bit 18, XTILEDATA, of ``ARCH_GET_XCOMP_SUPP``), so llama.cpp's AMX
-kernels die on their first ``tilezero`` (SIGILL) as soon as a prompt is evaluated in a batch. There
-the build names the instruction sets the CPU has, one by one, without AMX: the same code as a native
-build otherwise.
+A native build (``-march=native``) is what llama.cpp's users build, except where the CPU lists AMX
+(``amx_tile`` in /proc/cpuinfo): there llama-cpp-python 0.3.36's AMX kernels die with SIGILL on their
+first ``tilezero`` as soon as a prompt is evaluated in a batch (measured on an Emerald Rapids guest,
+with Linux's permission for the tiles granted to the process beforehand, where Duet's own AMX kernel
+runs: cpu_kernels/src/kernels_panel_amx.cpp). There the build names the instruction sets the CPU has,
+one by one, without AMX: the same code as a native build otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import platform
 from pathlib import Path
 
 COMMON = "-DGGML_OPENMP=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
-ARCH_GET_XCOMP_SUPP = 0x1022
-XFEATURE_XTILEDATA = 18
-SYS_ARCH_PRCTL = 158  # x86_64
 # /proc/cpuinfo flag -> ggml's CMake option, for a build without -march=native
 GGML_FLAGS = {
     "sse4_2": "GGML_SSE42",
@@ -50,24 +45,15 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def amx_unusable(flags: set[str]) -> bool:
-    """The CPU reports AMX but the kernel does not save tile data (so a tile instruction faults)."""
-    if "amx_tile" not in flags or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    supported = ctypes.c_uint64(0)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_SUPP, ctypes.byref(supported)) != 0:
-            return True
-    except (OSError, AttributeError):
-        return True
-    return not supported.value >> XFEATURE_XTILEDATA & 1
+def amx_listed(flags: set[str]) -> bool:
+    """The CPU lists AMX tiles (x86-64), where llama.cpp's AMX build dies (see above)."""
+    return "amx_tile" in flags and platform.machine() in ("x86_64", "AMD64")
 
 
 def cmake_args() -> tuple[str, str]:
     """(tag, arguments): a native build, or the CPU's instruction sets by name without AMX."""
     flags = cpu_flags()
-    if not amx_unusable(flags):
+    if not amx_listed(flags):
         return "native", f"-DGGML_NATIVE=ON {COMMON}"
     named = " ".join(f"-D{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in GGML_FLAGS.items())
     return (
