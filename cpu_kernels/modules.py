@@ -37,8 +37,11 @@ def _product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> 
     straight to the extension: ``use_cpu_kernels`` checked the layer's format when it switched it."""
     k = x.shape[-1]
     ext = extension()
-    tiles = on_tiles(layer["weight"], layer["scales"], layer.bits)
-    few = x.size < dequantize_rows(tiles) * k or int8_gemm(layer.bits)
+    few = (
+        x.size < dequantize_rows() * k
+        or int8_gemm(layer.bits)
+        or on_tiles(layer["weight"], layer["scales"], layer.bits)
+    )
     if ext is not None and k and few and x.dtype in FLOATS:
         return ext.quantized_matmul(
             x,

@@ -49,18 +49,12 @@ DEQUANTIZE_ROWS_PER_THREAD = 32
 # threads).
 X3_GEMM_ROWS = 128
 
-# Where the panel kernel runs on AMX tiles (src/kernels_panel_amx.cpp: Q4_K and Q5_K layers in
-# panels), exact math multiplies x's three planes on the tiles up to this many rows: two threads, an
-# 8192 x 2048 Q4_K matrix (Q5_K alike), 128 rows 15-22 ms against dequantize + OpenBLAS's GEMM's 32-50,
-# 256 rows 30-40 against 44-50, 512 rows 93-104 against 65-73.
-TILES_ROWS = 320
 
-
-def dequantize_rows(tiles: bool = False) -> int:
-    """Rows of x from which ``quantized_matmul`` dequantizes and multiplies by a GEMM (``tiles``: for a
-    layer whose products run on AMX tiles, ``on_tiles``)."""
+def dequantize_rows() -> int:
+    """Rows of x from which ``quantized_matmul`` dequantizes and multiplies by a GEMM (never for a layer
+    on AMX tiles: ``on_tiles``)."""
     if x3_gemm():
-        return TILES_ROWS if tiles else X3_GEMM_ROWS
+        return X3_GEMM_ROWS
     return DEQUANTIZE_ROWS_PER_THREAD * kernel_threads()
 
 
@@ -71,8 +65,12 @@ def panel_form(w: mx.array, scales: mx.array) -> bool:
 
 
 def on_tiles(w: mx.array, scales: mx.array, bits: int) -> bool:
-    """Whether a layer's products of many rows run on AMX tiles: a Q4_K or Q5_K layer in panels, where
-    the extension's tiles are on (``spec.panel_tiles``)."""
+    """Whether a layer's products of many rows run on AMX tiles (``src/kernels_panel_amx.cpp``): a Q4_K
+    or Q5_K layer in panels, where the extension's tiles are on (``spec.panel_tiles``). Exact math then
+    never dequantizes it for a GEMM: x's three planes on the tiles beat dequantize + OpenBLAS at every
+    row count measured (two threads, an 8192 x 2048 Q4_K matrix, medians: 384 rows 65 against 92 ms,
+    512 rows 86 against 118, 1024 rows 147 against 174; 128-256 rows even), and hold no float32 copy
+    of the matrix."""
     return bits in (4, 5) and panel_form(w, scales) and panel_tiles()
 
 
@@ -118,7 +116,7 @@ def quantized_matmul(
     if chosen == "native":
         assert biases is not None
         k = x.shape[-1]
-        if k and x.size // k >= dequantize_rows(on_tiles(w, scales, bits)) and not int8_gemm(bits):
+        if k and x.size // k >= dequantize_rows() and not int8_gemm(bits) and not on_tiles(w, scales, bits):
             dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
             out = x.dtype if x.dtype == scales.dtype or scales.dtype == mx.uint8 else mx.float32
             return (x.astype(mx.float32) @ dense.T).astype(out)

@@ -53,6 +53,11 @@ struct PanelArgs {
   // Q6_K (biases unused): (M, K / 16) int32, -32 times each group of 16 values' sum of xq, where each
   // group's integer dot products start (offsets_int8), so they are those of the codes less 32
   const int32_t* xoff = nullptr;
+  // x's whole tiles of 16 rows as the AMX kernel loads them (amx::tile_x), or null there: it lays them
+  // out itself
+  const int8_t* tq = nullptr;
+  const float* td = nullptr;
+  const float* ts = nullptr;
 };
 
 // Q6_K's biases: each -32 times its scale (the ratio a layer in panels holds; panel_layout checks it)
@@ -73,7 +78,23 @@ bool usable();
 // rows of x, the rows past them on the VNNI kernel
 void q4_panels(const PanelArgs& a, int p0, int p1);
 void q5_panels(const PanelArgs& a, int p0, int p1);
-void q6_panels(const PanelArgs& a, int p0, int p1);
+// x's whole tiles of 16 rows (groups of 32) laid out for the tiles: per tile and group, the 16 rows' 32
+// bytes of x as one 512-byte block (a tile load of consecutive lines, where x's own rows lie K bytes
+// apart), and their run scales and group sums side by side (PanelArgs::tq, td, ts)
+struct TiledX {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<float> sum;
+};
+void tile_x(const PanelArgs& a, TiledX& out);
+// Exact math on the tiles: x's three int8 planes (a3: split_rows_x3's layout, a3.M = 3M rows) laid out
+// per tile and group as the three planes' 512-byte blocks, with each row's unit and group sums
+void tile_x3(const PanelArgs& a3, TiledX& out);
+// y = M rows of x (M a multiple of 16, as tile_x3 laid them out in a.tq, td, ts) times Q4_K or Q5_K
+// panels p0..p1, the three planes' integer sums joined before they are scaled (within float32's
+// rounding of the VNNI kernel's planes, each scaled and then added)
+void q4_panels_x3(const PanelArgs& a, int p0, int p1);
+void q5_panels_x3(const PanelArgs& a, int p0, int p1);
 } // namespace amx
 #endif
 

@@ -67,13 +67,18 @@ def kernel_math(m: LoadedModel) -> str | None:
     """How the CPU kernels multiply this model's quantized weights (None: they do not run here)."""
     if backend_name() != "cpu" or m.weight_format.startswith("dense"):
         return None
-    from cpu_kernels.spec import cpu_math
+    from cpu_kernels.spec import cpu_math, panel_tiles
     from mlx_engine.loading.cpu_layout import panel_types
 
     # the panel kernel sums in another order than the row kernel: not the same bits, so the types it
     # reads are named (a peer, or an earlier build, with Q6_K in rows computes other KV bits)
     types = panel_types(m.model)
-    return cpu_math() + (f"+panels({','.join(types)})" if types else "")
+    math = cpu_math() + (f"+panels({','.join(types)})" if types else "")
+    if math.startswith("exact") and {"Q4_K", "Q5_K"} & set(types) and panel_tiles():
+        # exact math keeps those layers' prefill chunks on AMX tiles (x in int8 planes) where a machine
+        # without them dequantizes for a float32 GEMM: other bits (int8 math's tiles are the VNNI bits)
+        math += "+tiles"
+    return math
 
 
 def _pool(config: EngineConfig, m: LoadedModel, num_blocks: int) -> KVPool:
