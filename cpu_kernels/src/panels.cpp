@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <string>
 #include <cstring>
+#include <string>
 
 #include "mlx/allocator.h"
 #include "mlx/transforms.h"
@@ -372,26 +372,35 @@ bool panel_kernel_runs(bool int8) {
 
 namespace {
 
+// Rows of x from which the AMX tiles take a panel-form product (see amx::q4_panels): from one whole tile
+constexpr int kTileRows = 16;
+
 #if defined(DUET_X86)
+// Whether the CPU and OS give this process AMX tiles: asked of Linux once, at the first product that
+// could use them (or panel_tiles()), so a process that never prefills on panels never asks
 bool tiles_usable() {
   static const bool usable = panel_kernel_available() && amx::usable();
   return usable;
 }
 
-std::atomic<bool> g_tiles{[] {
-  const char* env = std::getenv("DUET_CPU_AMX");
-  return !(env != nullptr && std::string(env) == "0") && tiles_usable();
-}()};
-#endif
+// The tiles' switch: -1 until first read (then DUET_CPU_AMX=0 or tiles_usable() decide), else 0 or 1
+std::atomic<int> g_tiles{-1};
 
-// Rows of x from which the AMX tiles take a panel-form product (see amx::q4_panels): from one whole tile
-constexpr int kTileRows = 16;
+bool tiles_on() {
+  int on = g_tiles.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* env = std::getenv("DUET_CPU_AMX");
+    const int first = !(env != nullptr && std::string(env) == "0") && tiles_usable() ? 1 : 0;
+    g_tiles.compare_exchange_strong(on, first); // a concurrent set_panel_tiles wins
+    on = g_tiles.load(std::memory_order_relaxed);
+  }
+  return on == 1;
+}
 
-#if defined(DUET_X86)
 // Whether M rows of x against a layer of the format (bits 4: Q4_K, 5: Q5_K, 6: Q6_K) go on AMX tiles:
 // Q4_K and Q5_K (Q6_K's groups of 16 measured slower there than on the VNNI kernel: 0.6-0.94x)
 bool on_tiles(int bits, int M) {
-  return M >= kTileRows && bits != 6 && g_tiles.load(std::memory_order_relaxed);
+  return M >= kTileRows && bits != 6 && tiles_on();
 }
 
 // The panel kernel for a format and M rows of x
@@ -411,9 +420,7 @@ void tile_rows(PanelArgs& a, int bits, amx::TiledX& tx) {
     a.ts = tx.sum.data();
   }
 }
-#endif
 
-#if defined(DUET_X86)
 // kernel(a, p0, p1) over a's panels, split into tasks on the shared pool
 void panel_tasks(const PanelArgs& a, int bits, void (*kernel)(const PanelArgs&, int, int)) {
   auto pool = shared_pool();
@@ -474,7 +481,7 @@ void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, c
 
 bool panel_tiles() {
 #if defined(DUET_X86)
-  return g_tiles.load();
+  return tiles_on();
 #else
   return false;
 #endif
@@ -482,7 +489,7 @@ bool panel_tiles() {
 
 bool set_panel_tiles(bool on) {
 #if defined(DUET_X86)
-  g_tiles.store(on && tiles_usable());
+  g_tiles.store(on && tiles_usable() ? 1 : 0);
 #else
   (void)on;
 #endif
