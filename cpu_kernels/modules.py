@@ -25,7 +25,15 @@ import mlx.nn as nn
 from cpu_kernels.gather_qmm import SPEC as GATHER_SPEC
 from cpu_kernels.gather_qmm import gather_qmm
 from cpu_kernels.norm import rms_norm
-from cpu_kernels.qmm import SPEC, dequantize_rows, int8_gemm, on_tiles, quantized_matmul
+from cpu_kernels.qmm import (
+    PANEL_ROWS,
+    SPEC,
+    dequantize_rows,
+    int8_gemm,
+    on_tiles,
+    panel_form,
+    quantized_matmul,
+)
 from cpu_kernels.rope import rope
 from cpu_kernels.route import ROUTE_ROWS
 from cpu_kernels.spec import FLOATS, available, extension, int8_math
@@ -79,10 +87,8 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
     lookup_dtype: mx.Dtype | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        from cpu_kernels.panels import in_panels  # (panels.py builds on this module)
-
         ratio = self["biases"] if self["biases"].size == 1 else None  # scales.implicit_biases
-        if in_panels(self):
+        if panel_form(self["weight"], self["scales"]):
             return self._panel_rows(x, ratio)
         scales = self["scales"][x]
         biases = self["biases"][x] if ratio is None else None
@@ -111,8 +117,6 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
         """The rows of a table in 16-row panels (``cpu_kernels.panels``: a tied LM head's, which the panel
         kernel reads): each id's whole panel dequantized by the kernel, then its row taken (16 rows for
         one, ~20 µs at a 2048-wide table: what decode looks up a step)."""
-        from cpu_kernels.panels import PANEL_ROWS
-
         ext = extension()
         assert ext is not None  # only the extension puts a table in panels
         ids = x.reshape(-1)

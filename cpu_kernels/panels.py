@@ -22,10 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cpu_kernels.modules import SWITCH_LINEARS, CPUQuantizedEmbedding, CPUQuantizedLinear
-from cpu_kernels.qmm import panel_form
+from cpu_kernels.qmm import PANEL_ROWS, panel_form
 from cpu_kernels.spec import extension
-
-PANEL_ROWS = 16
 
 
 def in_panels(layer: nn.Module) -> bool:

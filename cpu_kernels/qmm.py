@@ -58,10 +58,14 @@ def dequantize_rows() -> int:
     return DEQUANTIZE_ROWS_PER_THREAD * kernel_threads()
 
 
+# Weight rows a panel of the panel form holds (``src/panels.h``, ``cpu_kernels.panels``)
+PANEL_ROWS = 16
+
+
 def panel_form(w: mx.array, scales: mx.array) -> bool:
     """Whether (w, scales) are a layer (or expert stack) in 16-row panels: one row of uint8 scales per
     16 weight rows (``src/panels.h``; the kernels read the form from the same shapes)."""
-    return scales.dtype == mx.uint8 and scales.ndim == w.ndim and scales.shape[-2] * 16 == w.shape[-2]
+    return scales.dtype == mx.uint8 and scales.ndim == w.ndim and scales.shape[-2] * PANEL_ROWS == w.shape[-2]
 
 
 def on_tiles(w: mx.array, scales: mx.array, bits: int) -> bool:

@@ -85,23 +85,17 @@ def int8_math() -> bool:
     return _math["int8"]
 
 
-_tiles: dict[str, bool | None] = {"on": None}
-
-
 def panel_tiles() -> bool:
     """Whether the panel kernel's products of 16 or more rows of x run on AMX tiles (the extension's
-    choice: where the CPU and OS allow it, unless ``DUET_CPU_AMX=0``); cached."""
-    if _tiles["on"] is None:
-        ext = extension()
-        _tiles["on"] = bool(ext is not None and ext.panel_tiles())
-    return bool(_tiles["on"])
+    switch: where the CPU and OS allow it, unless ``DUET_CPU_AMX=0``)."""
+    ext = extension()
+    return bool(ext is not None and ext.panel_tiles())
 
 
 def set_panel_tiles(on: bool) -> bool:
     """Turn the AMX tiles' path on (where allowed) or off, for A/B runs and tests; returns whether on."""
     ext = extension()
-    _tiles["on"] = bool(ext is not None and ext.set_panel_tiles(on))
-    return bool(_tiles["on"])
+    return bool(ext is not None and ext.set_panel_tiles(on))
 
 
 def _import_extension() -> ModuleType:

@@ -190,15 +190,6 @@ template <int Bits, int Planes = 1>
 void panels(const PanelArgs& a, int p0, int p1, void (*vnni)(const PanelArgs&, int, int)) {
   const int K = a.K;
   const int tiles = a.M / kRows;
-  if (Planes == 1 && tiles > 0 && a.tq == nullptr) { // lay x out here (for this task only)
-    thread_local TiledX own;
-    tile_x(a, own);
-    PanelArgs tiled = a;
-    tiled.tq = own.q.data();
-    tiled.td = own.d.data();
-    tiled.ts = own.sum.data();
-    return panels<Bits>(tiled, p0, p1, vnni);
-  }
   if (tiles > 0) {
     thread_local std::vector<uint8_t> ex; // 16 bytes a value of a row: 128 KiB at K 8192
     thread_local std::vector<float> sc, bi;

@@ -383,18 +383,21 @@ bool tiles_usable() {
   return usable;
 }
 
-// The tiles' switch: -1 until first read (then DUET_CPU_AMX=0 or tiles_usable() decide), else 0 or 1
+// Whether the tiles are on unless set_panel_tiles says otherwise: where usable and not DUET_CPU_AMX=0
+bool tiles_by_default() {
+  static const bool on = [] {
+    const char* env = std::getenv("DUET_CPU_AMX");
+    return !(env != nullptr && std::string(env) == "0") && tiles_usable();
+  }();
+  return on;
+}
+
+// set_panel_tiles's choice: -1 none (the default holds), else 0 or 1
 std::atomic<int> g_tiles{-1};
 
 bool tiles_on() {
-  int on = g_tiles.load(std::memory_order_relaxed);
-  if (on < 0) {
-    const char* env = std::getenv("DUET_CPU_AMX");
-    const int first = !(env != nullptr && std::string(env) == "0") && tiles_usable() ? 1 : 0;
-    g_tiles.compare_exchange_strong(on, first); // a concurrent set_panel_tiles wins
-    on = g_tiles.load(std::memory_order_relaxed);
-  }
-  return on == 1;
+  const int set = g_tiles.load(std::memory_order_relaxed);
+  return set < 0 ? tiles_by_default() : set == 1;
 }
 
 // Whether M rows of x against a layer of the format (bits 4: Q4_K, 5: Q5_K, 6: Q6_K) go on AMX tiles:

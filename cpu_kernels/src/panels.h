@@ -53,8 +53,8 @@ struct PanelArgs {
   // Q6_K (biases unused): (M, K / 16) int32, -32 times each group of 16 values' sum of xq, where each
   // group's integer dot products start (offsets_int8), so they are those of the codes less 32
   const int32_t* xoff = nullptr;
-  // x's whole tiles of 16 rows as the AMX kernel loads them (amx::tile_x), or null there: it lays them
-  // out itself
+  // x's whole tiles of 16 rows as the AMX kernel loads them (amx::tile_x or tile_x3: the caller lays
+  // them out once, before the tasks); unused by the VNNI kernel
   const int8_t* tq = nullptr;
   const float* td = nullptr;
   const float* ts = nullptr;
@@ -75,7 +75,7 @@ namespace amx {
 // use them (asks Linux for the permission once: ARCH_REQ_XCOMP_PERM)
 bool usable();
 // The same products as avx512's on AMX tiles (kernels_panel_amx.cpp), bit for bit: whole tiles of 16
-// rows of x, the rows past them on the VNNI kernel
+// rows of x (as tile_x laid them out in a.tq, td, ts), the rows past them on the VNNI kernel
 void q4_panels(const PanelArgs& a, int p0, int p1);
 void q5_panels(const PanelArgs& a, int p0, int p1);
 // x's whole tiles of 16 rows (groups of 32) laid out for the tiles: per tile and group, the 16 rows' 32
