@@ -2,21 +2,22 @@
 // Q5_K weights in 16-row panels (panels.h). Q6_K stays on the VNNI kernel (its groups of 16 measured
 // 0.6-0.94x there).
 //
-// A panel's codes are expanded once (expand: per group of 32, four consecutive codes of each of its 16
-// rows per 64 bytes), which is an AMX tile of bytes as it is: 8 rows of 16 x 4 codes, the layout of
-// tdpbsud's second operand. 16 rows of x over the group are its first (laid out per tile and group as
-// one 512-byte block beforehand: tile_x), and one tdpbsud gives the group's 16 x 16 int32 sums, exact.
-// The vector units then scale them 16 rows of x at once, as the VNNI kernel's tile does: acc +=
+// Int8 math: a panel's codes are expanded once (expand: per group of 32, four consecutive codes of each
+// of its 16 rows per 64 bytes), which is an AMX tile of bytes as it is: 8 rows of 16 x 4 codes, the
+// layout of tdpbsud's second operand. 16 rows of x over the group are its first (laid out per tile and
+// group as one 512-byte block beforehand: tile_x), and one tdpbsud gives the group's 16 x 16 int32 sums,
+// exact. The vector units then scale them 16 rows of x at once, as the VNNI kernel's tile does: acc +=
 // float(sum) * (scale * d) + bias * xsum, so int8 math's results are the VNNI kernel's bit for bit.
 // Groups alternate between two sets of tiles, so the tile unit's product of the next group overlaps the
 // scaling of this one. The rows of x past the last whole tile of 16 take the VNNI kernel.
 //
-// Exact math (x split into three int8 planes, as the exact integer kernels split it): the three planes
-// of 16 rows go through the tiles together, and their sums are joined in integers and one float32
-// rounding before they are scaled (scale_planes), where the VNNI kernel scales each plane's products
-// and adds them: a third of the vector work, within float32's rounding of it. Two threads, an 8192 x
-// 2048 Q4_K matrix, 256 rows of x: int8 19.3 -> 14.4 ms (VNNI -> tiles), exact 67.8 -> 42 ms, where
-// dequantize + OpenBLAS's float32 GEMM takes 42-49 (and 86 against 118 ms at 512 rows).
+// Exact math (AMX-BF16): each float32 value of x is three bfloat16 values whose sum is x exactly
+// (split_bf16), the codes are small integers (exact in bfloat16), so every product is exact in float32
+// and tdpbf16ps accumulates the three planes' products of a group in one float32 tile, as a float32
+// GEMM rounds; the vector units scale each group's sums. Where x in three int8 planes took three integer
+// tiles of sums joined before scaling, this loads x's planes once for two panels and has no sums to
+// join: two threads, 256 rows of x, an 8192 x 2048 Q4_K matrix 1.2-1.4x faster, 2048 x 8192 1.2x, and
+// the 1B model's exact prefill +13% (docs/kernels.md, "AMX tiles").
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -52,25 +53,17 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// One plane of x: tiles 0 and 1 x (16 rows x 32 bytes), 2 and 3 codes (8 rows x 64 bytes), 4 and 5 the
-// sums (16 x 16 int32). Three planes (exact math): tiles 0-2 the planes, 3 the codes, 4-6 the sums.
-// The configuration is the calling thread's.
-template <int Planes>
+// Int8 math: tiles 0 and 1 x (16 rows x 32 bytes), 2 and 3 codes (8 rows x 64 bytes), 4 and 5 the sums
+// (16 x 16 int32). The configuration is the calling thread's.
 void configure() {
   TileConfig c;
-  constexpr int x_tiles = Planes == 3 ? 3 : 2;
-  constexpr int code_tiles = Planes == 3 ? 1 : 2;
-  for (int t = 0; t < x_tiles; ++t) {
+  for (int t = 0; t < 2; ++t) {
     c.rows[t] = kRows;
     c.colsb[t] = kGroup;
-  }
-  for (int t = x_tiles; t < x_tiles + code_tiles; ++t) {
-    c.rows[t] = kGroup / 4;
-    c.colsb[t] = 64;
-  }
-  for (int t = 4; t < 4 + x_tiles; ++t) {
-    c.rows[t] = kRows;
-    c.colsb[t] = 64;
+    c.rows[2 + t] = kGroup / 4;
+    c.colsb[2 + t] = 64;
+    c.rows[4 + t] = kRows;
+    c.colsb[4 + t] = 64;
   }
   _tile_loadconfig(&c);
 }
@@ -104,61 +97,22 @@ inline void scale_group(const PanelArgs& a, int t, int g, const int32_t* sums, c
   }
 }
 
-// Exact math: acc[m] += group g's sums of row 16t + m's three planes joined, scaled. The planes' integer
-// sums S1, S2, S3 stand for unit * (S1 * 2^14 + S2 * 2^7 + S3) (quantize_x's split): S2 * 2^7 + S3 is
-// exact in int32 and in float32 (below 2^24: |S| <= 32 * 31 * 127), S1 * 2^14 is exact, and their sum is
-// rounded once (the VNNI kernel rounds each plane's product and adds them: within float32's rounding)
-inline void scale_planes(const PanelArgs& a, int t, int g, const int32_t (*sums)[kRows * 16], const float* sc, const float* bi, __m512* acc) {
-  const __m512 s = _mm512_loadu_ps(sc + size_t(g) * 16);
-  const __m512 b = _mm512_loadu_ps(bi + size_t(g) * 16);
-  const __m512 high = _mm512_set1_ps(16384.0f);
-  const size_t at = (size_t(t) * (a.K / kGroup) + g) * kRows;
-#pragma GCC unroll 16
-  for (int m = 0; m < kRows; ++m) {
-    const __m512i low = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[1] + 16 * m), 7), _mm512_load_si512(sums[2] + 16 * m));
-    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[0] + 16 * m)), high, _mm512_cvtepi32_ps(low));
-    const __m512 u = _mm512_mul_ps(s, _mm512_set1_ps(a.td[at + m]));
-    acc[m] = _mm512_fmadd_ps(v, u, acc[m]);
-    acc[m] = _mm512_fmadd_ps(b, _mm512_set1_ps(a.ts[at + m]), acc[m]);
-  }
-}
-
 // Rows [16 * t0, 16 * t1) of x against panel p (its codes expanded in ex, its scales in sc and bi); x
-// as tile_x (Planes 1) or tile_x3 (Planes 3: each row's three planes, exact math) laid it out
-template <int Planes>
+// as tile_x laid it out
 void panel_tiles(const PanelArgs& a, int p, int t0, int t1, const uint8_t* ex, const float* sc, const float* bi) {
   const int K = a.K;
   const int G = K / kGroup;
-  alignas(64) int32_t sums[3][kRows * 16];
+  alignas(64) int32_t sums[2][kRows * 16];
   for (int t = t0; t < t1; ++t) {
     const int m0 = t * kRows;
-    const int8_t* x = a.tq + size_t(t) * K * kRows * Planes; // the tile's groups, 16 x 32 bytes a plane
+    const int8_t* x = a.tq + size_t(t) * K * kRows; // the tile's groups, 16 x 32 bytes each
     __m512 acc[kRows];
 #pragma GCC unroll 16
     for (int m = 0; m < kRows; ++m) {
       acc[m] = _mm512_setzero_ps();
     }
-    if constexpr (Planes == 3) {
-      for (int g = 0; g < G; ++g) {
-        const int8_t* xg = x + size_t(g) * 3 * kGroup * kRows;
-        _tile_loadd(0, xg, kGroup);
-        _tile_loadd(1, xg + kGroup * kRows, kGroup);
-        _tile_loadd(2, xg + 2 * kGroup * kRows, kGroup);
-        _tile_loadd(3, ex + size_t(g) * kExpandedGroup, 64);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_dpbsud(4, 0, 3);
-        _tile_dpbsud(5, 1, 3);
-        _tile_dpbsud(6, 2, 3);
-        _tile_stored(4, sums[0], 64);
-        _tile_stored(5, sums[1], 64);
-        _tile_stored(6, sums[2], 64);
-        scale_planes(a, t, g, sums, sc, bi, acc);
-      }
-    } else {
-      // group g's product into tile C (its x into tile A, its codes into tile B); a macro, as GCC's tile
-      // intrinsics take the tiles' numbers as literals
+    // group g's product into tile C (its x into tile A, its codes into tile B); a macro, as GCC's tile
+    // intrinsics take the tiles' numbers as literals
 #define DUET_ISSUE(A, B, C, g)                              \
   do {                                                      \
     _tile_loadd(A, x + size_t(g) * kGroup * kRows, kGroup); \
@@ -166,27 +120,26 @@ void panel_tiles(const PanelArgs& a, int p, int t0, int t1, const uint8_t* ex, c
     _tile_zero(C);                                          \
     _tile_dpbsud(C, A, B);                                  \
   } while (0)
-      // a software pipeline: the tile unit multiplies group g + 1 while the vector units scale group g
-      DUET_ISSUE(0, 2, 4, 0);
-      for (int g = 0; g < G; g += 2) { // G is even: K a multiple of 256
-        DUET_ISSUE(1, 3, 5, g + 1);
-        _tile_stored(4, sums[0], 64);
-        scale_group(a, t, g, sums[0], sc, bi, acc);
-        if (g + 2 < G) {
-          DUET_ISSUE(0, 2, 4, g + 2);
-        }
-        _tile_stored(5, sums[1], 64);
-        scale_group(a, t, g + 1, sums[1], sc, bi, acc);
+    // a software pipeline: the tile unit multiplies group g + 1 while the vector units scale group g
+    DUET_ISSUE(0, 2, 4, 0);
+    for (int g = 0; g < G; g += 2) { // G is even: K a multiple of 256
+      DUET_ISSUE(1, 3, 5, g + 1);
+      _tile_stored(4, sums[0], 64);
+      scale_group(a, t, g, sums[0], sc, bi, acc);
+      if (g + 2 < G) {
+        DUET_ISSUE(0, 2, 4, g + 2);
       }
-#undef DUET_ISSUE
+      _tile_stored(5, sums[1], 64);
+      scale_group(a, t, g + 1, sums[1], sc, bi, acc);
     }
+#undef DUET_ISSUE
     for (int m = 0; m < kRows; ++m) {
       _mm512_storeu_ps(a.y + size_t(m0 + m) * a.N + size_t(p) * kPanelRows, acc[m]);
     }
   }
 }
 
-template <int Bits, int Planes = 1>
+template <int Bits>
 void panels(const PanelArgs& a, int p0, int p1, void (*vnni)(const PanelArgs&, int, int)) {
   const int K = a.K;
   const int tiles = a.M / kRows;
@@ -196,22 +149,22 @@ void panels(const PanelArgs& a, int p0, int p1, void (*vnni)(const PanelArgs&, i
     ex.resize(size_t(K) * kPanelRows);
     sc.resize(size_t(K / kGroup) * 16);
     bi.resize(size_t(K / kGroup) * 16);
-    configure<Planes>();
+    configure();
     // blocks of rows of x that stay in L2 while the task's panels pass (each panel expanded again per
     // block: a small cost beside a block's products)
-    const int block = std::max(1, int(kBlockBytes / (size_t(K) * kRows * Planes)));
+    const int block = std::max(1, int(kBlockBytes / (size_t(K) * kRows)));
     for (int b0 = 0; b0 < tiles; b0 += block) {
       const int b1 = std::min(tiles, b0 + block);
       for (int p = p0; p < p1; ++p) {
         expand<Bits>(a, p, ex.data());
         panel_scales(a, p, sc.data(), bi.data());
-        panel_tiles<Planes>(a, p, b0, b1, ex.data(), sc.data(), bi.data());
+        panel_tiles(a, p, b0, b1, ex.data(), sc.data(), bi.data());
       }
     }
     _tile_release();
   }
   const int done = tiles * kRows;
-  if (Planes == 1 && done < a.M) { // the last rows, fewer than a tile (three planes: whole tiles only)
+  if (done < a.M) { // the last rows, fewer than a tile
     PanelArgs rest = a;
     rest.xq = a.xq + size_t(done) * K;
     rest.xd = a.xd + size_t(done) * (K / 8);
@@ -222,7 +175,191 @@ void panels(const PanelArgs& a, int p0, int p1, void (*vnni)(const PanelArgs&, i
   }
 }
 
+// Exact math in bfloat16: tiles 0, 1 and 6 x's three planes of a group (16 rows x 32 bfloat16), 2 and 3
+// the group's codes of two panels as bfloat16 pairs (16 rows x 16 x 2), 4 and 5 the two panels' sums
+// (16 x 16 float32)
+void configure_bf16() {
+  TileConfig c;
+  for (int t = 0; t < 7; ++t) {
+    c.rows[t] = kRows;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// bfloat16 values of one plane of a tile's group: 16 rows x 32
+constexpr size_t kPlaneValues = size_t(kRows) * kGroup;
+
+// A panel's expanded codes (expand: per group, 8 rows of 16 x 4 codes) as tdpbf16ps's second operand:
+// per group 16 rows of 16 x 2 bfloat16, row 2r + h holding codes 4r + 2h and 4r + 2h + 1 of each of the
+// 16 weight rows (the codes are small integers: exact in bfloat16)
+void codes_bf16(const uint8_t* ex, uint16_t* out, int K) {
+  // bfloat16 of 0..31 (a code's value), looked up per 16-bit lane
+  alignas(64) uint16_t table[32];
+  for (int c = 0; c < 32; ++c) {
+    const float f = float(c);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    table[c] = uint16_t(bits >> 16);
+  }
+  const __m512i lut = _mm512_load_si512(table);
+  // each row's (c0, c1) pairs (even 32-bit lanes of the two halves), then its (c2, c3) pairs (odd)
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int r = 0; r < K / 4; ++r) { // K / 32 groups of 8 rows of 64 bytes
+    const uint8_t* src = ex + size_t(r) * 64;
+    uint16_t* dst = out + size_t(r) * 64;
+    const __m512i lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), lut);
+    const __m512i hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32))), lut);
+    _mm512_storeu_si512(dst, _mm512_permutex2var_epi32(lo, even, hi));
+    _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi32(lo, odd, hi));
+  }
+}
+
+// Panels as the bfloat16 tiles read them: per panel its codes as bfloat16 pairs (32 bytes a value of a
+// row: 256 KiB at K 8192), its group scales and biases
+struct PanelsBf16 {
+  std::vector<uint16_t> codes[2];
+  std::vector<float> sc[2], bi[2];
+};
+
+template <int Bits>
+void prepare_bf16(const PanelArgs& a, int p, std::vector<uint8_t>& ex, PanelsBf16& out, int i) {
+  ex.resize(size_t(a.K) * kPanelRows);
+  out.codes[i].resize(size_t(a.K) * kPanelRows);
+  out.sc[i].resize(size_t(a.K / kGroup) * 16);
+  out.bi[i].resize(size_t(a.K / kGroup) * 16);
+  expand<Bits>(a, p, ex.data());
+  codes_bf16(ex.data(), out.codes[i].data(), a.K);
+  panel_scales(a, p, out.sc[i].data(), out.bi[i].data());
+}
+
+// acc (16 rows x 16 outputs, in memory) += a group's float32 sums of the tile's rows (its three planes
+// accumulated by the tiles), scaled: sum * scale + bias * x's group sum (ts: the 16 rows')
+inline void scale_bf16(const float* ts, const float* sums, const float* sc, const float* bi, float* acc) {
+  const __m512 s = _mm512_loadu_ps(sc);
+  const __m512 b = _mm512_loadu_ps(bi);
+#pragma GCC unroll 16
+  for (int m = 0; m < kRows; ++m) {
+    const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(sums + 16 * m), s, _mm512_load_ps(acc + 16 * m));
+    _mm512_store_ps(acc + 16 * m, _mm512_fmadd_ps(b, _mm512_set1_ps(ts[m]), v));
+  }
+}
+
+// Rows [16 * t0, 16 * t1) of x (tile_bf16_row's planes in a.tb, group sums in a.ts) against panels p and
+// p + 1 (Two false: panel p alone), as q holds them. Tile loads bound this kernel (x's planes take 3 KiB
+// a group, where the products take ~16 cycles each), so each plane of x is loaded once for both panels,
+// into its own tile (a tile reloaded while a product still reads it stalls the next load), and the three
+// planes' products accumulate in one float32 tile a panel, scaled per group.
+template <bool Two>
+void panel_tiles_bf16(const PanelArgs& a, int p, int t0, int t1, const PanelsBf16& q) {
+  const int G = a.K / kGroup;
+  const uint16_t* c0 = q.codes[0].data();
+  const uint16_t* c1 = Two ? q.codes[1].data() : nullptr;
+  const float* sc[2] = {q.sc[0].data(), Two ? q.sc[1].data() : nullptr};
+  const float* bi[2] = {q.bi[0].data(), Two ? q.bi[1].data() : nullptr};
+  alignas(64) float sums[kRows * 16];
+  alignas(64) float acc[2][kRows * 16];
+  for (int t = t0; t < t1; ++t) {
+    const uint16_t* x = a.tb + size_t(t) * G * 3 * kPlaneValues;
+    const float* ts = a.ts + size_t(t) * G * kRows;
+    std::memset(acc, 0, sizeof(acc));
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* xg = x + size_t(g) * 3 * kPlaneValues;
+      _tile_loadd(2, c0 + size_t(g) * kPlaneValues, 64);
+      _tile_zero(4);
+      if constexpr (Two) {
+        _tile_loadd(3, c1 + size_t(g) * kPlaneValues, 64);
+        _tile_zero(5);
+      }
+      _tile_loadd(0, xg, 64);
+      _tile_loadd(1, xg + kPlaneValues, 64);
+      _tile_loadd(6, xg + 2 * kPlaneValues, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      if constexpr (Two) {
+        _tile_dpbf16ps(5, 0, 3);
+      }
+      _tile_dpbf16ps(4, 1, 2);
+      if constexpr (Two) {
+        _tile_dpbf16ps(5, 1, 3);
+      }
+      _tile_dpbf16ps(4, 6, 2);
+      _tile_stored(4, sums, 64);
+      scale_bf16(ts + size_t(g) * kRows, sums, sc[0] + size_t(g) * 16, bi[0] + size_t(g) * 16, acc[0]);
+      if constexpr (Two) {
+        _tile_dpbf16ps(5, 6, 3);
+        _tile_stored(5, sums, 64);
+        scale_bf16(ts + size_t(g) * kRows, sums, sc[1] + size_t(g) * 16, bi[1] + size_t(g) * 16, acc[1]);
+      }
+    }
+    for (int i = 0; i < (Two ? 2 : 1); ++i) {
+      for (int m = 0; m < kRows; ++m) {
+        std::memcpy(a.y + size_t(t * kRows + m) * a.N + size_t(p + i) * kPanelRows, acc[i] + 16 * m, 16 * sizeof(float));
+      }
+    }
+  }
+}
+
+// bytes of x's planes per block of rows that stays in L2 while the task's panels pass
+constexpr size_t kBf16BlockBytes = size_t(3) << 19;
+
+template <int Bits>
+void panels_bf16(const PanelArgs& a, int p0, int p1) {
+  const int tiles = a.M / kRows;
+  thread_local std::vector<uint8_t> ex;
+  thread_local PanelsBf16 q;
+  configure_bf16();
+  const int block = std::max(1, int(kBf16BlockBytes / (size_t(a.K) * kRows * 3 * 2)));
+  for (int b0 = 0; b0 < tiles; b0 += block) {
+    const int b1 = std::min(tiles, b0 + block);
+    for (int p = p0; p < p1; p += 2) {
+      prepare_bf16<Bits>(a, p, ex, q, 0);
+      if (p + 1 < p1) {
+        prepare_bf16<Bits>(a, p + 1, ex, q, 1);
+        panel_tiles_bf16<true>(a, p, b0, b1, q);
+      } else {
+        panel_tiles_bf16<false>(a, p, b0, b1, q);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// x = hi + mid + lo exactly: each bfloat16 (8 significant bits) rounded from what the planes before
+// it left (each remainder exact in float32)
+inline void split_bf16(__m512 x, __m256i& hi, __m256i& mid, __m256i& lo) {
+  const auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
+  hi = (__m256i)_mm512_cvtneps_pbh(x);
+  const __m512 r1 = _mm512_sub_ps(x, widen(hi));
+  mid = (__m256i)_mm512_cvtneps_pbh(r1);
+  lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(r1, widen(mid)));
+}
+
 } // namespace
+
+void tile_bf16_row(const float* row, const float* sums, int m, int K, TiledBf16& out) {
+  const int G = K / kGroup;
+  const int t = m / kRows, r = m % kRows;
+  for (int g = 0; g < G; ++g) {
+    uint16_t* dst = out.q.data() + (size_t(t) * G + g) * 3 * kPlaneValues + size_t(r) * kGroup;
+    for (int h = 0; h < 2; ++h) {
+      __m256i hi, mid, lo;
+      split_bf16(_mm512_loadu_ps(row + size_t(g) * kGroup + 16 * h), hi, mid, lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * h), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kPlaneValues + 16 * h), mid);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * kPlaneValues + 16 * h), lo);
+    }
+    out.sum[(size_t(t) * G + g) * kRows + r] = sums[g];
+  }
+}
+
+void q4_panels_bf16(const PanelArgs& a, int p0, int p1) {
+  panels_bf16<4>(a, p0, p1);
+}
+
+void q5_panels_bf16(const PanelArgs& a, int p0, int p1) {
+  panels_bf16<5>(a, p0, p1);
+}
 
 void tile_x(const PanelArgs& a, TiledX& out) {
   const int K = a.K;
@@ -245,37 +382,16 @@ void tile_x(const PanelArgs& a, TiledX& out) {
   }
 }
 
-void tile_x3(const PanelArgs& a3, TiledX& out) {
-  const int K = a3.K;
-  const int G = K / 32;
-  const int M = a3.M / 3;
-  const int tiles = M / kRows;
-  out.q.resize(size_t(tiles) * kRows * K * 3);
-  out.d.resize(size_t(tiles) * G * kRows);
-  out.sum.resize(size_t(tiles) * G * kRows);
-  for (int t = 0; t < tiles; ++t) {
-    for (int r = 0; r < kRows; ++r) {
-      const size_t row = size_t(t) * kRows + r;
-      for (int g = 0; g < G; ++g) {
-        const size_t at = (size_t(t) * G + g) * kRows + r;
-        for (int j = 0; j < 3; ++j) {
-          const int8_t* x = a3.xq + (size_t(j) * M + row) * K + size_t(g) * 32;
-          std::memcpy(out.q.data() + ((size_t(t) * G + g) * 3 + j) * kRows * 32 + size_t(r) * 32, x, 32);
-        }
-        out.d[at] = a3.xd[(size_t(2) * M + row) * (K / 8) + size_t(g) * 4]; // the third plane's: the unit
-        out.sum[at] = a3.xsum[row * G + g]; // the first plane's: x's own group sums
-      }
-    }
-  }
-}
-
 bool usable() {
 #if defined(__linux__)
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) {
     return false;
   }
-  if ((edx & (1u << 24)) == 0 || (edx & (1u << 25)) == 0) { // AMX-TILE, AMX-INT8
+  if ((edx & (1u << 24)) == 0 || (edx & (1u << 25)) == 0 || (edx & (1u << 22)) == 0) { // AMX-TILE, -INT8, -BF16
+    return false;
+  }
+  if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) == 0 || (eax & (1u << 5)) == 0) { // AVX512-BF16
     return false;
   }
   // Linux hands out the tiles' state only to a process that asks (ARCH_REQ_XCOMP_PERM for
@@ -299,14 +415,6 @@ void q4_panels(const PanelArgs& a, int p0, int p1) {
 
 void q5_panels(const PanelArgs& a, int p0, int p1) {
   panels<5>(a, p0, p1, avx512::q5_panels);
-}
-
-void q4_panels_x3(const PanelArgs& a, int p0, int p1) {
-  panels<4, 3>(a, p0, p1, nullptr);
-}
-
-void q5_panels_x3(const PanelArgs& a, int p0, int p1) {
-  panels<5, 3>(a, p0, p1, nullptr);
 }
 
 } // namespace amx

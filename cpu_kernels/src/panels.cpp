@@ -441,23 +441,32 @@ void panel_tasks(const PanelArgs& a, int bits, void (*kernel)(const PanelArgs&, 
   });
 }
 
-// Rows of x a time whose three planes go on the tiles at once (their planes and layout ~6 MiB at K 8192)
-constexpr int kTilesX3Rows = 256;
+// Rows of x a time whose bfloat16 planes go on the tiles at once (6 bytes a value: 12 MiB at K 8192)
+constexpr int kTilesBf16Rows = 256;
 
 // y (M, N) = M rows of x (M a multiple of 16) times a Q4_K or Q5_K panel layer with exact math on the
-// tiles: each chunk of rows split into three int8 planes (split_rows_x3), laid out for the tiles
-// (amx::tile_x3), the planes' sums joined in the kernel
-void tiles_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
-  for (int m0 = 0; m0 < M; m0 += kTilesX3Rows) {
-    const int mc = std::min(kTilesX3Rows, M - m0);
-    const Q8Rows x3 = split_rows_x3(quantize_x_fn(), x, t, row_starts(mc, K, m0), 1, K, 32);
-    amx::TiledX tiled;
-    amx::tile_x3({x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases, nullptr, 3 * mc, N, K}, tiled);
+// tiles: each chunk of rows split into three bfloat16 planes laid out per tile and group
+// (amx::tile_bf16_row, rows shared among the pool's threads), then the panels' tasks
+void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
+  const int G = K / 32;
+  auto pool = shared_pool();
+  for (int m0 = 0; m0 < M; m0 += kTilesBf16Rows) {
+    const int mc = std::min(kTilesBf16Rows, M - m0);
+    amx::TiledBf16 tiled;
+    tiled.q.resize(size_t(mc) * K * 3);
+    tiled.sum.resize(size_t(mc) * G);
+    const int tasks = std::min(mc / kTileRows, pool->size());
+    pool->run(tasks, [&](int task) {
+      std::vector<float> row(static_cast<size_t>(K)), sums(static_cast<size_t>(G));
+      for (int m = int(int64_t(mc) * task / tasks); m < int(int64_t(mc) * (task + 1) / tasks); ++m) {
+        prepare_x_row(x, t, size_t(m0 + m) * K, 1, K, 32, 8, row.data(), sums.data());
+        amx::tile_bf16_row(row.data(), sums.data(), m, K, tiled);
+      }
+    });
     PanelArgs a{nullptr, nullptr, nullptr, w, scales, biases, y + size_t(m0) * N, mc, N, K};
-    a.tq = tiled.q.data();
-    a.td = tiled.d.data();
+    a.tb = tiled.q.data();
     a.ts = tiled.sum.data();
-    panel_tasks(a, bits, bits == 5 ? amx::q5_panels_x3 : amx::q4_panels_x3);
+    panel_tasks(a, bits, bits == 5 ? amx::q5_panels_bf16 : amx::q4_panels_bf16);
   }
 }
 #endif
@@ -504,11 +513,11 @@ void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
 }
 
 void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
-  int whole = 0; // rows on the tiles, all three planes at once: whole tiles of 16
+  int whole = 0; // rows on the tiles (x in three bfloat16 planes): whole tiles of 16
 #if defined(DUET_X86)
   if (on_tiles(bits, M)) {
     whole = M / kTileRows * kTileRows;
-    tiles_x3(x, t, w, scales, biases, y, whole, N, K, bits);
+    tiles_bf16(x, t, w, scales, biases, y, whole, N, K, bits);
   }
 #endif
   if (whole == M) {

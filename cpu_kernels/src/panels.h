@@ -53,11 +53,14 @@ struct PanelArgs {
   // Q6_K (biases unused): (M, K / 16) int32, -32 times each group of 16 values' sum of xq, where each
   // group's integer dot products start (offsets_int8), so they are those of the codes less 32
   const int32_t* xoff = nullptr;
-  // x's whole tiles of 16 rows as the AMX kernel loads them (amx::tile_x or tile_x3: the caller lays
-  // them out once, before the tasks); unused by the VNNI kernel
+  // x's whole tiles of 16 rows as the AMX kernel loads them (amx::tile_x: the caller lays them out
+  // once, before the tasks); unused by the VNNI kernel
   const int8_t* tq = nullptr;
   const float* td = nullptr;
   const float* ts = nullptr;
+  // exact math on the tiles: x's three bfloat16 planes as amx::tile_bf16_row laid them out (ts its group
+  // sums)
+  const uint16_t* tb = nullptr;
 };
 
 // Q6_K's biases: each -32 times its scale (the ratio a layer in panels holds; panel_layout checks it)
@@ -71,8 +74,9 @@ void q5_panels(const PanelArgs& a, int p0, int p1);
 void q6_panels(const PanelArgs& a, int p0, int p1);
 } // namespace avx512
 namespace amx {
-// Whether this CPU has AMX tiles with int8 products (AMX-TILE, AMX-INT8) and the OS lets this process
-// use them (asks Linux for the permission once: ARCH_REQ_XCOMP_PERM)
+// Whether this CPU has AMX tiles with int8 and bfloat16 products (AMX-TILE, AMX-INT8, AMX-BF16; and
+// AVX512-BF16, which splits x for them) and the OS lets this process use them (asks Linux for the
+// permission: ARCH_REQ_XCOMP_PERM)
 bool usable();
 // The same products as avx512's on AMX tiles (kernels_panel_amx.cpp), bit for bit: whole tiles of 16
 // rows of x (as tile_x laid them out in a.tq, td, ts), the rows past them on the VNNI kernel
@@ -87,14 +91,19 @@ struct TiledX {
   std::vector<float> sum;
 };
 void tile_x(const PanelArgs& a, TiledX& out);
-// Exact math on the tiles: x's three int8 planes (a3: split_rows_x3's layout, a3.M = 3M rows) laid out
-// per tile and group as the three planes' 512-byte blocks, with each row's unit and group sums
-void tile_x3(const PanelArgs& a3, TiledX& out);
-// y = M rows of x (M a multiple of 16, as tile_x3 laid them out in a.tq, td, ts) times Q4_K or Q5_K
-// panels p0..p1, the three planes' integer sums joined before they are scaled (within float32's
-// rounding of the VNNI kernel's planes, each scaled and then added)
-void q4_panels_x3(const PanelArgs& a, int p0, int p1);
-void q5_panels_x3(const PanelArgs& a, int p0, int p1);
+// Exact math on the tiles in bfloat16 (AMX-BF16): each float32 row of x as three bfloat16 planes whose
+// sum is x exactly, per tile and group the three planes' 16 x 32 values (TiledBf16::q) and x's float
+// group sums (sum); tile_bf16_row lays out row m (out sized for whole tiles of 16 rows beforehand)
+struct TiledBf16 {
+  std::vector<uint16_t> q;
+  std::vector<float> sum;
+};
+void tile_bf16_row(const float* row, const float* sums, int m, int K, TiledBf16& out);
+// y = M rows of x (M a multiple of 16, a.tb and a.ts as tile_bf16_row laid them out) times Q4_K or Q5_K
+// panels p0..p1: each code exact in bfloat16, every product exact in float32, the three planes'
+// products accumulated by the tiles in float32 (a float32 GEMM's rounding), scaled per group
+void q4_panels_bf16(const PanelArgs& a, int p0, int p1);
+void q5_panels_bf16(const PanelArgs& a, int p0, int p1);
 } // namespace amx
 #endif
 
@@ -136,7 +145,8 @@ bool panel_kernel_runs(bool int8);
 void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 // The same with exact math: each row of x split into three int8 planes (split_rows_x3, as the exact
 // integer kernels split it), the 3M plane rows through the panel kernel, each row's three products
-// added (sum_planes_x3): float32's accuracy, as the row form's exact paths.
+// added (sum_planes_x3): float32's accuracy, as the row form's exact paths. Whole tiles of 16 rows of a
+// Q4_K or Q5_K layer go on AMX tiles instead where they are on (x in three bfloat16 planes).
 void run_panels_x3(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 
 // The rows of a gather over experts (gather_qmm.cpp), sorted by expert: the distinct rows of x (their

@@ -75,9 +75,10 @@ def kernel_math(m: LoadedModel) -> str | None:
     types = panel_types(m.model)
     math = cpu_math() + (f"+panels({','.join(types)})" if types else "")
     if math.startswith("exact") and {"Q4_K", "Q5_K"} & set(types) and panel_tiles():
-        # exact math keeps those layers' prefill chunks on AMX tiles (x in int8 planes) where a machine
-        # without them dequantizes for a float32 GEMM: other bits (int8 math's tiles are the VNNI bits)
-        math += "+tiles"
+        # exact math keeps those layers' prefill chunks on AMX tiles (x in bfloat16 planes) where a
+        # machine without them dequantizes for a float32 GEMM: other bits (int8 math's tiles are the
+        # VNNI bits); "bf16" tells them from an earlier build's tiles (x in int8 planes)
+        math += "+tiles(bf16)"
     return math
 
 
