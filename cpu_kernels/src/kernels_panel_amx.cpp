@@ -16,7 +16,7 @@
 // and tdpbf16ps accumulates the three planes' products of a group in one float32 tile, as a float32
 // GEMM rounds; the vector units scale each group's sums. Where x in three int8 planes took three integer
 // tiles of sums joined before scaling, this loads x's planes once for two panels and has no sums to
-// join: two threads, 256 rows of x, an 8192 x 2048 Q4_K matrix 1.2-1.4x faster, 2048 x 8192 1.2x, and
+// join: one thread, 256 rows of x, an 8192 x 2048 Q4_K matrix 1.2-1.4x faster, 2048 x 8192 1.2x, and
 // the 1B model's exact prefill +13% (docs/kernels.md, "AMX tiles").
 #include <cpuid.h>
 #include <immintrin.h>
