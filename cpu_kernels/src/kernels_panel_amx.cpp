@@ -194,15 +194,10 @@ constexpr size_t kPlaneValues = size_t(kRows) * kGroup;
 // per group 16 rows of 16 x 2 bfloat16, row 2r + h holding codes 4r + 2h and 4r + 2h + 1 of each of the
 // 16 weight rows (the codes are small integers: exact in bfloat16)
 void codes_bf16(const uint8_t* ex, uint16_t* out, int K) {
-  // bfloat16 of 0..31 (a code's value), looked up per 16-bit lane
-  alignas(64) uint16_t table[32];
-  for (int c = 0; c < 32; ++c) {
-    const float f = float(c);
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    table[c] = uint16_t(bits >> 16);
-  }
-  const __m512i lut = _mm512_load_si512(table);
+  // bfloat16 of 0..31 (a code's value, exact), looked up per 16-bit lane: lanes 0-15 from the second
+  // operand of the two-vector conversion, 16-31 from the first
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(low, _mm512_set1_ps(16.0f)), low);
   // each row's (c0, c1) pairs (even 32-bit lanes of the two halves), then its (c2, c3) pairs (odd)
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);

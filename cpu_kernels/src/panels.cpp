@@ -446,19 +446,17 @@ constexpr int kTilesBf16Rows = 256;
 
 // y (M, N) = M rows of x (M a multiple of 16) times a Q4_K or Q5_K panel layer with exact math on the
 // tiles: each chunk of rows split into three bfloat16 planes laid out per tile and group
-// (amx::tile_bf16_row, rows shared among the pool's threads), then the panels' tasks
+// (amx::tile_bf16_row, rows shared among the pool's threads: rows_on_pool), then the panels' tasks
 void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
   const int G = K / 32;
-  auto pool = shared_pool();
   for (int m0 = 0; m0 < M; m0 += kTilesBf16Rows) {
     const int mc = std::min(kTilesBf16Rows, M - m0);
     amx::TiledBf16 tiled;
     tiled.q.resize(size_t(mc) * K * 3);
     tiled.sum.resize(size_t(mc) * G);
-    const int tasks = std::min(mc / kTileRows, pool->size());
-    pool->run(tasks, [&](int task) {
+    rows_on_pool(mc, [&](int r0, int r1) {
       std::vector<float> row(static_cast<size_t>(K)), sums(static_cast<size_t>(G));
-      for (int m = int(int64_t(mc) * task / tasks); m < int(int64_t(mc) * (task + 1) / tasks); ++m) {
+      for (int m = r0; m < r1; ++m) {
         prepare_x_row(x, t, size_t(m0 + m) * K, 1, K, 32, 8, row.data(), sums.data());
         amx::tile_bf16_row(row.data(), sums.data(), m, K, tiled);
       }

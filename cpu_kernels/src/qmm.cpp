@@ -234,22 +234,6 @@ int task_count(size_t weight_bytes, int M, int threads) {
   return int(std::min<size_t>(wanted, size_t(threads) * 4));
 }
 
-namespace {
-
-// fn(m0, m1) over rows [0, M) of x, split on the pool from 8 rows (at 512 rows of K = 8192 preparing x
-// was ~10% of a prefill's product); fewer are not worth a round trip.
-template <typename F>
-void rows_on_pool(int M, F&& fn) {
-  auto pool = shared_pool();
-  const int tasks = M >= 8 ? std::min(M, pool->size()) : 1;
-  if (tasks <= 1) {
-    fn(0, M);
-    return;
-  }
-  pool->run(tasks, [&](int task) { fn(int(int64_t(M) * task / tasks), int(int64_t(M) * (task + 1) / tasks)); });
-}
-
-} // namespace
 
 Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size) {
   const int M = int(first.size());

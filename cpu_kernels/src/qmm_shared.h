@@ -10,6 +10,7 @@
 
 #include "kernels.h"
 #include "mlx/array.h"
+#include "pool.h"
 
 namespace mx = mlx::core;
 
@@ -157,6 +158,19 @@ const int32_t* offsets_three_byte(const std::vector<int8_t>& xq, int M, int K, i
 // M > 1 rows of x share them), up to 4 per thread: the pool's threads claim them in turn, so a late
 // or slow thread costs little.
 int task_count(size_t weight_bytes, int M, int threads);
+
+// fn(m0, m1) over rows [0, M) of x, split on the pool from 8 rows (at 512 rows of K = 8192 preparing x
+// was ~10% of a prefill's product); fewer are not worth a round trip.
+template <typename F>
+void rows_on_pool(int M, F&& fn) {
+  auto pool = shared_pool();
+  const int tasks = M >= 8 ? std::min(M, pool->size()) : 1;
+  if (tasks <= 1) {
+    fn(0, M);
+    return;
+  }
+  pool->run(tasks, [&](int task) { fn(int(int64_t(M) * task / tasks), int(int64_t(M) * (task + 1) / tasks)); });
+}
 
 // One row of x (K values of dtype t at elements first, first + step, ...) as the kernel reads it:
 // float32, each 4-bit run of 32 permuted to (evens, odds) to match the nibble unpacking, and its
