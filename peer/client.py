@@ -1,7 +1,8 @@
 """The decoder's side of remote prefill: ``RemotePrefillSource``, a KV source backed by one peer.
 
-One persistent connection per peer (the HELLO exchange happens at connect, never inside a
-request's time to first token). ``start_load`` queues a PREFILL for the connection's sender thread
+One persistent connection per peer (``peer/peer_link.py``: the HELLO exchange happens at connect,
+never inside a request's time to first token; the peer's health and backoff). The running loads
+and their records are a ``LoadTable`` (``peer/remote_loads.py``). ``start_load`` queues a PREFILL for the connection's sender thread
 and returns; the connection's reader thread ``recv_into``s frames into a byte-capped buffer pool,
 checks them (checksum, shapes and token ranges against this side's pool format) and hands each
 layer to the engine's ``KVSink``, which posts it to the worker. The pooled buffer goes back when the
@@ -17,22 +18,20 @@ backoff, logs one line and counts the reason.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource, LandedKV
-from peer.connection import Backoff, Conn, PeerTimeouts, open_connection
+from peer.connection import Backoff, Conn, PeerTimeouts
+from peer.peer_link import IdleClosed, PeerLink
 from peer.planner import Decision, Planner, PromptMemory
+from peer.remote_loads import LoadInfo, LoadTable, RemoteLoad
 from peer.trust.link_security import PairingWatch, PeerSecurity
-from peer.wire.framing import Frame, encode_message, encode_prefill, send_frame
-from peer.wire.handshake import inexact_reasons
+from peer.wire.framing import Frame, encode_message, encode_prefill
 from peer.wire.kv_wire import KVFormat, decode_layer, nonfinite_part
 from peer.wire.protocol import (
     Accept,
@@ -55,48 +54,6 @@ log = logging.getLogger("duet.peer.client")
 
 MiB = 1 << 20
 POLICIES = ("auto", "always")
-
-
-@dataclass
-class LoadInfo:
-    """What one remote load did (``RemotePrefillSource.load_info``), for usage and logs."""
-
-    peer: str
-    request_id: str
-    load_id: int
-    start: int
-    end: int
-    exact: bool
-    hit: int | None = None  # the peer's own prefix-cache hit
-    eta_s: float | None = None
-    frames: int = 0
-    bytes: int = 0  # payload bytes received
-    tokens_computed: int = 0  # by the peer
-    compute_s: float = 0.0  # the peer's time from PREFILL to DONE
-    wait_s: float = 0.0  # PREFILL sent -> first LAYER_KV
-    transfer_s: float = 0.0  # first LAYER_KV -> DONE
-    total_s: float = 0.0  # PREFILL sent -> DONE (or the failure)
-    accept_s: float | None = None  # PREFILL sent -> ACCEPT
-    link_s: float = 0.0  # time spent reading LAYER_KV frames off the socket
-    predicted_s: float | None = None  # the planner's predicted remote TTFT
-    outcome: str = "running"  # running, done, cancelled, or the failure's ErrorCode value
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(eq=False)
-class _Load:
-    load: KVLoad
-    sink: KVSink
-    info: LoadInfo
-    conn: Conn
-    deadline: float
-    landed: LandedKV  # per layer: the token ranges received (a peer may re-send a range)
-    t_sent: float = field(default_factory=time.monotonic)
-    t_first: float | None = None
-    predicted_compute_s: float = 0.0  # the planner's estimate of the peer's compute (its queue)
-    hard_deadline: float = float("inf")  # the whole load's (PeerTimeouts.load_deadline_s)
 
 
 class RemotePrefillSource(KVSource):
@@ -137,24 +94,20 @@ class RemotePrefillSource(KVSource):
         # a paired peer over a network, this user's local secret on loopback; ``tls`` alone: TLS only
         self.security = security or PeerSecurity(tls=tls)
         self.tls = self.security.tls
-        self.local: Hello | None = None
-        self.remote: Hello | None = None
-        self.fmt: KVFormat | None = None
+        self.link = PeerLink(
+            host,
+            port,
+            self.name,
+            self,
+            timeouts=self.timeouts,
+            backoff=self.backoff,
+            buffer_cap=buffer_cap_bytes,
+            security=self.security,
+            clock=clock,
+        )
         self.chunk_size = 0
-        self.inexact: list[str] = []
-        self._lock = threading.RLock()
-        self._conn: Conn | None = None
-        self._connecting: threading.Thread | None = None
-        self._connected = threading.Condition(self._lock)
-        self._loads: dict[int, _Load] = {}
-        self._infos: OrderedDict[int, LoadInfo] = OrderedDict()
-        self._failures = 0  # consecutive failures, for the backoff
-        self._retry_at = 0.0
-        self._busy_until = 0.0
-        self._last_logged: str | None = None
-        self.last_error: tuple[str, str] | None = None  # (code, message) of the latest failure
+        self.loads = LoadTable()
         self.fallbacks: Counter[str] = Counter()  # loads that ended early, by ErrorCode value
-        self.failures: Counter[str] = Counter()  # times the peer was marked unhealthy, by ErrorCode value
         self.remote_prefills = 0  # loads completed
         self.bytes_received = 0
         self.frames_received = 0
@@ -163,7 +116,6 @@ class RemotePrefillSource(KVSource):
         self._sent_prompts = PromptMemory()  # what the peer's prefix cache likely holds
         self._local_rate: float | None = None  # tokens/s of local prefill (EWMA, observe_local_prefill)
         self._local_rate_fn: Callable[[], float | None] | None = None
-        self._closed = False
         self._pairings = PairingWatch(self.tls.peers) if self.tls is not None else None
 
     # --- set-up ------------------------------------------------------------------------------
@@ -179,101 +131,56 @@ class RemotePrefillSource(KVSource):
         self.connect(wait_s=None)
 
     def configure(self, hello: Hello, chunk_size: int) -> None:
-        self.local, self.chunk_size = hello, chunk_size
-        self.fmt = KVFormat.from_hello(hello)
-        self.planner.kv_bytes_per_token = self.fmt.nbytes(1) * self.fmt.num_layers
-        self.planner.num_layers, self.planner.chunk = self.fmt.num_layers, max(chunk_size, 1)
+        fmt = KVFormat.from_hello(hello)
+        self.link.configure(hello, fmt)
+        self.chunk_size = chunk_size
+        self.planner.kv_bytes_per_token = fmt.nbytes(1) * fmt.num_layers
+        self.planner.num_layers, self.planner.chunk = fmt.num_layers, max(chunk_size, 1)
 
     def connect(self, wait_s: float | None = 0.0) -> bool:
         """Start connecting now (unless connected or connecting; a backoff does not hold it back); with
         ``wait_s`` wait that long for the HELLO exchange to end (None or 0: do not wait). Returns
         whether the peer is usable."""
-        with self._lock:
-            self._start_connect(force=True)
-            if wait_s:
-                deadline = self.clock() + wait_s
-                while self._connecting is not None and (left := deadline - self.clock()) > 0:
-                    self._connected.wait(left)
-            return self.healthy
-
-    def _start_connect(self, force: bool = False) -> None:
-        if self._closed or self.local is None or self._connecting is not None:
-            return
-        if self._conn is not None and not self._conn.closed.is_set():
-            return
-        if not force and self.clock() < self._retry_at:
-            return
-        t = threading.Thread(target=self._connect, name=f"duet-peer-connect {self.name}", daemon=True)
-        self._connecting = t
-        t.start()
-
-    def _connect(self) -> None:
-        assert self.local is not None and self.fmt is not None
-        try:
-            conn = open_connection(
-                self.host,
-                self.port,
-                self.local,
-                self.fmt,
-                timeouts=self.timeouts,
-                buffer_cap=self.buffer_cap,
-                security=self.security,
-                name=self.name,
-            )
-        except ProtocolError as e:
-            with self._lock:
-                self._connecting = None
-                self._mark_unhealthy(e.code, str(e))
-                self._connected.notify_all()
-            return
-        remote = conn.remote
-        inexact = inexact_reasons(self.local, remote)
-        with self._lock:
-            self._connecting = None
-            if self._closed:
-                conn.close()
-                conn.sock.close()
-                self._connected.notify_all()
-                return
-            self._conn, self.remote, self.inexact = conn, remote, inexact
-            if conn.peer is not None and self.security.tls is not None:
-                self.security.pin(conn.peer)  # reconnects must reach the same machine
-            self._retry_at = 0.0
-            for target, what in ((self._read_loop, "read"), (self._send_loop, "send")):
-                t = threading.Thread(
-                    target=target, args=(conn,), name=f"duet-peer-{what} {self.name}", daemon=True
-                )
-                conn.threads.append(t)
-                t.start()
-            self._connected.notify_all()
-        if inexact:  # usable, but its KV will not be bit-exact with local prefill
-            log.warning("peer %s connected; its results are approximate: %s", self.name, "; ".join(inexact))
-        else:
-            log.info("peer %s connected (bit-exact)", self.name)
+        return self.link.connect(wait_s)
 
     def close(self) -> None:
         """Drop the connection; loads still running fail with ``disconnected``."""
-        with self._lock:
-            self._closed = True
-            conn = self._conn
-        if conn is not None:
-            self._drop(
-                conn, ErrorCode.DISCONNECTED, "the decoder closed the peer connection", unhealthy=False
-            )
-            for t in conn.threads:
-                if t is not threading.current_thread():
-                    t.join(timeout=10)
+        self.link.close()
 
     # --- health and policy -------------------------------------------------------------------
     @property
+    def local(self) -> Hello | None:
+        return self.link.local
+
+    @property
+    def fmt(self) -> KVFormat | None:
+        return self.link.fmt
+
+    @property
+    def remote(self) -> Hello | None:
+        return self.link.remote
+
+    @property
+    def inexact(self) -> list[str]:
+        return self.link.inexact
+
+    @property
     def connected(self) -> bool:
-        conn = self._conn
-        return conn is not None and not conn.closed.is_set()
+        return self.link.connected
 
     @property
     def healthy(self) -> bool:
-        now = self.clock()
-        return self.connected and now >= self._retry_at and now >= self._busy_until
+        return self.link.healthy
+
+    @property
+    def last_error(self) -> tuple[str, str] | None:
+        """(code, message) of the latest failure."""
+        return self.link.last_error
+
+    @property
+    def failures(self) -> Counter[str]:
+        """Times the peer was marked unhealthy, by ErrorCode value."""
+        return self.link.failures
 
     @property
     def exact(self) -> bool:
@@ -305,9 +212,7 @@ class RemotePrefillSource(KVSource):
 
     def _queue_s(self) -> float:
         """The peer's predicted compute still ahead of it for this decoder's running loads."""
-        now = self.clock()
-        with self._lock:
-            return sum(max(s.predicted_compute_s - (now - s.t_sent), 0.0) for s in self._loads.values())
+        return self.loads.queue_s(self.clock())
 
     def _decide(self, seq_tokens: list[int], start: int, end: int) -> Decision:
         block = self.remote.block_size if self.remote is not None else 1
@@ -339,11 +244,11 @@ class RemotePrefillSource(KVSource):
         """Tokens beyond ``start`` (up to ``end``) this peer offers to prefill: all of them when it
         is connected, healthy and (auto) worth it, else 0."""
         n = end - start
-        with self._lock:
-            if n <= 0 or self._closed:
+        with self.link.lock:
+            if n <= 0 or self.link.closed:
                 return 0
             if not self.healthy:
-                self._start_connect()  # reconnect in the background once the backoff ran out
+                self.link.start_connect()  # reconnect in the background once the backoff ran out
                 return 0
             assert self.remote is not None
             if end + 1 > self.remote.max_tokens:
@@ -357,22 +262,16 @@ class RemotePrefillSource(KVSource):
         """Send the PREFILL (on the sender thread) and return; the layers arrive on the sink."""
         assert self.local is not None
         self._drop_if_unpaired()
-        with self._lock:
-            conn = self._conn
-            usable = conn is not None and not conn.closed.is_set() and not self._closed
-            info = LoadInfo(self.name, load.request_id, load.load_id, load.start, load.end, self.exact)
-            decision = self.planner.assign(load.tokens, load.start, load.request_id)
-            if decision is not None:
-                info.predicted_s = decision.predicted_remote_s
-            self._remember(info)
-            if not usable or load.end <= load.start:
-                code = ErrorCode.DISCONNECTED if not usable else ErrorCode.BAD_FRAME
-                msg = "the peer is not connected" if not usable else "nothing to load"
-                info.outcome = code.value
-            else:
-                assert conn is not None
+        info = LoadInfo(self.name, load.request_id, load.load_id, load.start, load.end, self.exact)
+        decision = self.planner.assign(load.tokens, load.start, load.request_id)
+        if decision is not None:
+            info.predicted_s = decision.predicted_remote_s
+        self.loads.remember(info)
+        with self.link.lock:  # a drop closes the connection holding it: a load added here is failed
+            conn = self.link.usable()
+            if conn is not None and load.end > load.start:
                 now = self.clock()
-                state = _Load(
+                state = RemoteLoad(
                     load,
                     sink,
                     info,
@@ -384,33 +283,36 @@ class RemotePrefillSource(KVSource):
                 )
                 if decision is not None and decision.estimate.compute_s is not None:
                     state.predicted_compute_s = decision.estimate.compute_s
-                self._loads[load.load_id] = state
+                self.loads.add(state)
                 self._sent_prompts.remember(load.tokens[: load.end])
-        if not usable or load.end <= load.start:
+        if conn is None or load.end <= load.start:
+            code = ErrorCode.DISCONNECTED if conn is None else ErrorCode.BAD_FRAME
+            info.outcome = code.value
             self.fallbacks[code.value] += 1
-            self.last_error = (code.value, msg)
+            self.link.last_error = (
+                code.value,
+                "the peer is not connected" if conn is None else "nothing to load",
+            )
             sink.failed(load.load_id, code.value)
             return
-        assert conn is not None
-        msg_ = Prefill(load.request_id, load.load_id, load.end + 1, load.start, self.chunk_size)
-        conn.out.put(encode_prefill(msg_, load.tokens[: load.end + 1]))
+        msg = Prefill(load.request_id, load.load_id, load.end + 1, load.start, self.chunk_size)
+        conn.out.put(encode_prefill(msg, load.tokens[: load.end + 1]))
         conn.wake()  # the reader's deadline changed
 
     def _drop_if_unpaired(self) -> None:
         """A machine unpaired (``duet peer unpair``) since its connection opened: nothing more goes
         to it (one stat of peers.json per load)."""
-        conn = self._conn
+        conn = self.link.conn
         if self._pairings is None or conn is None or conn.peer is None or not conn.peer.fingerprint:
             return
         if conn.peer.fingerprint in self._pairings.unpaired({conn.peer.fingerprint}):
-            self._drop(
+            self.link.drop(
                 conn, ErrorCode.DISCONNECTED, f"{conn.peer.name} is no longer paired with this machine"
             )
 
     def cancel(self, load_id: int) -> None:
         """The engine no longer wants this load: CANCEL it; no sink call follows."""
-        with self._lock:
-            state = self._loads.pop(load_id, None)
+        state = self.loads.pop(load_id)
         if state is None:
             return
         state.info.outcome = "cancelled"
@@ -419,46 +321,22 @@ class RemotePrefillSource(KVSource):
 
     def loads_of(self, request_id: str) -> list[dict[str, Any]]:
         """What this peer's loads for ``request_id`` did (the latest 1024 loads are kept)."""
-        with self._lock:
-            return [i.as_dict() for i in self._infos.values() if i.request_id == request_id]
+        return self.loads.infos_of(request_id)
 
     def load_info(self, load_id: int) -> dict[str, Any] | None:
-        with self._lock:
-            info = self._infos.get(load_id)
-            return None if info is None else info.as_dict()
+        return self.loads.info(load_id)
 
-    # --- internals ----------------------------------------------------------------------------
-    def _remember(self, info: LoadInfo) -> None:
-        self._infos[info.load_id] = info
-        while len(self._infos) > 1024:
-            self._infos.popitem(last=False)
-
-    def _send_cancel(self, state: _Load) -> None:
+    # --- ending loads --------------------------------------------------------------------------
+    def _send_cancel(self, state: RemoteLoad) -> None:
         if not state.conn.closed.is_set():
             state.conn.out.put(encode_message(Cancel(state.load.request_id, state.load.load_id)))
 
-    def _mark_unhealthy(self, code: ErrorCode, message: str) -> None:
-        """Back off (exponentially) and log the reason once per streak of the same reason."""
-        with self._lock:
-            self._failures += 1
-            self.failures[code.value] += 1
-            delay = self.backoff.delay(self._failures)
-            self._retry_at = self.clock() + delay
-            self.last_error = (code.value, message)
-            first = self._last_logged != code.value
-            self._last_logged = code.value
-        line = f"peer {self.name}: {message} ({code.value}); prefilling locally, retrying the peer in {delay:g} s"
-        if first:
-            log.warning(line)
-        else:
-            log.debug(line)
-
-    def _fail(self, state: _Load, code: ErrorCode, message: str, *, cancel: bool, unhealthy: bool) -> None:
+    def _fail(
+        self, state: RemoteLoad, code: ErrorCode, message: str, *, cancel: bool, unhealthy: bool
+    ) -> None:
         """End one load with a failure (if it is still running): the sink keeps what landed."""
-        with self._lock:
-            if self._loads.get(state.load.load_id) is not state:
-                return
-            del self._loads[state.load.load_id]
+        if not self.loads.end(state):
+            return
         info = state.info
         info.outcome = code.value
         info.total_s = self.clock() - state.t_sent
@@ -478,78 +356,21 @@ class RemotePrefillSource(KVSource):
         if cancel:
             self._send_cancel(state)
         if unhealthy:
-            self._mark_unhealthy(code, message)
+            self.link.mark_unhealthy(code, message)
         else:
-            self.last_error = (code.value, message)
+            self.link.last_error = (code.value, message)
         state.sink.failed(state.load.load_id, code.value)
 
-    def _drop(self, conn: Conn, code: ErrorCode, message: str, *, unhealthy: bool = True) -> None:
-        """The connection is unusable: close it and fail every load on it."""
-        with self._lock:
-            if conn.closed.is_set() and self._conn is not conn:
-                return
-            conn.close()
-            if self._conn is conn:
-                self._conn = None
-            states = [s for s in self._loads.values() if s.conn is conn]
-        for s in states:
+    # --- LinkHandler: what the connection's reader thread calls ----------------------------------
+    def connection_lost(self, conn: Conn, code: ErrorCode, message: str) -> None:
+        for s in self.loads.on(conn):
             self._fail(s, code, message, cancel=False, unhealthy=False)
-        if unhealthy:
-            self._mark_unhealthy(code, message)
 
-    def _send_loop(self, conn: Conn) -> None:
-        while (buffers := conn.out.get()) is not None:
-            try:
-                send_frame(conn.sock, buffers)
-            except OSError as e:
-                self._drop(conn, ErrorCode.DISCONNECTED, f"connection lost while sending: {e}")
-                return
-
-    def _read_loop(self, conn: Conn) -> None:
-        try:
-            while not conn.closed.is_set():
-                timeout = self._expire(conn)
-                pending = getattr(conn.sock, "pending", None)  # TLS may hold decrypted bytes already
-                buffered = pending is not None and pending() > 0
-                events = conn.selector.select(0 if buffered else timeout)
-                if any(key.fileobj is conn.wake_r for key, _ in events):
-                    conn.drain_wake()
-                readable = buffered or any(key.fileobj is conn.sock for key, _ in events)
-                if not readable or conn.closed.is_set():
-                    continue
-                t_ready = time.monotonic()
-                frame = conn.reader.read()
-                if frame is None:
-                    self._drop(conn, ErrorCode.DISCONNECTED, "the peer closed the connection")
-                    return
-                self.frames_received += 1
-                self._handle(conn, frame, time.monotonic() - t_ready)
-        except _IdleClosed as e:  # not a failure: connect again now, without a backoff
-            log.info("peer %s: %s; reconnecting", self.name, e)
-            self._drop(
-                conn, ErrorCode.DISCONNECTED, f"the peer closed an idle connection: {e}", unhealthy=False
-            )
-            with self._lock:
-                self._start_connect(force=True)
-        except ProtocolError as e:
-            self._drop(conn, e.code, str(e))
-        except Exception as e:  # a bug must not leave loads hanging
-            log.exception("peer %s: reader failed", self.name)
-            self._drop(conn, ErrorCode.INTERNAL, f"reader failed: {e}")
-        finally:
-            conn.selector.close()
-            conn.wake_r.close()
-            conn.wake_w.close()
-            with contextlib.suppress(OSError):
-                conn.sock.close()
-
-    def _expire(self, conn: Conn) -> float | None:
+    def expire(self, conn: Conn) -> float | None:
         """Fail the loads whose deadline passed; returns the wait until the next deadline."""
         now = self.clock()
-        with self._lock:
-            states = [s for s in self._loads.values() if s.conn is conn]
         nxt = None
-        for s in states:
+        for s in self.loads.on(conn):
             if s.hard_deadline <= now:
                 limit = s.hard_deadline - s.t_sent
                 message = f"the load did not finish within its {limit:g} s deadline"
@@ -564,16 +385,16 @@ class RemotePrefillSource(KVSource):
             self._fail(s, ErrorCode.TIMEOUT, message, cancel=True, unhealthy=True)
         return None if nxt is None else max(nxt - now, 0.0)
 
-    def _state(self, load_id: int, request_id: str) -> _Load | None:
-        with self._lock:
-            s = self._loads.get(load_id)
+    def _state(self, load_id: int, request_id: str) -> RemoteLoad | None:
+        s = self.loads.get(load_id)
         if s is not None and s.load.request_id != request_id:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"load {load_id} is not request {request_id!r}")
         return s
 
-    def _handle(self, conn: Conn, frame: Frame, read_s: float = 0.0) -> None:
+    def handle_frame(self, conn: Conn, frame: Frame, read_s: float = 0.0) -> None:
         """``read_s``: the time from the socket turning readable to the whole frame read (for the
         planner's link bandwidth)."""
+        self.frames_received += 1
         msg = frame.msg
         if isinstance(msg, LayerKV):
             self._layer(frame, msg, read_s)
@@ -592,8 +413,7 @@ class RemotePrefillSource(KVSource):
         elif isinstance(msg, Busy):
             s = self._state(msg.load_id, msg.request_id)
             if s is not None:
-                with self._lock:
-                    self._busy_until = now + min(max(msg.retry_after_s, 0.5), 60.0)
+                self.link.busy_for(min(max(msg.retry_after_s, 0.5), 60.0))
                 self._fail(s, ErrorCode.BUSY, "the peer is busy", cancel=False, unhealthy=False)
         elif isinstance(msg, Done):
             s = self._state(msg.load_id, msg.request_id)
@@ -601,10 +421,8 @@ class RemotePrefillSource(KVSource):
                 self._done(s, msg, now)
         elif isinstance(msg, Error):
             if msg.request_id is None:
-                with self._lock:
-                    mine = any(st.conn is conn for st in self._loads.values())
-                if msg.code is ErrorCode.TIMEOUT and not mine:  # the peer closed an idle connection
-                    raise _IdleClosed(msg.message)
+                if msg.code is ErrorCode.TIMEOUT and not self.loads.on(conn):
+                    raise IdleClosed(msg.message)  # the peer closed an idle connection
                 raise ProtocolError(msg.code, f"the peer reported: {msg.message}")
             s = self._state(msg.load_id or 0, msg.request_id)
             if s is not None:
@@ -652,7 +470,7 @@ class RemotePrefillSource(KVSource):
         self.bytes_received += frame.payload.nbytes
         s.sink.layer(msg.load_id, msg.layer, msg.t0, msg.t1, parts, release=frame.release)
 
-    def _done(self, s: _Load, msg: Done, now: float) -> None:
+    def _done(self, s: RemoteLoad, msg: Done, now: float) -> None:
         landed = s.landed.complete_from(s.load.start)
         if landed < s.load.end:
             self._fail(
@@ -663,13 +481,10 @@ class RemotePrefillSource(KVSource):
                 unhealthy=True,
             )
             return
-        with self._lock:
-            if self._loads.get(s.load.load_id) is not s:
-                return
-            del self._loads[s.load.load_id]
-            self._failures = 0
-            self._last_logged = None
-            self.remote_prefills += 1
+        if not self.loads.end(s):
+            return
+        self.link.succeeded()
+        self.remote_prefills += 1
         info = s.info
         info.outcome = "done"
         info.tokens_computed, info.compute_s = msg.tokens_computed, msg.compute_s
@@ -681,10 +496,6 @@ class RemotePrefillSource(KVSource):
         if info.bytes > 0:
             self.planner.observe_transfer(info.bytes, max(info.link_s, 1e-6))
         s.sink.done(s.load.load_id, msg.tokens_computed, msg.compute_s)
-
-
-class _IdleClosed(Exception):
-    """The peer closed this connection for idleness (no load of ours was on it)."""
 
 
 def _ewma(old: float | None, new: float, weight: float = 0.3) -> float:

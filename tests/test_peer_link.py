@@ -182,7 +182,7 @@ def prefill_over(server_tls, client_tls, corrupt_at=None):
         ok = src.connect(wait_s=WAIT)
         sink = RecordingSink(N)
         if ok:
-            sock = src._conn.sock  # type: ignore[union-attr]
+            sock = src.link.conn.sock  # type: ignore[union-attr]
             if isinstance(sock, MacSocket):
                 keys = [sock.send_mac._aes.key, sock.recv_mac._aes.key]
             src.start_load(KVLoad(1, "req-1", list(TOKENS), 0, N - 1), sink)
@@ -269,7 +269,7 @@ def test_engines_over_a_trusted_link_match_local_prefill(tiny_dirs, tmp_path):
         client_tls=PeerTLS(*mac, link="trusted"),
     )
     try:
-        assert isinstance(pr.src._conn.sock, MacSocket)  # type: ignore[union-attr]
+        assert isinstance(pr.src.link.conn.sock, MacSocket)  # type: ignore[union-attr]
         assert_exact_remote(pr, p)
     finally:
         pr.close()

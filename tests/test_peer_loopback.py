@@ -66,7 +66,7 @@ def test_remote_prefill_over_loopback_is_exact(llama2, length):
         assert info["frames"] == L * -(-(length - 1) // pair.chunk)  # a frame per layer per chunk
         assert last.usage.remote_bytes == info["bytes"] == (length - 1) * per_token_bytes(pair.dec) * L
         assert pair.src.bytes_received == info["bytes"]
-        assert pair.src._conn.reader.buffers.in_use == 0  # every receive buffer went back
+        assert pair.src.link.conn.reader.buffers.in_use == 0  # every receive buffer went back
     finally:
         pair.close()
 
@@ -274,7 +274,7 @@ def test_ingest_stays_within_a_small_receive_buffer(llama2):
     try:
         assert per_token_bytes(pair.dec) * 64 == frame
         assert_exact_remote(pair, p)
-        assert 0 < pair.src._conn.reader.buffers.peak <= 2 * frame
+        assert 0 < pair.src.link.conn.reader.buffers.peak <= 2 * frame
     finally:
         pair.close()
 

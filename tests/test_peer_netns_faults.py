@@ -42,10 +42,10 @@ class HoldAtFirstLayer(RemotePrefillSource):
     # once the first chunk has landed in every layer, stop reading until the test has killed the peer
     held = False
 
-    def _handle(self, conn, frame, *args, **kw):
+    def handle_frame(self, conn, frame, *args, **kw):
         msg = frame.msg
         first = isinstance(msg, LayerKV) and msg.layer == self.local.num_layers - 1 and not self.held
-        super()._handle(conn, frame, *args, **kw)
+        super().handle_frame(conn, frame, *args, **kw)
         if first:
             self.held = True
             print("streaming", flush=True)

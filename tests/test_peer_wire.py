@@ -280,11 +280,11 @@ def test_backoff_then_reconnect(closing):
     sink.wait_end(1)
     assert not src.connected and src.match(TOKENS, 0, N - 1) == 0
     now[0] += 4.9
-    assert src.match(TOKENS, 0, N - 1) == 0 and src._connecting is None  # still backing off
+    assert src.match(TOKENS, 0, N - 1) == 0 and src.link.connecting is None  # still backing off
     now[0] += 0.2
     assert src.match(TOKENS, 0, N - 1) == 0  # starts reconnecting in the background
-    with src._lock:
-        assert src._connected.wait_for(lambda: src._connecting is None, WAIT)
+    with src.link.lock:
+        assert src.link.connected_cond.wait_for(lambda: src.link.connecting is None, WAIT)
     assert src.match(TOKENS, 0, N - 1) == N - 1
 
 
@@ -307,8 +307,8 @@ def test_a_completed_load_ends_the_failure_streak(closing):
     def reconnects_after(seconds: float) -> bool:
         now[0] += seconds
         assert src.match(TOKENS, 0, N - 1) == 0  # starts reconnecting in the background, if it may
-        with src._lock:
-            assert src._connected.wait_for(lambda: src._connecting is None, WAIT)
+        with src.link.lock:
+            assert src.link.connected_cond.wait_for(lambda: src.link.connecting is None, WAIT)
         return src.match(TOKENS, 0, N - 1) == N - 1
 
     assert src.connect(wait_s=WAIT)
@@ -338,12 +338,12 @@ def test_receive_buffer_cap_bounds_ingest_and_pauses_the_export(closing):
     with backend.cv:
         assert backend.cv.wait_for(lambda: backend.paused > 0, WAIT)
     sink.wait(lambda: len(sink.held) == 3)
-    assert src._conn.reader.buffers.in_use <= 3 * frame
+    assert src.link.conn.reader.buffers.in_use <= 3 * frame
     while not (1 in sink.loads and sink.loads[1].finished.is_set()):
         sink.wait(lambda: sink.held or sink.loads[1].finished.is_set())
         sink.release_held()
     assert sink.loads[1].done
-    assert src._conn.reader.buffers.peak <= 3 * frame
+    assert src.link.conn.reader.buffers.peak <= 3 * frame
 
 
 def test_two_concurrent_loads_on_one_connection(closing):
