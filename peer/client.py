@@ -19,7 +19,6 @@ backoff, logs one line and counts the reason.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_engine.kv_cache.kv_source import KVLoad, KVSink, KVSource, LandedKV
 from peer.connection import Backoff, Conn, PeerTimeouts
+from peer.offload import OffloadChoice
 from peer.peer_link import IdleClosed, PeerLink
-from peer.planner import Decision, Planner, PromptMemory
+from peer.planner import Planner
 from peer.remote_loads import LoadInfo, LoadTable, RemoteLoad
-from peer.trust.link_security import PairingWatch, PeerSecurity
+from peer.trust.link_security import PeerSecurity
 from peer.wire.framing import Frame, encode_message, encode_prefill
 from peer.wire.kv_wire import KVFormat, decode_layer, nonfinite_part
 from peer.wire.protocol import (
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("duet.peer.client")
 
 MiB = 1 << 20
-POLICIES = ("auto", "always")
 
 
 class RemotePrefillSource(KVSource):
@@ -82,9 +81,7 @@ class RemotePrefillSource(KVSource):
         tls: PeerTLS | None = None,
         security: PeerSecurity | None = None,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
-        self.host, self.port, self.policy = host, port, policy
+        self.host, self.port = host, port
         self.name = name or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self.timeouts = timeouts or PeerTimeouts()
         self.backoff = backoff or Backoff()
@@ -112,11 +109,7 @@ class RemotePrefillSource(KVSource):
         self.bytes_received = 0
         self.frames_received = 0
         self.late_frames = 0  # frames of loads already ended (dropped)
-        self.planner = Planner(self.name, local_rate_fn=self.local_rate)
-        self._sent_prompts = PromptMemory()  # what the peer's prefix cache likely holds
-        self._local_rate: float | None = None  # tokens/s of local prefill (EWMA, observe_local_prefill)
-        self._local_rate_fn: Callable[[], float | None] | None = None
-        self._pairings = PairingWatch(self.tls.peers) if self.tls is not None else None
+        self.offload = OffloadChoice(self.name, policy)
 
     # --- set-up ------------------------------------------------------------------------------
     def attach(self, engine: Engine) -> None:
@@ -127,15 +120,14 @@ class RemotePrefillSource(KVSource):
         c = engine.config
         hello = engine.run_on_worker(lambda: local_hello(engine), 120)  # the pool is the worker's
         self.configure(hello, c.prefill_grid)
-        self._local_rate_fn = engine.local_prefill_rate
+        self.offload.local_rate_fn = engine.local_prefill_rate
         self.connect(wait_s=None)
 
     def configure(self, hello: Hello, chunk_size: int) -> None:
         fmt = KVFormat.from_hello(hello)
         self.link.configure(hello, fmt)
         self.chunk_size = chunk_size
-        self.planner.kv_bytes_per_token = fmt.nbytes(1) * fmt.num_layers
-        self.planner.num_layers, self.planner.chunk = fmt.num_layers, max(chunk_size, 1)
+        self.offload.configure(fmt.nbytes(1) * fmt.num_layers, fmt.num_layers, chunk_size)
 
     def connect(self, wait_s: float | None = 0.0) -> bool:
         """Start connecting now (unless connected or connecting; a backoff does not hold it back); with
@@ -193,51 +185,26 @@ class RemotePrefillSource(KVSource):
         why = f" ({self.last_error[0]}: {self.last_error[1]})" if self.last_error else ""
         return f"peer {self.name}: unavailable{why}"
 
+    # --- offload decisions (OffloadChoice) ------------------------------------------------------
+    @property
+    def planner(self) -> Planner:
+        return self.offload.planner
+
+    @property
+    def policy(self) -> str:
+        return self.offload.policy
+
     def observe_local_prefill(self, tokens: int, seconds: float) -> None:
         """The engine's local prefill rate, for the auto policy."""
-        if tokens > 0 and seconds > 0:
-            self._local_rate = _ewma(self._local_rate, tokens / seconds)
-
-    def local_rate(self) -> float | None:
-        if self._local_rate_fn is not None:
-            rate = self._local_rate_fn()
-            if rate:
-                return rate
-        return self._local_rate
+        self.offload.observe_local_prefill(tokens, seconds)
 
     def worth_offloading(self, n: int) -> bool:
-        """Auto policy for ``n`` uncached tokens (none held by either side): the planner's decision
-        (predicted remote TTFT below local; a side never measured is tried once, the peer first)."""
-        return self.planner.decide(n + 1, 0, 0, self._queue_s()).offload
-
-    def _queue_s(self) -> float:
-        """The peer's predicted compute still ahead of it for this decoder's running loads."""
-        return self.loads.queue_s(self.clock())
-
-    def _decide(self, seq_tokens: list[int], start: int, end: int) -> Decision:
-        block = self.remote.block_size if self.remote is not None else 1
-        hit = self._sent_prompts.hit(seq_tokens, end, block)
-        return self.planner.decide(
-            end + 1, start, hit, self._queue_s(), policy=self.policy, record=seq_tokens
-        )
+        """Auto policy for ``n`` uncached tokens (none held by either side)."""
+        return self.offload.worth_offloading(n, self.loads.queue_s(self.clock()))
 
     def request_finished(self, request_id: str, tokens: list[int], usage: Any) -> None:
-        """The engine ended a request (``KVSource.request_finished``): the planner gets its measured
-        TTFT, and the profiles the local TTFT (a request prefilled here) or what followed the
-        peer's last frame (a request prefilled by this peer)."""
-        loc = str(getattr(usage, "prefill_location", "local"))
-        ttft = float(getattr(usage, "ttft_s", 0.0) or 0.0)
-        d = self.planner.finish(request_id, tokens, loc, ttft)
-        if d is None or ttft <= 0 or getattr(usage, "fallback_reason", None):
-            return
-        if loc == "local":
-            computed = int(getattr(usage, "prompt_tokens_computed", 0))
-            if computed == d.n_tokens - d.start:  # no recompute: a clean sample of local prefill
-                self.planner.observe_local(computed, d.start, ttft)
-        elif loc == f"remote:{self.name}":
-            infos = [i for i in self.loads_of(request_id) if i["outcome"] == "done"]
-            if len(infos) == 1:
-                self.planner.observe_tail(max(ttft - infos[0]["total_s"], 0.0))
+        """The engine ended a request (``KVSource.request_finished``): the planner learns from it."""
+        self.offload.request_finished(request_id, tokens, usage, lambda: self.loads_of(request_id))
 
     # --- KVSource ----------------------------------------------------------------------------
     def match(self, seq_tokens: list[int], start: int, end: int) -> int:
@@ -253,15 +220,15 @@ class RemotePrefillSource(KVSource):
             assert self.remote is not None
             if end + 1 > self.remote.max_tokens:
                 return 0
-        decision = self._decide(seq_tokens, start, end)
-        if self.policy == "auto" and not decision.offload:
-            return 0
-        return n
+        block = self.remote.block_size if self.remote is not None else 1
+        return (
+            n if self.offload.offers(seq_tokens, start, end, self.loads.queue_s(self.clock()), block) else 0
+        )
 
     def start_load(self, load: KVLoad, sink: KVSink) -> None:
         """Send the PREFILL (on the sender thread) and return; the layers arrive on the sink."""
         assert self.local is not None
-        self._drop_if_unpaired()
+        self.link.drop_if_unpaired()
         info = LoadInfo(self.name, load.request_id, load.load_id, load.start, load.end, self.exact)
         decision = self.planner.assign(load.tokens, load.start, load.request_id)
         if decision is not None:
@@ -284,7 +251,7 @@ class RemotePrefillSource(KVSource):
                 if decision is not None and decision.estimate.compute_s is not None:
                     state.predicted_compute_s = decision.estimate.compute_s
                 self.loads.add(state)
-                self._sent_prompts.remember(load.tokens[: load.end])
+                self.offload.sent_prompts.remember(load.tokens[: load.end])
         if conn is None or load.end <= load.start:
             code = ErrorCode.DISCONNECTED if conn is None else ErrorCode.BAD_FRAME
             info.outcome = code.value
@@ -298,17 +265,6 @@ class RemotePrefillSource(KVSource):
         msg = Prefill(load.request_id, load.load_id, load.end + 1, load.start, self.chunk_size)
         conn.out.put(encode_prefill(msg, load.tokens[: load.end + 1]))
         conn.wake()  # the reader's deadline changed
-
-    def _drop_if_unpaired(self) -> None:
-        """A machine unpaired (``duet peer unpair``) since its connection opened: nothing more goes
-        to it (one stat of peers.json per load)."""
-        conn = self.link.conn
-        if self._pairings is None or conn is None or conn.peer is None or not conn.peer.fingerprint:
-            return
-        if conn.peer.fingerprint in self._pairings.unpaired({conn.peer.fingerprint}):
-            self.link.drop(
-                conn, ErrorCode.DISCONNECTED, f"{conn.peer.name} is no longer paired with this machine"
-            )
 
     def cancel(self, load_id: int) -> None:
         """The engine no longer wants this load: CANCEL it; no sink call follows."""
@@ -496,9 +452,3 @@ class RemotePrefillSource(KVSource):
         if info.bytes > 0:
             self.planner.observe_transfer(info.bytes, max(info.link_s, 1e-6))
         s.sink.done(s.load.load_id, msg.tokens_computed, msg.compute_s)
-
-
-def _ewma(old: float | None, new: float, weight: float = 0.3) -> float:
-    if old is None or not math.isfinite(old):
-        return new
-    return (1 - weight) * old + weight * new

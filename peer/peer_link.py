@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from peer.connection import Backoff, Conn, PeerTimeouts, open_connection
+from peer.trust.link_security import PairingWatch
 from peer.wire.framing import Frame, send_frame
 from peer.wire.handshake import inexact_reasons
 from peer.wire.kv_wire import KVFormat
@@ -84,6 +85,7 @@ class PeerLink:
         self._last_logged: str | None = None
         self.last_error: tuple[str, str] | None = None  # (code, message) of the latest failure
         self.failures: Counter[str] = Counter()  # times the peer was marked unhealthy, by ErrorCode value
+        self._pairings = PairingWatch(security.tls.peers) if security.tls is not None else None
 
     def configure(self, local: Hello, fmt: KVFormat) -> None:
         self.local, self.fmt = local, fmt
@@ -212,6 +214,15 @@ class PeerLink:
             for t in conn.threads:
                 if t is not threading.current_thread():
                     t.join(timeout=10)
+
+    def drop_if_unpaired(self) -> None:
+        """A machine unpaired (``duet peer unpair``) since its connection opened: nothing more goes
+        to it (one stat of peers.json per call)."""
+        conn = self.conn
+        if self._pairings is None or conn is None or conn.peer is None or not conn.peer.fingerprint:
+            return
+        if conn.peer.fingerprint in self._pairings.unpaired({conn.peer.fingerprint}):
+            self.drop(conn, ErrorCode.DISCONNECTED, f"{conn.peer.name} is no longer paired with this machine")
 
     def drop(self, conn: Conn, code: ErrorCode, message: str, *, unhealthy: bool = True) -> None:
         """The connection is unusable: close it and fail every load on it."""

@@ -291,7 +291,7 @@ def test_auto_tries_each_side_then_follows_the_measured_rates(llama2):
         _, second = run(pair.dec, p2)
         assert second.usage.prefill_location == "local" and second.usage.prompt_tokens_computed == 210
         rate = pair.dec.local_prefill_rate()
-        assert rate is not None and pair.src.local_rate() == rate  # the engine's measured rate
+        assert rate is not None and pair.src.offload.local_rate() == rate  # the engine's measured rate
         remote = pair.src.worth_offloading(len(p3) - 1)
         _, third = run(pair.dec, p3)
         assert third.usage.prefill_location == (f"remote:{pair.peer_name}" if remote else "local")
