@@ -12,7 +12,6 @@ scheduler never calls the engine (proposals come in, what was computed comes bac
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -20,7 +19,8 @@ from dataclasses import dataclass
 from mlx_engine.config import EngineConfig
 from mlx_engine.errors import QueueFullError
 from mlx_engine.kv_cache.block_allocator import BlockAllocator
-from mlx_engine.kv_cache.kv_source import KVLoad, KVSource, LandedKV
+from mlx_engine.kv_cache.kv_source import KVSource, LandedKV
+from mlx_engine.scheduler_loads import LiveLoads, ask_sources
 from mlx_engine.sequence import (
     FINISHED,
     LOADING,
@@ -57,14 +57,6 @@ class SchedulerConfig:
         return cls(config.max_batch_tokens, config.prefill_grid, config.max_running, config.max_queue)
 
 
-@dataclass(eq=False)
-class _Load:
-    load: KVLoad
-    source: KVSource
-    seq: Sequence
-    done: bool = False
-
-
 def fair_order(seqs: Iterable[Sequence], running: Counter | None = None) -> list[tuple[int, Sequence]]:
     """``(rank, seq)`` in round-robin order across groups: a sequence's rank is the number of
     sequences of its group before it, plus those the group already runs (``running``); equal
@@ -75,69 +67,6 @@ def fair_order(seqs: Iterable[Sequence], running: Counter | None = None) -> list
         ranked.append((seen[seq.group_key], i, seq))
         seen[seq.group_key] += 1
     return [(rank, seq) for rank, _, seq in sorted(ranked, key=lambda r: r[:2])]
-
-
-def ask_sources(
-    sources: list[KVSource], tokens: list[int], start: int, end: int
-) -> list[tuple[KVSource, int, int]]:
-    """What the sources offer of tokens ``[start, end)``, asked in order, each one continuing
-    where the one before stopped: ``(source, a, b)`` per offer."""
-    pos, offers = start, []
-    for src in sources:
-        if pos >= end:
-            break
-        n = max(min(int(src.match(tokens, pos, end)), end - pos), 0)
-        if n:
-            offers.append((src, pos, pos + n))
-            pos += n
-    return offers
-
-
-class LiveLoads:
-    """The scheduler's record of KV loads in flight, by load id (unique per engine)."""
-
-    def __init__(self) -> None:
-        self._loads: dict[int, _Load] = {}
-        self._ids = itertools.count(1)
-        self.started = 0
-        self.failed = 0  # ended early (their landed prefix was kept)
-
-    def start(
-        self, seq: Sequence, offers: list[tuple[KVSource, int, int]], block_size: int
-    ) -> list[StartLoad]:
-        """One load per offer ``(source, a, b)`` of tokens ``[a, b)`` of ``seq``."""
-        out = []
-        for src, a, b in offers:
-            load = KVLoad(next(self._ids), seq.request_id, seq.tokens[: b + 1], a, b, block_size)
-            self._loads[load.load_id] = _Load(load, src, seq)
-            seq.loads.add(load.load_id)
-            seq.load_ranges.append((src.name, bool(src.is_cache), a, b))
-            out.append(StartLoad(src, load))
-            self.started += 1
-        return out
-
-    def get(self, load_id: int) -> _Load | None:
-        return self._loads.get(load_id)
-
-    def pop(self, load_id: int) -> _Load | None:
-        return self._loads.pop(load_id, None)
-
-    def target(self, load_id: int, layer: int, t0: int, t1: int, num_layers: int) -> KVTarget | None:
-        st = self._loads.get(load_id)
-        if st is None:
-            return None
-        load, seq = st.load, st.seq
-        if not (0 <= layer < num_layers and load.start <= t0 < t1 <= load.end):
-            raise ValueError(
-                f"KV frame for layer {layer}, tokens [{t0}, {t1}) is outside load {load_id}'s "
-                f"{num_layers} layers and tokens [{load.start}, {load.end})"
-            )
-        # tokens below num_computed have landed in every layer already (and may be registered,
-        # shared blocks): never written again
-        lo = max(t0, seq.num_computed)
-        if lo >= t1:
-            return None
-        return KVTarget(seq, seq.blocks, lo, t1)
 
 
 class Scheduler:
@@ -512,38 +441,20 @@ class Scheduler:
     def kv_landed(self, load_id: int, layer: int, t0: int, t1: int) -> None:
         """Layer ``layer`` of tokens ``[t0, t1)`` is in the pool: advance ``num_computed`` over
         what every layer holds now and register the blocks that completed."""
-        st = self.live_loads.get(load_id)
-        if st is None:
+        seq, cached = self.live_loads.landed(load_id, layer, t0, t1)
+        if seq is None:
             return
-        seq = st.seq
-        assert seq.landed is not None
-        seq.landed.add(layer, t0, t1)
-        a, b = seq.num_computed, seq.landed.complete_from(seq.num_computed)
-        if b > a:
-            cached = seq.credit_sources(a, b)
-            if cached and seq.preemptions == 0:  # first admission: hits count once per request
-                seq.num_cached += cached
-                self.prefix_hit_tokens += cached
-            seq.num_computed = b
-            self._register_full(seq)
+        if cached and seq.preemptions == 0:  # first admission: hits count once per request
+            seq.num_cached += cached
+            self.prefix_hit_tokens += cached
+        self._register_full(seq)
 
     def load_finished(self, load_id: int, reason: str | None = None) -> Sequence | None:
         """Load ``load_id`` ended: ``reason`` None for done, else why it failed. Its sequence
         keeps what landed; when none of its loads is left it goes back to RUNNING to compute the
         rest. Returns the sequence, or None for a load that was no longer live."""
-        st = self.live_loads.pop(load_id)
-        if st is None:
-            return None
-        seq, load = st.seq, st.load
-        seq.loads.discard(load_id)
-        assert seq.landed is not None
-        if reason is None and seq.landed.complete_from(load.start) < load.end:
-            got = seq.landed.complete_from(load.start)
-            reason = f"done with tokens [{load.start}, {got}) of [{load.start}, {load.end}) in every layer"
-        if reason is not None:
-            self.live_loads.failed += 1
-            seq.load_failures.append(f"{st.source.name}: {reason}")
-        if not seq.loads:
+        seq = self.live_loads.end(load_id, reason)
+        if seq is not None and not seq.loads:
             self.loading.remove(seq)
             seq.landed = None
             seq.status = RUNNING
