@@ -9,10 +9,7 @@ arrive (text is rendered at most every ``widgets.FLUSH_S``).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
-from contextlib import aclosing
 from datetime import datetime
 
 from textual import work
@@ -23,36 +20,16 @@ from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar, Stat
 
 from mlx_engine.errors import DuetError
 from mlx_engine.loading.resolve import BUNDLED_NAME
-from mlx_engine.request import RequestError, Usage
+from mlx_engine.request import Usage
 
 from .backends import Backend, BackendError
+from .commands import SLASH_COMMANDS, SlashCommands
 from .model_picker import model_picker
 from .peers import PeerDirectory, PeerRow
+from .reply import stream_reply
 from .screens import ErrorScreen, HelpScreen, SettingsScreen, SystemPromptEditor
-from .settings import ALIASES, FIELDS
 from .store import NO_HISTORY_ENV, Conversation, Message, Store, history_off_by_env
-from .widgets import MessageView, PeersPanel, PromptInput, StatusBar, usage_line
-
-SLASH_COMMANDS = {
-    "/model [name]": "switch model (no name: open the model picker)",
-    "/system [text]": "set the system prompt (no text: open the editor)",
-    "/temp <t>": "temperature (0 = greedy); also /top_p, /top_k, /min_p, /seed <n|off>",
-    "/max <n|auto>": "longest reply in tokens; auto (the default): until the model stops or the context is full",
-    "/think on|off|low|medium|high|auto": "ask a thinking model to think or not (its template's switch; "
-    "auto: the template's default); t on a reply shows or hides its thinking",
-    "/settings": "open the sampling settings",
-    "/save [title]": "save the conversation (optionally naming it)",
-    "/new": "start a new chat",
-    "/regen": "regenerate the last reply",
-    "/copy": "copy the last reply",
-    "/peers": "show or hide the peers panel (prefill peers, paired and discovered machines); "
-    "/peers pair <code> <host[:port]> pairs with the machine showing `duet peer pair`'s code, "
-    "/peers unpair <name> forgets one",
-    "/clear-history": "delete the saved input history (input_history.json) and forget it",
-    "/history on|off": f"save the input history between runs or not (saved; {NO_HISTORY_ENV}=1 also turns it off)",
-    "/help": "show this help",
-    "/quit": "save and quit",
-}
+from .widgets import MessageView, PeersPanel, PromptInput, StatusBar
 
 INPUT_KEYS = [
     ("Enter", "send the message"),
@@ -134,6 +111,7 @@ class ChatApp(App):
         self.recent_models: list[str] = []
         self.preferences = self.store.load_preferences()
         self.sent = self.store.load_history()  # the input history; PromptInput appends to it
+        self.commands = SlashCommands(self)
 
     # --- layout -------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -260,63 +238,7 @@ class ChatApp(App):
 
     @work(exclusive=True, group="generate")
     async def generate(self, backend: Backend, view: MessageView, prompt_tokens: int | None) -> None:
-        conv = self.conv
-        messages = conv.chat_messages()
-        msg = Message("assistant", "")
-        conv.messages.append(msg)
-        final, meta = None, ""
-        n_tokens, t_first = 0, None
-        try:
-            # aclosing: a cancelled worker closes the stream now (the backend stops the request),
-            # not whenever the abandoned generator is collected
-            async with aclosing(backend.stream(messages, conv.sampling, self.think)) as events:
-                async for ev in events:
-                    if ev.reasoning:
-                        await view.append_reasoning(ev.reasoning)
-                    if ev.text:
-                        await view.append(ev.text)  # buffered: rendered at most every FLUSH_S
-                        msg.content = view.content
-                    n_tokens += len(ev.token_ids) or (
-                        1 if ev.text or ev.reasoning else 0
-                    )  # remote chunks carry no ids
-                    if prompt_tokens is not None:
-                        self.context_used = prompt_tokens + n_tokens
-                    if n_tokens and t_first is None:
-                        t_first = time.perf_counter()
-                    elif t_first is not None and n_tokens > 1:
-                        self.live_tps = (n_tokens - 1) / max(time.perf_counter() - t_first, 1e-9)
-                    if ev.finished:
-                        final = ev
-                    # Hand the loop back after every event: when the backend is ahead of the UI its
-                    # queue never blocks, and a key press (Esc) must not wait for the backlog.
-                    await asyncio.sleep(0)
-        except RequestError as e:
-            meta = f"error: {e}"
-        except asyncio.CancelledError:
-            meta = "stopped"
-            raise
-        finally:
-            if final is not None:
-                self.last_usage = final.usage
-                self.last_prefill = (
-                    backend.prefill_report(final.usage, final.request_id) if final.usage else {}
-                )
-                meta = usage_line(final.usage) if final.usage else ""
-                if final.finish_reason == "error":
-                    meta = f"error: {final.error or 'generation failed'}"
-                elif final.finish_reason == "length":
-                    meta += " · hit max tokens" if conv.sampling.max_tokens else " · context full"
-                elif final.finish_reason == "cancelled":
-                    meta = "stopped"
-                if final.usage:
-                    self.context_used = final.usage.total_tokens
-            msg.content, msg.meta = view.content, meta
-            await view.finish(meta)
-            self.generating = False
-            self.live_tps = None
-            self.refresh_status()
-            if conv is self.conv:
-                self.save_conversation(quiet=True)
+        await stream_reply(self, backend, view, prompt_tokens)
 
     def action_stop(self) -> None:
         """Esc: stop the reply now. The backend drops the request before its next step (whatever the
@@ -476,123 +398,9 @@ class ChatApp(App):
     def action_toggle_dark(self) -> None:
         self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
 
-    # --- slash commands -----------------------------------------------------------------
+    # --- slash commands and peers --------------------------------------------------------------
     async def run_command(self, text: str) -> None:
-        name, _, arg = text[1:].partition(" ")
-        name, arg = name.lower(), arg.strip()
-        if name in ALIASES or name in FIELDS:
-            if not arg:
-                self.notify(
-                    f"/{name} needs a value, e.g. /{name} {self.conv.sampling.shown(ALIASES.get(name, name))}",
-                    severity="warning",
-                )
-                return
-            try:
-                self.conv.sampling = self.conv.sampling.with_value(name, arg)
-            except ValueError as e:
-                self.notify(str(e), title="Bad setting", severity="error")
-                return
-            self.notify(self.conv.sampling.summary(), title="Sampling", timeout=3)
-        elif name == "think":
-            self.set_think(arg.lower())
-        elif name == "model":
-            self.load_model(arg) if arg else self.action_pick_model()
-        elif name == "system":
-            self.set_system(arg) if arg else self.action_edit_system()
-        elif name == "settings":
-            self.action_settings()
-        elif name == "save":
-            if arg:
-                self.conv.title = arg
-            self.save_conversation()
-        elif name == "new":
-            await self.action_new_chat()
-        elif name in ("regen", "regenerate"):
-            await self.action_regenerate()
-        elif name == "copy":
-            self.action_copy_reply()
-        elif name == "clear-history":
-            self.clear_history()
-        elif name == "history":
-            self.set_history_saving(arg.lower())
-        elif name == "peers":
-            self.peers_command(arg)
-        elif name == "help":
-            self.action_help()
-        elif name in ("quit", "exit"):
-            self.exit()
-        else:
-            self.notify(f"Unknown command /{name}; /help lists them", severity="error")
-
-    def set_think(self, arg: str) -> None:
-        """``/think``: on, off or a level for the replies from now on (auto: the template's default)."""
-        if arg not in ("on", "off", "low", "medium", "high", "auto"):
-            self.notify("/think takes on, off, low, medium, high or auto", severity="warning")
-            return
-        self.think = None if arg == "auto" else arg
-        self.notify(f"thinking: {arg}", timeout=3)
-
-    # --- peers ----------------------------------------------------------------------------------
-    def peers_command(self, arg: str) -> None:
-        """``/peers`` (show or hide the panel), ``/peers pair CODE HOST[:PORT]``, ``/peers unpair NAME``."""
-        words = arg.split()
-        what = words[0].lower() if words else ""
-        if what in ("", "show", "hide"):
-            self.peers_shown = {"show": True, "hide": False}.get(what, not self.peers_panel.display)
-            self.refresh_peers()
-            if self.peers_shown and not self.peer_rows:
-                self.notify(
-                    "No peers yet: start `duet peer serve` and chat with --peers HOST:PORT, "
-                    "or pair with /peers pair CODE HOST",
-                    title="Peers",
-                    timeout=6,
-                )
-        elif what == "pair":
-            if len(words) != 3:
-                self.notify(
-                    "Usage: /peers pair NNNN-NNNN HOST[:PORT] (the code `duet peer pair` shows there)",
-                    title="Peers",
-                    severity="error",
-                )
-                return
-            self.notify(f"Pairing with {words[2]}…", title="Peers", timeout=3)
-            self._pair_worker(words[1], words[2])
-        elif what == "unpair":
-            if len(words) != 2:
-                self.notify(
-                    "Usage: /peers unpair NAME (the panel lists the names)", title="Peers", severity="error"
-                )
-                return
-            try:
-                gone = self.peer_dir.unpair(words[1])
-            except DuetError as e:
-                self.notify(f"Cannot unpair: {e}", title="Peers", severity="error")
-                return
-            self.notify(f"Unpaired {gone.name} (id {gone.short_id})", title="Peers", timeout=4)
-            self.refresh_peers()
-        else:
-            self.notify(
-                f"Unknown /peers {what}: /peers, /peers pair CODE HOST[:PORT] or /peers unpair NAME",
-                title="Peers",
-                severity="error",
-            )
-
-    @work(thread=True, exclusive=True, group="pair")
-    def _pair_worker(self, code: str, target: str) -> None:
-        try:
-            peer = self.peer_dir.pair(code, target)
-        except (DuetError, OSError) as e:
-            self.call_from_thread(self.notify, f"Pairing failed: {e}", title="Peers", severity="error")
-            return
-        self.call_from_thread(self._paired, peer.name, peer.short_id)
-
-    def _paired(self, name: str, short_id: str) -> None:
-        self.notify(
-            f"Paired with {name} (id {short_id}); `duet chat --peers auto` prefills there when it serves",
-            title="Peers",
-            timeout=8,
-        )
-        self.refresh_peers()
+        await self.commands.run(text)
 
     def refresh_peers(self) -> None:
         """The panel shows once a peer exists (or when /peers asked), with fresh states."""
@@ -602,31 +410,10 @@ class ChatApp(App):
             self.peers_panel.show_rows(self.peer_rows)
         self.peers_panel.display = shown
 
-    # --- input history ----------------------------------------------------------------------
     @property
     def saves_history(self) -> bool:
         """Whether the input history is kept in input_history.json between runs."""
         return self.preferences.save_input_history and not history_off_by_env()
-
-    def clear_history(self) -> None:
-        deleted = self.store.clear_history()
-        self.prompt.forget()
-        where = self.store.history_path
-        self.notify(f"Deleted {where}" if deleted else "Input history cleared (nothing was saved)", timeout=4)
-
-    def set_history_saving(self, arg: str) -> None:
-        if arg not in ("on", "off"):
-            now = "on" if self.saves_history else "off"
-            self.notify(f"/history on or /history off (saving is {now})", severity="warning")
-            return
-        self.preferences.save_input_history = arg == "on"
-        self.store.save_preferences(self.preferences)
-        if arg == "on" and history_off_by_env():
-            self.notify(f"{NO_HISTORY_ENV} is set: the input history stays unsaved", severity="warning")
-        elif arg == "on":
-            self.notify("The input history is saved between runs", timeout=3)
-        else:
-            self.notify("The input history is no longer saved; /clear-history deletes what was", timeout=4)
 
     # --- status and exit -------------------------------------------------------------------
     def _count_context(self) -> None:
