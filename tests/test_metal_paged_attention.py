@@ -255,8 +255,8 @@ def test_quantized_kv_at_32k(backend, bits, group_size):
 @pytest.mark.parametrize("kw", [dict(bits=2, group_size=32), dict(dim=512)])
 def test_unsupported_shapes_decline_to_the_reference(kw):
     """Shapes the kernel does not take run the reference path (same answer), never an error."""
-    dim = kw.pop("dim", 64)
-    case = Case([5, 40], n_kv=1, gqa=2, dim=dim, dtype=mx.float32, poison=0.0, seed=15, **kw)
+    kw = {"dim": 64, **kw}  # a copy: the parameter's dict is shared by every run of the test
+    case = Case([5, 40], n_kv=1, gqa=2, dtype=mx.float32, poison=0.0, seed=15, **kw)
     assert pa.declines(case.q, case.k, case.v, case.bits, case.group_size) is not None
     case.assert_matches(case.run("emulator"))
 
