@@ -195,7 +195,11 @@ def role_decoder(args: argparse.Namespace) -> int:
             if self.mode == "off":
                 return 0
             if self.mode == "local":
-                self._decide(seq_tokens, start, end)  # recorded: the planner learns local TTFTs too
+                block = self.remote.block_size if self.remote is not None else 1
+                queue_s = self.loads.queue_s(self.clock())
+                self.offload.offers(
+                    seq_tokens, start, end, queue_s, block
+                )  # recorded: the planner learns local TTFTs too
                 return 0
             return super().match(seq_tokens, start, end)
 

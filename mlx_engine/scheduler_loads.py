@@ -67,8 +67,9 @@ class LiveLoads:
 
     def landed(self, load_id: int, layer: int, t0: int, t1: int) -> tuple[Sequence | None, int]:
         """Layer ``layer`` of tokens ``[t0, t1)`` of load ``load_id`` is in the pool: the load's
-        sequence (None: the load is no longer live) with ``num_computed`` advanced over what every
-        layer holds now, and how many of those new tokens came from a cache source."""
+        sequence with ``num_computed`` advanced over what every layer holds now, and how many of
+        those new tokens came from a cache source; None when the load is no longer live or no
+        token is new in every layer."""
         st = self._loads.get(load_id)
         if st is None:
             return None, 0
@@ -77,7 +78,7 @@ class LiveLoads:
         seq.landed.add(layer, t0, t1)
         a, b = seq.num_computed, seq.landed.complete_from(seq.num_computed)
         if b <= a:
-            return seq, 0
+            return None, 0  # nothing new in every layer
         cached = seq.credit_sources(a, b)
         seq.num_computed = b
         return seq, cached

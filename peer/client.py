@@ -2,12 +2,12 @@
 
 One persistent connection per peer (``peer/peer_link.py``: the HELLO exchange happens at connect,
 never inside a request's time to first token; the peer's health and backoff). The running loads
-and their records are a ``LoadTable`` (``peer/remote_loads.py``). ``start_load`` queues a PREFILL for the connection's sender thread
-and returns; the connection's reader thread ``recv_into``s frames into a byte-capped buffer pool,
-checks them (checksum, shapes and token ranges against this side's pool format) and hands each
-layer to the engine's ``KVSink``, which posts it to the worker. The pooled buffer goes back when the
-worker has copied the frame (``release``), so ingest memory stays within the cap: when it is full,
-the reader stops reading and TCP pushes back on the peer.
+and their records are a ``LoadTable`` (``peer/remote_loads.py``). ``start_load`` queues a PREFILL
+for the connection's sender thread and returns; the connection's reader thread ``recv_into``s
+frames into a byte-capped buffer pool, checks them (checksum, shapes and token ranges against this
+side's pool format) and hands each layer to the engine's ``KVSink``, which posts it to the worker.
+The pooled buffer goes back when the worker has copied the frame (``release``), so ingest memory
+stays within the cap: when it is full, the reader stops reading and TCP pushes back on the peer.
 
 Every wait has a deadline on the monotonic clock: connect, HELLO, the first byte after a PREFILL,
 and an inter-frame stall per load (never a total for the transfer, which would kill slow but

@@ -559,7 +559,7 @@ MUTANTS = [
     ),
     Mutant(
         "decoder-never-pins",
-        "peer/client.py",
+        "peer/peer_link.py",
         "self.security.pin(conn.peer)  # reconnects must reach the same machine",
         "pass",
         PEER_TRUST,
@@ -584,8 +584,8 @@ MUTANTS = [
     Mutant(
         "busy-retry-after-ignored",
         "peer/client.py",
-        "self._busy_until = now + min(max(msg.retry_after_s, 0.5), 60.0)",
-        "self._busy_until = now",
+        "self.link.busy_for(min(max(msg.retry_after_s, 0.5), 60.0))",
+        "self.link.busy_for(0)",
         PEER_CLIENT,
         "a BUSY peer is offered the next prompt at once instead of after its retry_after",
     ),
@@ -599,7 +599,7 @@ MUTANTS = [
     ),
     Mutant(
         "success-keeps-backoff",
-        "peer/client.py",
+        "peer/peer_link.py",
         "            self._failures = 0\n",
         "            pass\n",
         PEER_CLIENT,
@@ -649,7 +649,7 @@ MUTANTS = [
     Mutant(
         "kernel-takes-unsupported-layer",
         "cpu_kernels/modules.py",
-        '        and SPEC.supports(bits=layer.bits, group_size=layer.group_size, dtype=layer["scales"].dtype)\n',
+        "        and SPEC.supports(bits=layer.bits, group_size=layer.group_size, dtype=_scales_dtype(layer))\n",
         "",
         CPU_KERNELS,
         "use_cpu_kernels switches layers of a format the kernel does not take (3-bit, group 16)",
