@@ -716,11 +716,12 @@ def traffic_line(by_system: dict, systems: list[str]) -> str:
             continue
         per_token = t["file_gb_per_token"] if s == "llama.cpp" else t["duet_gb_per_token"]
         gbps = statistics.median(by_system[s]["decode_64"]) * per_token
-        parts.append(f"{s} {per_token:.3g} GB/token, {gbps:.1f} GB/s ({100 * gbps / t['read_gbps']:.0f}%)")
+        read, triad = 100 * gbps / t["read_gbps"], 100 * gbps / t["triad_gbps"]
+        parts.append(f"{s} {per_token:.3g} GB/token, {gbps:.1f} GB/s ({read:.0f}% / {triad:.0f}%)")
     return (
-        f"\nWeights read at decode, ctx 64: {'; '.join(parts)}; of the machine's read bandwidth "
-        f"{t['read_gbps']:.1f} GB/s (STREAM triad {t['triad_gbps']:.1f} GB/s) on these threads "
-        "(bench/membw.py)."
+        f"\nWeights read at decode, ctx 64: {'; '.join(parts)}. In brackets: % of the machine's read "
+        f"bandwidth {t['read_gbps']:.1f} GB/s / of its STREAM triad {t['triad_gbps']:.1f} GB/s (issue 34's "
+        "reference), on these threads (bench/membw.py)."
     )
 
 
