@@ -233,7 +233,6 @@ class RemotePrefillSource(KVSource):
         decision = self.planner.assign(load.tokens, load.start, load.request_id)
         if decision is not None:
             info.predicted_s = decision.predicted_remote_s
-        self.loads.remember(info)
         with self.link.lock:  # a drop closes the connection holding it: a load added here is failed
             conn = self.link.usable()
             if conn is not None and load.end > load.start:
@@ -250,11 +249,13 @@ class RemotePrefillSource(KVSource):
                 )
                 if decision is not None and decision.estimate.compute_s is not None:
                     state.predicted_compute_s = decision.estimate.compute_s
+                self.loads.remember(info)
                 self.loads.add(state)
                 self.offload.sent_prompts.remember(load.tokens[: load.end])
         if conn is None or load.end <= load.start:
             code = ErrorCode.DISCONNECTED if conn is None else ErrorCode.BAD_FRAME
             info.outcome = code.value
+            self.loads.remember(info)  # with its outcome: never seen running
             self.fallbacks[code.value] += 1
             self.link.last_error = (
                 code.value,
