@@ -84,22 +84,20 @@ class RemotePrefillSource(KVSource):
         self.host, self.port = host, port
         self.name = name or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self.timeouts = timeouts or PeerTimeouts()
-        self.backoff = backoff or Backoff()
-        self.buffer_cap = buffer_cap_bytes
         self.clock = clock
         # per connection, from the address reached (peer/trust/link_security.py): mutual TLS 1.3 with
         # a paired peer over a network, this user's local secret on loopback; ``tls`` alone: TLS only
-        self.security = security or PeerSecurity(tls=tls)
-        self.tls = self.security.tls
+        security = security or PeerSecurity(tls=tls)
+        self.tls = security.tls
         self.link = PeerLink(
             host,
             port,
             self.name,
             self,
             timeouts=self.timeouts,
-            backoff=self.backoff,
+            backoff=backoff or Backoff(),
             buffer_cap=buffer_cap_bytes,
-            security=self.security,
+            security=security,
             clock=clock,
         )
         self.chunk_size = 0

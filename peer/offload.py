@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from peer.planner import Decision, Planner, PromptMemory
+from peer.planner import Planner, PromptMemory
 
 POLICIES = ("auto", "always")
 
@@ -50,7 +50,7 @@ class OffloadChoice:
         for the request); ``queue_s``: the peer's compute still ahead of it for this decoder's loads,
         ``block``: its prefix cache's block size."""
         hit = self.sent_prompts.hit(seq_tokens, end, block)
-        d: Decision = self.planner.decide(end + 1, start, hit, queue_s, policy=self.policy, record=seq_tokens)
+        d = self.planner.decide(end + 1, start, hit, queue_s, policy=self.policy, record=seq_tokens)
         return self.policy != "auto" or d.offload
 
     def request_finished(

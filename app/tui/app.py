@@ -208,7 +208,7 @@ class ChatApp(App):
         text = event.text.strip()
         if text.startswith("/"):
             self.prompt.remember(text)
-            await self.run_command(text)
+            await self.commands.run(text)
             return
         if self.generating or self.backend is None:
             self.notify(
@@ -398,10 +398,7 @@ class ChatApp(App):
     def action_toggle_dark(self) -> None:
         self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
 
-    # --- slash commands and peers --------------------------------------------------------------
-    async def run_command(self, text: str) -> None:
-        await self.commands.run(text)
-
+    # --- peers and input history (their slash commands: commands.py) ---------------------------
     def refresh_peers(self) -> None:
         """The panel shows once a peer exists (or when /peers asked), with fresh states."""
         self.peer_rows = self.peer_dir.rows(self.backend.peer_sources() if self.backend else ())

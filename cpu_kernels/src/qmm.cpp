@@ -234,7 +234,6 @@ int task_count(size_t weight_bytes, int M, int threads) {
   return int(std::min<size_t>(wanted, size_t(threads) * 4));
 }
 
-
 Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size) {
   const int M = int(first.size());
   const int G = K / group_size;
