@@ -69,13 +69,14 @@ def panel_form(w: mx.array, scales: mx.array) -> bool:
 
 
 def on_tiles(w: mx.array, scales: mx.array, bits: int) -> bool:
-    """Whether a layer's products of many rows run on AMX tiles (``src/kernels_panel_amx.cpp``): a Q4_K
-    or Q5_K layer in panels, where the extension's tiles are on (``spec.panel_tiles``). Exact math then
-    never dequantizes it for a GEMM: x's three bfloat16 planes on the tiles beat dequantize + OpenBLAS
-    at every row count measured (two threads, an 8192 x 2048 Q4_K matrix, medians of one hour: 128 rows
-    14 against 39 ms, 256 rows 54 against 103, 512 rows 80 against 142, 1024 rows 176 against 253), and
-    hold no float32 copy of the matrix."""
-    return bits in (4, 5) and panel_form(w, scales) and panel_tiles()
+    """Whether a layer's products of many rows run on AMX tiles (``src/kernels_panel_amx.cpp``): a Q4_K,
+    Q5_K or Q6_K layer in panels, where the extension's tiles are on (``spec.panel_tiles``). Exact math
+    then never dequantizes it for a GEMM: x's three bfloat16 planes on the tiles beat dequantize +
+    OpenBLAS at every row count measured (two threads, an 8192 x 2048 Q4_K matrix, medians of one hour:
+    128 rows 14 against 39 ms, 256 rows 54 against 103, 512 rows 80 against 142, 1024 rows 176 against
+    253; Q6_K's groups of 16 on half-width tiles: docs/kernels.md), and hold no float32 copy of the
+    matrix. (Int8 math takes the int8 GEMM or the panel kernel whatever this says.)"""
+    return bits in (4, 5, 6) and panel_form(w, scales) and panel_tiles()
 
 
 def x3_gemm() -> bool:

@@ -1,5 +1,6 @@
 """The panel kernel on AMX tiles (cpu_kernels/src/kernels_panel_amx.cpp): Q4_K and Q5_K layers in panels
-times 16 or more rows of x, where the CPU has AMX and Linux lets the process use it.
+(and with exact math Q6_K's) times 16 or more rows of x, where the CPU has AMX and Linux lets the process
+use it.
 
 With int8 math the tiles compute each group's integer sums and the vector units scale them in the VNNI
 kernel's order, so the results are the VNNI kernel's bit for bit, at row counts around whole tiles of 16
@@ -7,7 +8,8 @@ kernel's order, so the results are the VNNI kernel's bit for bit, at row counts 
 too. With exact math each row of x goes on the tiles as three bfloat16 planes that sum to it exactly
 (AMX-BF16): within float32's rounding of the sums of float64 (3e-7 of the terms' magnitude, where x
 short of its last plane measures 5e-7 to 9e-7; outliers, zero, tiny and NaN rows within the suite's
-float32 tolerance), the same bits on any thread count. The switch turns the path off and on; on, exact math never dequantizes such a
+float32 tolerance), the same bits on any thread count, across K longer than one span of prepared codes;
+Q6_K's groups of 16 (its codes less 32 on half-width tiles) alike. The switch turns the path off and on; on, exact math never dequantizes such a
 layer for a GEMM; a model in panels replies with the same greedy tokens with the tiles as without.
 Skipped where the CPU or OS offers no AMX (test_cpu_panels.py covers the VNNI kernel there).
 """
@@ -20,9 +22,10 @@ import pytest
 
 from cpu_kernels import qmm, spec
 from cpu_kernels.panels import use_panels
-from tests.test_cpu_kernels import F32_TOL, ext  # noqa: F401
+from tests.test_cpu_kernels import F32_TOL, ext, f64  # noqa: F401
 from tests.test_cpu_kernels import check as check_f64
 from tests.test_cpu_panels import K32_BITS, _k_quant_model, _layer, check_hard_rows, greedy
+from tests.test_cpu_q6k_scales import Q6K, _exact_check
 
 needs_tiles = pytest.mark.skipif(
     spec.extension() is None or not spec.extension().panel_tiles(),
@@ -67,24 +70,58 @@ def test_int8_on_the_tiles_gives_the_vnni_kernels_results_bit_for_bit(ext, bits,
 def test_exact_math_on_the_tiles_keeps_float32_accuracy(ext, bits, tiles_restored):  # noqa: F811
     rng = np.random.default_rng(25)
     tol = 3e-7  # float32's rounding of the sums alone (measured 0.6-1.4e-7; the VNNI planes' 1.0-1.7e-7)
-    (w, s2, b2), (s, b) = _layer(rng, 48, 768, bits)
-    panels = ext.panel_layout(w, s2, b2, True)
     assert spec.set_panel_tiles(True)
-    for m in (16, 17, 40, 130, 300):  # 300: two chunks of rows on the tiles
-        x = mx.array(rng.standard_normal((m, 768)).astype(np.float32))
-        outs = []
-        for threads in (1, 2):
-            spec.set_threads(threads)
-            y = ext.quantized_matmul(x, *panels, 32, bits, int8=False)
-            check_f64(y, x, w, s, b, 32, bits, tol)
-            outs.append(np.array(y))
-        assert np.array_equal(outs[0], outs[1]), m
+    for k, rows in ((2304, (16, 40)), (768, (16, 17, 40, 130, 300))):  # 2304: three spans of K (1024 each)
+        (w, s2, b2), (s, b) = _layer(rng, 48, k, bits)  # 300 rows: two chunks of rows on the tiles
+        panels = ext.panel_layout(w, s2, b2, True)
+        for m in rows:
+            x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+            outs = []
+            for threads in (1, 2):
+                spec.set_threads(threads)
+                y = ext.quantized_matmul(x, *panels, 32, bits, int8=False)
+                check_f64(y, x, w, s, b, 32, bits, tol)
+                outs.append(np.array(y))
+            assert np.array_equal(outs[0], outs[1]), (k, m)
     spec.set_threads()
     check_hard_rows(  # outliers, zero, tiny and non-finite rows, repeated: a whole tile and a rest
         rng,
         768,
         lambda x: ext.quantized_matmul(mx.concatenate([x] * 8), *panels, 32, bits, int8=False)[: x.shape[0]],
         lambda y, x: check_f64(y, x, w, s, b, 32, bits, F32_TOL),
+    )
+
+
+@needs_tiles
+def test_exact_math_on_the_tiles_keeps_float32_accuracy_for_q6_k(ext, tiles_restored):  # noqa: F811
+    """Q6_K's groups of 16 on half-width bfloat16 tiles, its bias (-32 times each scale) in its codes:
+    within float32's rounding of float64 (the same 3e-7 bound; measured 0.6-1.0e-7, the three int8
+    planes on the VNNI kernel 0.6-1.4e-7), the same bits on 1 and 2 threads, across spans of K; hard
+    rows within the suite's float32 tolerance."""
+    rng = np.random.default_rng(26)
+    assert spec.set_panel_tiles(True)
+    for n, k, rows in ((48, 768, (16, 17, 130, 300)), (32, 2304, (16, 40))):
+        m6 = Q6K(rng, n, k)
+        panels = ext.panel_layout(m6.w, m6.scales, m6.biases, True)
+        for m in rows:
+            x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+            outs = []
+            for threads in (1, 2):
+                spec.set_threads(threads)
+                y = ext.quantized_matmul(x, *panels, 16, 6, int8=False)
+                xf = f64(x)
+                err = np.abs(f64(y) - xf @ m6.values.T) / (np.abs(xf) @ np.abs(m6.values).T)
+                assert float(err.max()) <= 3e-7, (n, k, m, threads, float(err.max()))
+                outs.append(np.array(y))
+            assert np.array_equal(outs[0], outs[1]), (k, m)
+    spec.set_threads()
+    m6 = Q6K(rng, 48, 768)
+    panels = ext.panel_layout(m6.w, m6.scales, m6.biases, True)
+    check_hard_rows(
+        rng,
+        768,
+        lambda x: ext.quantized_matmul(mx.concatenate([x] * 8), *panels, 16, 6, int8=False)[: x.shape[0]],
+        lambda y, x: _exact_check(y, x, m6.values, "hard rows"),
     )
 
 
@@ -109,7 +146,7 @@ def test_experts_on_the_tiles_give_the_vnni_kernels_results(ext, bits, tiles_res
 
 @needs_tiles
 def test_the_switch_and_exact_maths_routing(ext, tiles_restored):  # noqa: F811
-    """On, a Q4_K or Q5_K layer in panels is on the tiles (Q6_K and row-form layers are not) and exact
+    """On, a layer in panels (Q4_K, Q5_K, Q6_K) is on the tiles (a row-form layer is not) and exact
     math's product of many rows is the tiles' own (no dequantize + GEMM); off, it is dequantized again."""
     rng = np.random.default_rng(23)
     rows, _ = _layer(rng, 32, 512, 4)
@@ -119,7 +156,7 @@ def test_the_switch_and_exact_maths_routing(ext, tiles_restored):  # noqa: F811
     try:
         assert spec.set_panel_tiles(True) is True and ext.panel_tiles()
         assert qmm.on_tiles(w, s, 4) and qmm.on_tiles(w, s, 5)
-        assert not qmm.on_tiles(w, s, 6) and not qmm.on_tiles(*rows[:2], 4)
+        assert qmm.on_tiles(w, s, 6) and not qmm.on_tiles(*rows[:2], 4)
         tiles = qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4)
         assert mx.array_equal(tiles, ext.quantized_matmul(x, w, s, b, 32, 4, int8=False)).item()
         assert spec.set_panel_tiles(False) is False and not ext.panel_tiles()

@@ -384,8 +384,8 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch, quant):  # 
         try:
             # exact math: in panels too (x in three int8 planes)
             assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
-            # where AMX tiles take Q4_K and Q5_K's prefill chunks (test_cpu_panel_tiles), it says so
-            tiles = "+tiles(bf16)" if spec.panel_tiles() else ""
+            # where AMX tiles take the panels' prefill chunks (test_cpu_panel_tiles), it says so
+            tiles = f"+tiles(bf16:{','.join(types)})" if spec.panel_tiles() else ""
             assert engine.numerics_profile()["cpu_math"] == f"exact+panels({','.join(types)})" + tiles
             assert engine.stats().weight_format == loaded.weight_format + f", {named} in 16-row panels"
             exact_panels = reply(engine)

@@ -43,6 +43,9 @@ namespace {
 
 constexpr int kRows = 16; // rows of x per tile
 constexpr int kGroup = 32; // values of K per group (Q4_K's, Q5_K's), per tile product
+// values of K per bfloat16 tile product: a group (Q6_K's 16, half a tile's width; Q4_K's and Q5_K's 32)
+template <int Bits>
+constexpr int kTileK = Bits == 6 ? 16 : kGroup;
 constexpr size_t kBlockBytes = size_t(256) << 10; // bytes of x (int8) per block of rows
 
 struct TileConfig {
@@ -68,19 +71,21 @@ void configure() {
   _tile_loadconfig(&c);
 }
 
-// Panel p's group scales and biases as 16 float lanes a group, as group_scales computes them for the
-// VNNI tile
-void panel_scales(const PanelArgs& a, int p, float* sc, float* bi) {
+// Panel p's group scales and biases over values [k0, k1) of K (all by default) as 16 float lanes a
+// group, as group_scales computes them for the VNNI tile
+void panel_scales(const PanelArgs& a, int p, float* sc, float* bi, int k0 = 0, int k1 = -1) {
   const int K = a.K;
+  k1 = k1 < 0 ? K : k1;
   const size_t sb_bytes = size_t(kPanelRows) * kSuperBytes;
   const uint8_t* sp = a.scales + size_t(p) * sb_bytes * (K / 256);
   const uint8_t* bp = a.biases + size_t(p) * sb_bytes * (K / 256);
-  for (int g = 0; g < K / kGroup; ++g) { // group j of super-block sb
+  for (int g = k0 / kGroup; g < k1 / kGroup; ++g) { // group j of super-block sb
     const int sb = g / kSuperGroups, j = g % kSuperGroups;
     const uint8_t* sblock = sp + size_t(sb) * sb_bytes;
     const uint8_t* bblock = bp + size_t(sb) * sb_bytes;
-    _mm512_storeu_ps(sc + size_t(g) * 16, group_scales(sblock, block_steps(sblock), j));
-    _mm512_storeu_ps(bi + size_t(g) * 16, group_scales(bblock, block_steps(bblock), j));
+    const size_t at = size_t(g - k0 / kGroup) * 16;
+    _mm512_storeu_ps(sc + at, group_scales(sblock, block_steps(sblock), j));
+    _mm512_storeu_ps(bi + at, group_scales(bblock, block_steps(bblock), j));
   }
 }
 
@@ -175,14 +180,17 @@ void panels(const PanelArgs& a, int p0, int p1, void (*vnni)(const PanelArgs&, i
   }
 }
 
-// Exact math in bfloat16: tiles 0, 1 and 6 x's three planes of a group (16 rows x 32 bfloat16), 2 and 3
-// the group's codes of two panels as bfloat16 pairs (16 rows x 16 x 2), 4 and 5 the two panels' sums
-// (16 x 16 float32)
+// Exact math in bfloat16: tiles 0, 1 and 6 x's three planes of a group (16 rows x 32 bfloat16; Q6_K: x
+// 16), 2 and 3 the group's codes of two panels as bfloat16 pairs (16 rows x 16 x 2; Q6_K: 8 rows), 4
+// and 5 the two panels' sums (16 x 16 float32)
+template <int Bits>
 void configure_bf16() {
+  constexpr int Tk = kTileK<Bits>;
   TileConfig c;
   for (int t = 0; t < 7; ++t) {
-    c.rows[t] = kRows;
-    c.colsb[t] = 64;
+    const bool codes = t == 2 || t == 3, sums = t == 4 || t == 5;
+    c.rows[t] = codes ? Tk / 2 : kRows;
+    c.colsb[t] = codes || sums ? 64 : Tk * 2;
   }
   _tile_loadconfig(&c);
 }
@@ -190,24 +198,43 @@ void configure_bf16() {
 // bfloat16 values of one plane of a tile's group: 16 rows x 32
 constexpr size_t kPlaneValues = size_t(kRows) * kGroup;
 
-// A panel's expanded codes (expand: per group, 8 rows of 16 x 4 codes) as tdpbf16ps's second operand:
-// per group 16 rows of 16 x 2 bfloat16, row 2r + h holding codes 4r + 2h and 4r + 2h + 1 of each of the
-// 16 weight rows (the codes are small integers: exact in bfloat16)
+// A panel's expanded codes (expand: four consecutive codes of each of its 16 rows per 64 bytes) as
+// tdpbf16ps's second operand: per four values 2 rows of 16 x 2 bfloat16, row 2r + h holding codes 4r + 2h
+// and 4r + 2h + 1 of each of the 16 weight rows. Q4_K's and Q5_K's codes (0-31) as they are; Q6_K's less
+// 32 (-32..31: its bias, -32 times each scale, taken into the codes), small integers exact in bfloat16.
+template <int Bits>
 void codes_bf16(const uint8_t* ex, uint16_t* out, int K) {
-  // bfloat16 of 0..31 (a code's value, exact), looked up per 16-bit lane: lanes 0-15 from the second
-  // operand of the two-vector conversion, 16-31 from the first
-  const __m512 low = _mm512_cvtepi32_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  // bfloat16 of each code's value (exact), looked up per 16-bit lane: entries 0-31 in lut (0-15 from the
+  // second operand of the two-vector conversion, 16-31 from the first), Q6_K's 32-63 in lut_hi
+  const __m512 low = _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                   _mm512_set1_ps(Bits == 6 ? -32.0f : 0.0f));
   const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(low, _mm512_set1_ps(16.0f)), low);
+  const __m512i lut_hi = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(low, _mm512_set1_ps(48.0f)), _mm512_add_ps(low, _mm512_set1_ps(32.0f)));
+  const auto look = [&](const uint8_t* src) {
+    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    return Bits == 6 ? _mm512_permutex2var_epi16(lut, idx, lut_hi) : _mm512_permutexvar_epi16(idx, lut);
+  };
   // each row's (c0, c1) pairs (even 32-bit lanes of the two halves), then its (c2, c3) pairs (odd)
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  for (int r = 0; r < K / 4; ++r) { // K / 32 groups of 8 rows of 64 bytes
+  for (int r = 0; r < K / 4; ++r) { // K / 4 runs of four values, 64 bytes each
     const uint8_t* src = ex + size_t(r) * 64;
     uint16_t* dst = out + size_t(r) * 64;
-    const __m512i lo = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), lut);
-    const __m512i hi = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32))), lut);
+    const __m512i lo = look(src);
+    const __m512i hi = look(src + 32);
     _mm512_storeu_si512(dst, _mm512_permutex2var_epi32(lo, even, hi));
     _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi32(lo, odd, hi));
+  }
+}
+
+// Q6_K panel p's group scales (groups of 16) over values [k0, k1) of K as 16 float lanes a group: step *
+// multiple, as the VNNI kernel's panel6_tile computes them
+void panel_scales6(const PanelArgs& a, int p, float* sc, int k0, int k1) {
+  const size_t sb_bytes = size_t(kPanelRows) * kSuper16Bytes;
+  const uint8_t* sp = a.scales + size_t(p) * sb_bytes * (a.K / 256);
+  for (int g = k0 / 16; g < k1 / 16; ++g) {
+    const uint8_t* sblock = sp + size_t(g / kSuper16Groups) * sb_bytes;
+    _mm512_storeu_ps(sc + size_t(g - k0 / 16) * 16, group_scales<true>(sblock, block_steps(sblock), g % kSuper16Groups));
   }
 }
 
@@ -218,21 +245,36 @@ struct PanelsBf16 {
   std::vector<float> sc[2], bi[2];
 };
 
+// Panel p's codes, scales and biases over values [k0, k1) of K as the bfloat16 tiles read them, into q's
+// slot i
 template <int Bits>
-void prepare_bf16(const PanelArgs& a, int p, std::vector<uint8_t>& ex, PanelsBf16& out, int i) {
-  ex.resize(size_t(a.K) * kPanelRows);
-  out.codes[i].resize(size_t(a.K) * kPanelRows);
-  out.sc[i].resize(size_t(a.K / kGroup) * 16);
-  out.bi[i].resize(size_t(a.K / kGroup) * 16);
-  expand<Bits>(a, p, ex.data());
-  codes_bf16(ex.data(), out.codes[i].data(), a.K);
-  panel_scales(a, p, out.sc[i].data(), out.bi[i].data());
+void prepare_bf16(const PanelArgs& a, int p, int k0, int k1, std::vector<uint8_t>& ex, PanelsBf16& out, int i) {
+  const size_t span = size_t(k1 - k0), groups = span / kTileK<Bits>;
+  ex.resize(span * kPanelRows);
+  out.codes[i].resize(span * kPanelRows);
+  out.sc[i].resize(groups * 16);
+  expand<Bits>(a, p, ex.data(), k0, k1);
+  codes_bf16<Bits>(ex.data(), out.codes[i].data(), k1 - k0);
+  if constexpr (Bits == 6) {
+    panel_scales6(a, p, out.sc[i].data(), k0, k1);
+  } else {
+    out.bi[i].resize(groups * 16);
+    panel_scales(a, p, out.sc[i].data(), out.bi[i].data(), k0, k1);
+  }
 }
 
 // acc (16 rows x 16 outputs, in memory) += a group's float32 sums of the tile's rows (its three planes
-// accumulated by the tiles), scaled: sum * scale + bias * x's group sum (ts: the 16 rows')
+// accumulated by the tiles), scaled: sum * scale + bias * x's group sum (ts: the 16 rows'; Q6_K, whose
+// codes hold its bias, has none: bi null)
 inline void scale_bf16(const float* ts, const float* sums, const float* sc, const float* bi, float* acc) {
   const __m512 s = _mm512_loadu_ps(sc);
+  if (bi == nullptr) {
+#pragma GCC unroll 16
+    for (int m = 0; m < kRows; ++m) {
+      _mm512_store_ps(acc + 16 * m, _mm512_fmadd_ps(_mm512_load_ps(sums + 16 * m), s, _mm512_load_ps(acc + 16 * m)));
+    }
+    return;
+  }
   const __m512 b = _mm512_loadu_ps(bi);
 #pragma GCC unroll 16
   for (int m = 0; m < kRows; ++m) {
@@ -245,26 +287,43 @@ inline void scale_bf16(const float* ts, const float* sums, const float* sc, cons
 // p + 1 (Two false: panel p alone), as q holds them. Tile loads bound this kernel (x's planes take 3 KiB
 // a group, where the products take ~16 cycles each), so each plane of x is loaded once for both panels,
 // into its own tile (a tile reloaded while a product still reads it stalls the next load), and the three
-// planes' products accumulate in one float32 tile a panel, scaled per group.
-template <bool Two>
-void panel_tiles_bf16(const PanelArgs& a, int p, int t0, int t1, const PanelsBf16& q) {
+// planes' products accumulate in one float32 tile a panel, scaled per group. Q6_K's groups of 16 take
+// half of each group of 32 of x's planes (its tiles configured 32 bytes wide: configure_bf16<6>).
+template <int Bits, bool Two>
+void panel_tiles_bf16(const PanelArgs& a, int p, int t0, int t1, int k0, int k1, const PanelsBf16& q) {
+  constexpr int Tk = kTileK<Bits>;
+  constexpr int Halves = kGroup / Tk; // tile products per group of 32 of x's planes
+  constexpr size_t kCodes = size_t(Tk) * kPanelRows; // bfloat16 codes of a panel's group
   const int G = a.K / kGroup;
+  const int G0 = k0 / kGroup, Gs = (k1 - k0) / kGroup; // the span's first group of 32 and its count
   const uint16_t* c0 = q.codes[0].data();
   const uint16_t* c1 = Two ? q.codes[1].data() : nullptr;
   const float* sc[2] = {q.sc[0].data(), Two ? q.sc[1].data() : nullptr};
-  const float* bi[2] = {q.bi[0].data(), Two ? q.bi[1].data() : nullptr};
+  const float* bi[2] = {Bits == 6 ? nullptr : q.bi[0].data(), Bits == 6 || !Two ? nullptr : q.bi[1].data()};
   alignas(64) float sums[kRows * 16];
   alignas(64) float acc[2][kRows * 16];
   for (int t = t0; t < t1; ++t) {
-    const uint16_t* x = a.tb + size_t(t) * G * 3 * kPlaneValues;
-    const float* ts = a.ts + size_t(t) * G * kRows;
-    std::memset(acc, 0, sizeof(acc));
-    for (int g = 0; g < G; ++g) {
-      const uint16_t* xg = x + size_t(g) * 3 * kPlaneValues;
-      _tile_loadd(2, c0 + size_t(g) * kPlaneValues, 64);
+    const uint16_t* x = a.tb + (size_t(t) * G + G0) * 3 * kPlaneValues;
+    const float* ts = a.ts + (size_t(t) * G + G0) * kRows;
+    // the sums of the spans before this one, as this loop left them in y (the same additions in the
+    // same order as one span over all of K)
+    for (int i = 0; i < (Two ? 2 : 1); ++i) {
+      for (int m = 0; m < kRows; ++m) {
+        float* row = acc[i] + 16 * m;
+        if (k0 == 0) {
+          std::memset(row, 0, 16 * sizeof(float));
+        } else {
+          std::memcpy(row, a.y + size_t(t * kRows + m) * a.N + size_t(p + i) * kPanelRows, 16 * sizeof(float));
+        }
+      }
+    }
+    for (int g = 0; g < Gs * Halves; ++g) {
+      const uint16_t* xg = x + size_t(g / Halves) * 3 * kPlaneValues + size_t(g % Halves) * Tk;
+      const float* tg = Bits == 6 ? nullptr : ts + size_t(g) * kRows;
+      _tile_loadd(2, c0 + size_t(g) * kCodes, 64);
       _tile_zero(4);
       if constexpr (Two) {
-        _tile_loadd(3, c1 + size_t(g) * kPlaneValues, 64);
+        _tile_loadd(3, c1 + size_t(g) * kCodes, 64);
         _tile_zero(5);
       }
       _tile_loadd(0, xg, 64);
@@ -280,11 +339,11 @@ void panel_tiles_bf16(const PanelArgs& a, int p, int t0, int t1, const PanelsBf1
       }
       _tile_dpbf16ps(4, 6, 2);
       _tile_stored(4, sums, 64);
-      scale_bf16(ts + size_t(g) * kRows, sums, sc[0] + size_t(g) * 16, bi[0] + size_t(g) * 16, acc[0]);
+      scale_bf16(tg, sums, sc[0] + size_t(g) * 16, bi[0] == nullptr ? nullptr : bi[0] + size_t(g) * 16, acc[0]);
       if constexpr (Two) {
         _tile_dpbf16ps(5, 6, 3);
         _tile_stored(5, sums, 64);
-        scale_bf16(ts + size_t(g) * kRows, sums, sc[1] + size_t(g) * 16, bi[1] + size_t(g) * 16, acc[1]);
+        scale_bf16(tg, sums, sc[1] + size_t(g) * 16, bi[1] == nullptr ? nullptr : bi[1] + size_t(g) * 16, acc[1]);
       }
     }
     for (int i = 0; i < (Two ? 2 : 1); ++i) {
@@ -297,23 +356,32 @@ void panel_tiles_bf16(const PanelArgs& a, int p, int t0, int t1, const PanelsBf1
 
 // bytes of x's planes per block of rows that stays in L2 while the task's panels pass
 constexpr size_t kBf16BlockBytes = size_t(3) << 19;
+// values of K whose codes are prepared at once: x's planes over them for 256 rows (a chunk of
+// tiles_bf16's, panels.cpp) fill one block, so each panel's codes are prepared once per chunk of rows
+// (over all of K at once, a block held 1 tile of 16 rows at K 8192 and each panel was prepared again
+// for every 16 rows: preparing cost about what the products did)
+constexpr int kBf16Span = 1024;
 
 template <int Bits>
 void panels_bf16(const PanelArgs& a, int p0, int p1) {
   const int tiles = a.M / kRows;
   thread_local std::vector<uint8_t> ex;
   thread_local PanelsBf16 q;
-  configure_bf16();
-  const int block = std::max(1, int(kBf16BlockBytes / (size_t(a.K) * kRows * 3 * 2)));
-  for (int b0 = 0; b0 < tiles; b0 += block) {
-    const int b1 = std::min(tiles, b0 + block);
-    for (int p = p0; p < p1; p += 2) {
-      prepare_bf16<Bits>(a, p, ex, q, 0);
-      if (p + 1 < p1) {
-        prepare_bf16<Bits>(a, p + 1, ex, q, 1);
-        panel_tiles_bf16<true>(a, p, b0, b1, q);
-      } else {
-        panel_tiles_bf16<false>(a, p, b0, b1, q);
+  configure_bf16<Bits>();
+  const int span = std::min(a.K, kBf16Span);
+  const int block = std::max(1, int(kBf16BlockBytes / (size_t(span) * kRows * 3 * 2)));
+  for (int k0 = 0; k0 < a.K; k0 += span) {
+    const int k1 = std::min(a.K, k0 + span);
+    for (int b0 = 0; b0 < tiles; b0 += block) {
+      const int b1 = std::min(tiles, b0 + block);
+      for (int p = p0; p < p1; p += 2) {
+        prepare_bf16<Bits>(a, p, k0, k1, ex, q, 0);
+        if (p + 1 < p1) {
+          prepare_bf16<Bits>(a, p + 1, k0, k1, ex, q, 1);
+          panel_tiles_bf16<Bits, true>(a, p, b0, b1, k0, k1, q);
+        } else {
+          panel_tiles_bf16<Bits, false>(a, p, b0, b1, k0, k1, q);
+        }
       }
     }
   }
@@ -354,6 +422,10 @@ void q4_panels_bf16(const PanelArgs& a, int p0, int p1) {
 
 void q5_panels_bf16(const PanelArgs& a, int p0, int p1) {
   panels_bf16<5>(a, p0, p1);
+}
+
+void q6_panels_bf16(const PanelArgs& a, int p0, int p1) {
+  panels_bf16<6>(a, p0, p1);
 }
 
 void tile_x(const PanelArgs& a, TiledX& out) {

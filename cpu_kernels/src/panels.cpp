@@ -400,10 +400,17 @@ bool tiles_on() {
   return set < 0 ? tiles_by_default() : set == 1;
 }
 
-// Whether M rows of x against a layer of the format (bits 4: Q4_K, 5: Q5_K, 6: Q6_K) go on AMX tiles:
-// Q4_K and Q5_K (Q6_K's groups of 16 measured slower there than on the VNNI kernel: 0.6-0.94x)
+// Whether M rows of x against a layer of the format (bits 4: Q4_K, 5: Q5_K, 6: Q6_K) go on AMX tiles
+// with int8 math: Q4_K and Q5_K (Q6_K's groups of 16 measured slower there than on the VNNI kernel:
+// 0.6-0.94x)
 bool on_tiles(int bits, int M) {
   return M >= kTileRows && bits != 6 && tiles_on();
+}
+
+// The same with exact math (x in bfloat16 planes): every format, Q6_K's groups of 16 on half-width
+// tiles (where the alternative is dequantize + a float32 GEMM, not the VNNI kernel)
+bool on_tiles_bf16(int M) {
+  return M >= kTileRows && tiles_on();
 }
 
 // The panel kernel for a format and M rows of x
@@ -444,7 +451,7 @@ void panel_tasks(const PanelArgs& a, int bits, void (*kernel)(const PanelArgs&, 
 // Rows of x a time whose bfloat16 planes go on the tiles at once (6 bytes a value: 12 MiB at K 8192)
 constexpr int kTilesBf16Rows = 256;
 
-// y (M, N) = M rows of x (M a multiple of 16) times a Q4_K or Q5_K panel layer with exact math on the
+// y (M, N) = M rows of x (M a multiple of 16) times a panel layer (Q4_K, Q5_K, Q6_K) with exact math on the
 // tiles: each chunk of rows split into three bfloat16 planes laid out per tile and group
 // (amx::tile_bf16_row, rows shared among the pool's threads: rows_on_pool), then the panels' tasks
 void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
@@ -464,7 +471,7 @@ void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
     PanelArgs a{nullptr, nullptr, nullptr, w, scales, biases, y + size_t(m0) * N, mc, N, K};
     a.tb = tiled.q.data();
     a.ts = tiled.sum.data();
-    panel_tasks(a, bits, bits == 5 ? amx::q5_panels_bf16 : amx::q4_panels_bf16);
+    panel_tasks(a, bits, bits == 6 ? amx::q6_panels_bf16 : bits == 5 ? amx::q5_panels_bf16 : amx::q4_panels_bf16);
   }
 }
 #endif
@@ -513,7 +520,7 @@ void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
 void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
   int whole = 0; // rows on the tiles (x in three bfloat16 planes): whole tiles of 16
 #if defined(DUET_X86)
-  if (on_tiles(bits, M)) {
+  if (on_tiles_bf16(M)) {
     whole = M / kTileRows * kTileRows;
     tiles_bf16(x, t, w, scales, biases, y, whole, N, K, bits);
   }

@@ -99,11 +99,13 @@ struct TiledBf16 {
   std::vector<float> sum;
 };
 void tile_bf16_row(const float* row, const float* sums, int m, int K, TiledBf16& out);
-// y = M rows of x (M a multiple of 16, a.tb and a.ts as tile_bf16_row laid them out) times Q4_K or Q5_K
-// panels p0..p1: each code exact in bfloat16, every product exact in float32, the three planes'
-// products accumulated by the tiles in float32 (a float32 GEMM's rounding), scaled per group
+// y = M rows of x (M a multiple of 16, a.tb and a.ts as tile_bf16_row laid them out) times Q4_K, Q5_K or
+// Q6_K panels p0..p1: each code exact in bfloat16 (Q6_K's less 32, its bias), every product exact in
+// float32, the three planes' products accumulated by the tiles in float32 (a float32 GEMM's rounding),
+// scaled per group (Q6_K's of 16: half-width tiles)
 void q4_panels_bf16(const PanelArgs& a, int p0, int p1);
 void q5_panels_bf16(const PanelArgs& a, int p0, int p1);
+void q6_panels_bf16(const PanelArgs& a, int p0, int p1);
 } // namespace amx
 #endif
 
@@ -146,7 +148,7 @@ void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8
 // The same with exact math: each row of x split into three int8 planes (split_rows_x3, as the exact
 // integer kernels split it), the 3M plane rows through the panel kernel, each row's three products
 // added (sum_planes_x3): float32's accuracy, as the row form's exact paths. Whole tiles of 16 rows of a
-// Q4_K or Q5_K layer go on AMX tiles instead where they are on (x in three bfloat16 planes).
+// panel layer go on AMX tiles instead where they are on (x in three bfloat16 planes).
 void run_panels_x3(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 
 // The rows of a gather over experts (gather_qmm.cpp), sorted by expert: the distinct rows of x (their

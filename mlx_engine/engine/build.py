@@ -74,11 +74,12 @@ def kernel_math(m: LoadedModel) -> str | None:
     # reads are named (a peer, or an earlier build, with Q6_K in rows computes other KV bits)
     types = panel_types(m.model)
     math = cpu_math() + (f"+panels({','.join(types)})" if types else "")
-    if math.startswith("exact") and {"Q4_K", "Q5_K"} & set(types) and panel_tiles():
-        # exact math keeps those layers' prefill chunks on AMX tiles (x in bfloat16 planes) where a
-        # machine without them dequantizes for a float32 GEMM: other bits (int8 math's tiles are the
-        # VNNI bits); "bf16" tells them from an earlier build's tiles (x in int8 planes)
-        math += "+tiles(bf16)"
+    if math.startswith("exact") and types and panel_tiles():
+        # exact math keeps the layers in panels on AMX tiles for prefill chunks (x in bfloat16 planes)
+        # where a machine without them dequantizes for a float32 GEMM: other bits (int8 math's tiles are
+        # the VNNI bits). The types on the tiles are named: an earlier build said "+tiles(bf16)" with
+        # Q6_K off them (and "+tiles" with x in int8 planes)
+        math += f"+tiles(bf16:{','.join(types)})"
     return math
 
 
