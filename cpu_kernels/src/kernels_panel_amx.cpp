@@ -1,6 +1,6 @@
 // The panel kernel on AMX tiles (Xeons from Sapphire Rapids on): many rows of x (prefill) times Q4_K or
-// Q5_K weights in 16-row panels (panels.h). Q6_K stays on the VNNI kernel (its groups of 16 measured
-// 0.6-0.94x there).
+// Q5_K weights in 16-row panels (panels.h), and with exact math Q6_K's too. With int8 math Q6_K stays on
+// the VNNI kernel (its groups of 16 measured 0.6-0.94x there).
 //
 // Int8 math: a panel's codes are expanded once (expand: per group of 32, four consecutive codes of each
 // of its 16 rows per 64 bytes), which is an AMX tile of bytes as it is: 8 rows of 16 x 4 codes, the
@@ -17,7 +17,10 @@
 // GEMM rounds; the vector units scale each group's sums. Where x in three int8 planes took three integer
 // tiles of sums joined before scaling, this loads x's planes once for two panels and has no sums to
 // join: one thread, 256 rows of x, an 8192 x 2048 Q4_K matrix 1.2-1.4x faster, 2048 x 8192 1.2x, and
-// the 1B model's exact prefill +13% (docs/kernels.md, "AMX tiles").
+// the 1B model's exact prefill +13% (docs/kernels.md, "AMX tiles"). Q6_K's groups of 16 take half-width
+// tiles (16 values of x's planes, 8 rows of code pairs), its codes less 32 (its bias in them: no group
+// sums of x), where it was dequantized for OpenBLAS. A panel's codes are prepared (expanded, converted)
+// per span of 1024 values of K, once for a whole chunk of 256 rows of x.
 #include <cpuid.h>
 #include <immintrin.h>
 
