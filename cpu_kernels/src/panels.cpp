@@ -456,9 +456,9 @@ constexpr int kTilesBf16Rows = 256;
 // (amx::tile_bf16_row, rows shared among the pool's threads: rows_on_pool), then the panels' tasks
 void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
   const int G = K / 32;
+  amx::TiledBf16 tiled; // one buffer for every chunk of rows
   for (int m0 = 0; m0 < M; m0 += kTilesBf16Rows) {
     const int mc = std::min(kTilesBf16Rows, M - m0);
-    amx::TiledBf16 tiled;
     tiled.q.resize(size_t(mc) * K * 3);
     tiled.sum.resize(size_t(mc) * G);
     rows_on_pool(mc, [&](int r0, int r1) {
