@@ -241,8 +241,8 @@ void panel_scales6(const PanelArgs& a, int p, float* sc, int k0, int k1) {
   }
 }
 
-// Panels as the bfloat16 tiles read them: per panel its codes as bfloat16 pairs (32 bytes a value of a
-// row: 256 KiB at K 8192), its group scales and biases
+// Panels as the bfloat16 tiles read them over a span of K: per panel its codes as bfloat16 pairs (32
+// bytes a value of a row: 32 KiB over a span of 1024), its group scales and biases
 struct PanelsBf16 {
   std::vector<uint16_t> codes[2];
   std::vector<float> sc[2], bi[2];
@@ -361,8 +361,8 @@ void panel_tiles_bf16(const PanelArgs& a, int p, int t0, int t1, int k0, int k1,
 constexpr size_t kBf16BlockBytes = size_t(3) << 19;
 // values of K whose codes are prepared at once: x's planes over them for 256 rows (a chunk of
 // tiles_bf16's, panels.cpp) fill one block, so each panel's codes are prepared once per chunk of rows
-// (over all of K at once, a block held 1 tile of 16 rows at K 8192 and each panel was prepared again
-// for every 16 rows: preparing cost about what the products did)
+// (over all of K at once, a block held 2 tiles of 16 rows at K 8192 and each panel was prepared again
+// for every 32 rows)
 constexpr int kBf16Span = 1024;
 
 template <int Bits>
