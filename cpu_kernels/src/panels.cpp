@@ -451,8 +451,8 @@ void panel_tasks(const PanelArgs& a, int bits, void (*kernel)(const PanelArgs&, 
 // Rows of x a time whose bfloat16 planes go on the tiles at once (6 bytes a value: 12 MiB at K 8192)
 constexpr int kTilesBf16Rows = 256;
 
-// y (M, N) = M rows of x (M a multiple of 16) times a panel layer (Q4_K, Q5_K, Q6_K) with exact math on the
-// tiles: each chunk of rows split into three bfloat16 planes laid out per tile and group
+// y (M, N) = M rows of x (M a multiple of 16) times a panel layer (Q4_K, Q5_K, Q6_K) with exact math on
+// the tiles: each chunk of rows split into three bfloat16 planes laid out per tile and group
 // (amx::tile_bf16_row, rows shared among the pool's threads: rows_on_pool), then the panels' tasks
 void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
   const int G = K / 32;
