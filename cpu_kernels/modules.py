@@ -46,7 +46,7 @@ def _product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> 
     k = x.shape[-1]
     ext = extension()
     few = (
-        x.size < dequantize_rows() * k
+        x.size < dequantize_rows(layer["weight"], layer["scales"], layer.bits) * k
         or int8_gemm(layer.bits)
         or on_tiles(layer["weight"], layer["scales"], layer.bits)
     )

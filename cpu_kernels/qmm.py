@@ -48,12 +48,23 @@ DEQUANTIZE_ROWS_PER_THREAD = 32
 # (the GEMM's three passes of int8 products against OpenBLAS's float32 GEMM; both scale alike with
 # threads).
 X3_GEMM_ROWS = 128
+# A Q4_K or Q5_K layer in panels stays on the panel kernel with exact math below this many rows of x
+# (each row's three int8 planes joined per group: src/kernels_panel_avx512.cpp), where other layers
+# dequantize from X3_GEMM_ROWS: two threads on a Zen 4, a 1B model's layers, panel kernel against
+# dequantize + OpenBLAS (interleaved, medians of 5): gate_proj 8192 x 2048 128 rows 27 against 56 ms,
+# 512 rows 111 against 119, 1024 rows 196 against 222; q_proj 2048 x 2048 128 rows 6.5 against 8.2,
+# 512 rows 28.8 against 26.7 (docs/kernels.md). Q6_K's groups of 16 lose from ~256 rows (512: 191
+# against 119), so Q6_K keeps X3_GEMM_ROWS.
+PANEL_X3_ROWS = 1024
 
 
-def dequantize_rows() -> int:
+def dequantize_rows(w: mx.array | None = None, scales: mx.array | None = None, bits: int = 0) -> int:
     """Rows of x from which ``quantized_matmul`` dequantizes and multiplies by a GEMM (never for a layer
-    on AMX tiles: ``on_tiles``)."""
+    on AMX tiles: ``on_tiles``); given the layer, a Q4_K or Q5_K layer in panels keeps exact math on the
+    panel kernel up to ``PANEL_X3_ROWS``."""
     if x3_gemm():
+        if w is not None and scales is not None and bits in (4, 5) and panel_form(w, scales):
+            return PANEL_X3_ROWS
         return X3_GEMM_ROWS
     return DEQUANTIZE_ROWS_PER_THREAD * kernel_threads()
 
@@ -121,7 +132,12 @@ def quantized_matmul(
     if chosen == "native":
         assert biases is not None
         k = x.shape[-1]
-        if k and x.size // k >= dequantize_rows() and not int8_gemm(bits) and not on_tiles(w, scales, bits):
+        if (
+            k
+            and x.size // k >= dequantize_rows(w, scales, bits)
+            and not int8_gemm(bits)
+            and not on_tiles(w, scales, bits)
+        ):
             dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
             out = x.dtype if x.dtype == scales.dtype or scales.dtype == mx.uint8 else mx.float32
             return (x.astype(mx.float32) @ dense.T).astype(out)

@@ -164,6 +164,35 @@ def test_exact_math_on_panels_keeps_float32_accuracy(ext, bits):  # noqa: F811
     )
 
 
+@needs_vnni
+@K32_BITS
+def test_exact_math_keeps_a_prefill_chunk_of_a_q4k_layer_on_the_panel_kernel(ext, bits, monkeypatch):  # noqa: F811
+    """A prefill chunk (128 up to PANEL_X3_ROWS rows) of a Q4_K or Q5_K layer in panels stays on the panel
+    kernel with exact math, no float32 copy of the matrix (it beats dequantize + BLAS there), within
+    float32's tolerance of float64; the same layer in rows still dequantizes from X3_GEMM_ROWS."""
+    from cpu_kernels import qmm
+
+    rng = np.random.default_rng(8)
+    (w, s2, b2), (s, b) = _layer(rng, 32, 512, bits)
+    panels = ext.panel_layout(w, s2, b2, True)
+    if not qmm.x3_gemm() or qmm.on_tiles(panels[0], panels[1], bits):
+        pytest.skip("exact math here is not the VNNI panel kernel's (AMX tiles, or another instruction set)")
+    assert qmm.dequantize_rows(*panels[:2], bits) == qmm.PANEL_X3_ROWS > qmm.X3_GEMM_ROWS
+    assert qmm.dequantize_rows(w, s2, bits) == qmm.X3_GEMM_ROWS
+    dequantized = []
+    real_run = qmm.run
+    monkeypatch.setattr(
+        qmm, "run", lambda spec_, *a, **kw: (dequantized.append(spec_.name), real_run(spec_, *a, **kw))[1]
+    )
+    x = mx.array(rng.standard_normal((qmm.X3_GEMM_ROWS + 72, 512)).astype(np.float32))
+    y = qmm.quantized_matmul(x, *panels, group_size=32, bits=bits)
+    check_f64(y, x, w, s, b, 32, bits, F32_TOL)
+    assert dequantized == ["quantized_matmul"]
+    dequantized.clear()
+    qmm.quantized_matmul(x, w, s2, b2, group_size=32, bits=bits)
+    assert dequantized == ["dequantize"]
+
+
 def check_hard_rows(rng: np.random.Generator, k: int, product, check) -> None:
     """As the row form's exact kernels are tested: a run of x mixing an outlier with values 1e6 times
     smaller, a zero run, a tiny one (``check(y, x)`` holds them to float64); a NaN or infinity makes its
@@ -183,9 +212,10 @@ def check_hard_rows(rng: np.random.Generator, k: int, product, check) -> None:
 
 
 @needs_vnni
-def test_exact_math_on_panels_goes_in_chunks_under_a_large_vocabulary(ext):  # noqa: F811
-    """The three planes' products are held 48 MB at a time: 80 rows against a 65,536-row matrix (an LM
-    head under a batch's verification) go in two chunks, each within float32's tolerance."""
+def test_exact_math_on_panels_under_a_large_vocabulary(ext):  # noqa: F811
+    """80 rows against a 65,536-row matrix (an LM head under a batch's verification, where the planes'
+    products once went in 48 MB chunks; the kernel now joins them and holds none), within float32's
+    tolerance."""
     rng = np.random.default_rng(7)
     (w, s2, b2), (s, b) = _layer(rng, 65536, 256)
     x = mx.array(rng.standard_normal((80, 256)).astype(np.float32))
@@ -386,7 +416,7 @@ def test_the_engine_fits_the_layout_to_its_math(ext, tmp_path, arch, quant):  # 
             assert all(in_panels(m) for m in layers if m["weight"].shape[-2] % 16 == 0)
             # where AMX tiles take the panels' prefill chunks (test_cpu_panel_tiles), it says so
             tiles = f"+tiles(bf16:{','.join(types)})" if spec.panel_tiles() else ""
-            assert engine.numerics_profile()["cpu_math"] == f"exact+panels({','.join(types)})" + tiles
+            assert engine.numerics_profile()["cpu_math"] == f"exact+panels(joined:{','.join(types)})" + tiles
             assert engine.stats().weight_format == loaded.weight_format + f", {named} in 16-row panels"
             exact_panels = reply(engine)
         finally:

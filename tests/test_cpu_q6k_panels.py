@@ -209,7 +209,7 @@ def test_the_engine_puts_q6_k_in_panels_and_says_so(ext, tmp_path):  # noqa: F81
     try:
         # where AMX tiles take its prefill chunks (test_cpu_panel_tiles), the profile names them
         tiles = "+tiles(bf16:Q6_K)" if spec.panel_tiles() else ""
-        assert engine.numerics_profile()["cpu_math"] == "exact+panels(Q6_K)" + tiles
+        assert engine.numerics_profile()["cpu_math"] == "exact+panels(joined:Q6_K)" + tiles
         assert engine.stats().weight_format == loaded.weight_format + ", Q6_K in 16-row panels"
         reply = asyncio.run(go(engine))
     finally:

@@ -8,7 +8,9 @@
 // per row. The codes are unpacked once per tile of up to 8 rows of x. One thread, a 1B model's
 // matrices from L3 (cpu_kernels/panels.py): one row of x 71-77 GMAC/s (the row kernel 35), 8-16 rows
 // 130-147 (62-67), 64 rows 128-133 (the int8 GEMM 107-110). Exact math sends each row of x as three
-// int8 planes (panels.cpp: run_panels_x3), so one row of x in decode is a tile of three. Q5_K's codes
+// int8 planes (panels.cpp: run_panels_x3), and the tile joins a row's three planes' int32 sums per group
+// (Planes 3: exact in int32) before the float work, which is then done once a row, not once a plane.
+// Q5_K's codes
 // are Q4_K's nibbles with a fifth bit joined from a fifth load per group (step_codes). Q6_K's
 // groups of 16 join their codes from two nibble steps and a step of top bits (codes6), and start their
 // int32 sums from -32 times the group's sum of x (the bias term, in integers).
@@ -26,6 +28,25 @@ namespace avx512 {
 namespace {
 
 constexpr int kTileRows = 8; // rows of x per pass over a panel: 8 int32 and 8 float accumulators
+// rows of x per pass with exact math: each row's three planes (split_rows_x3) take 3 int32 accumulators
+constexpr int kTileRowsX3 = 4;
+
+// Rows of x per pass over a panel for x in Planes int8 planes
+template <int Planes>
+constexpr int kRowsPerTile = Planes == 3 ? kTileRowsX3 : kTileRows;
+
+// A row's int32 sums of a group from its planes' (r: its first plane's accumulator): int8 math's own;
+// exact math's three joined as split_rows_x3 weighs them, s1 * 2^14 + s2 * 2^7 + s3, exact in int32:
+// |s| <= 32 * 31 * 127 * (2^14 + 2^7 + 1) < 2^31 for codes up to 31 (Q6_K's, less 32, 16 * 32 * ...),
+// and a partial sum that wraps does no harm (int32 addition is exact modulo 2^32)
+template <int Planes>
+inline __m512i joined(const __m512i* ia, int r) {
+  if constexpr (Planes == 3) {
+    return _mm512_add_epi32(_mm512_slli_epi32(ia[r], 14), _mm512_add_epi32(_mm512_slli_epi32(ia[r + 1], 7), ia[r + 2]));
+  } else {
+    return ia[r];
+  }
+}
 constexpr int kAhead = 3072; // bytes of codes prefetched ahead for up to three rows of x (decode)
 
 #include "panel_codes.inc"
@@ -49,9 +70,12 @@ inline void store_tile(const PanelArgs& a, int p, int m0, const __m512* acc) {
 constexpr int kExpandRows = 48; // from this many rows of x
 
 // Q4_K and Q5_K (kSuper, groups of 32): a group is 256 bytes of codes (four loads), Q5_K's 64 more of
-// fifth bits; Expanded: the panel's codes as expand wrote them to ex
-template <int Bits, int MT, bool Expanded = false>
+// fifth bits; Expanded: the panel's codes as expand wrote them to ex. Planes 3 (exact math): x as
+// split_rows_x3 lays it out, plane j of row m at row j * a.M + m (units unit * 2^14, 2^7 and 1; x's
+// group sums on plane 0), MT rows of x taking 3 * MT int32 accumulators.
+template <int Bits, int MT, bool Expanded = false, int Planes = 1>
 void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) {
+  constexpr int R = MT * Planes; // int8 rows: plane j of row m at m * Planes + j
   constexpr int kGroupBytes = Expanded ? kExpandedGroup : Bits * 64;
   const int K = a.K;
   const int G = K / 32;
@@ -59,13 +83,16 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
   const uint8_t* wp = Expanded ? ex : a.w + size_t(p) * kPanelRows * (size_t(K) * Bits / 8);
   const uint8_t* sp = a.scales + size_t(p) * sb_bytes * (K / 256);
   const uint8_t* bp = a.biases + size_t(p) * sb_bytes * (K / 256);
-  const int8_t* xq[MT];
+  const int8_t* xq[R];
   const float* xd[MT];
   const float* xs[MT];
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m) {
-    xq[m] = a.xq + size_t(m0 + m) * K;
-    xd[m] = a.xd + size_t(m0 + m) * (K / 8);
+#pragma GCC unroll 3
+    for (int j = 0; j < Planes; ++j) {
+      xq[m * Planes + j] = a.xq + (size_t(j) * a.M + m0 + m) * K;
+    }
+    xd[m] = a.xd + (size_t(Planes - 1) * a.M + m0 + m) * (K / 8); // the last plane's: the unit
     xs[m] = a.xsum + size_t(m0 + m) * G;
   }
   __m512 acc[MT];
@@ -81,7 +108,7 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
     for (int j = 0; j < kSuperGroups; ++j) {
       const int g = sb * kSuperGroups + j;
       const uint8_t* wg = wp + size_t(g) * kGroupBytes;
-      if constexpr (MT <= 3 && !Expanded) { // decode: one or two rows of x, or one row's three planes (exact math)
+      if constexpr (R <= 3 && !Expanded) { // decode: one or two rows of x, or one row's three planes (exact math)
 #pragma GCC unroll 5
         for (int l = 0; l < Bits; ++l) {
           _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * l), _MM_HINT_T0);
@@ -90,10 +117,10 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
       const __m512i top = Bits == 5 && !Expanded ? _mm512_loadu_si512(wg + 256) : _mm512_setzero_si512();
       // few rows of x: two chains of vpdpbusd per row (low and high nibbles), else the chains' latency
       // (8 in a row per group) bounds the tile
-      constexpr int C = MT <= 4 ? 2 : 1;
-      __m512i ia[MT], ib[MT];
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) {
+      constexpr int C = R <= 4 ? 2 : 1;
+      __m512i ia[R], ib[R];
+#pragma GCC unroll 12
+      for (int m = 0; m < R; ++m) {
         ia[m] = _mm512_setzero_si512();
         ib[m] = _mm512_setzero_si512();
       }
@@ -105,8 +132,8 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
         } else {
           step_codes<Bits, S>(wg, top, lo, hi);
         }
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 12
+        for (int m = 0; m < R; ++m) {
           const int8_t* x = xq[m] + size_t(g) * 32 + S * 8;
           int32_t x0, x1;
           __builtin_memcpy(&x0, x, 4);
@@ -120,8 +147,8 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
         }
       });
       if constexpr (C == 2) {
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 12
+        for (int m = 0; m < R; ++m) {
           ia[m] = _mm512_add_epi32(ia[m], ib[m]);
         }
       }
@@ -130,7 +157,7 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
         const __m512 u = _mm512_mul_ps(sc, _mm512_set1_ps(xd[m][size_t(g) * 4]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m]), u, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined<Planes>(ia, m * Planes)), u, acc[m]);
         acc[m] = _mm512_fmadd_ps(bi, _mm512_set1_ps(xs[m][g]), acc[m]);
       }
     }
@@ -141,21 +168,26 @@ void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) 
 // Q6_K (kSuper16, groups of 16): per group, the 16 rows' int32 dot products start from the group's
 // offset (-32 times its sum of x, PanelArgs::xoff), so they are those of the codes less 32, exact; then
 // y += sum * (step * multiple * d) for 16 rows at once. A group is 192 bytes of codes (three loads).
-template <int MT, bool Expanded = false>
+// Planes 3: as panel_tile's (each plane's sums start from its own offsets, joined as its sums are).
+template <int MT, bool Expanded = false, int Planes = 1>
 void panel6_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) {
+  constexpr int R = MT * Planes;
   const int K = a.K;
   const int G = K / 16;
   const size_t sb_bytes = size_t(kPanelRows) * kSuper16Bytes; // 288
   const uint8_t* wp = Expanded ? ex : a.w + size_t(p) * kPanelRows * (size_t(K) * 3 / 4);
   const uint8_t* sp = a.scales + size_t(p) * sb_bytes * (K / 256);
-  const int8_t* xq[MT];
+  const int8_t* xq[R];
   const float* xd[MT];
-  const int32_t* xo[MT];
+  const int32_t* xo[R];
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m) {
-    xq[m] = a.xq + size_t(m0 + m) * K;
-    xd[m] = a.xd + size_t(m0 + m) * (K / 8);
-    xo[m] = a.xoff + size_t(m0 + m) * G;
+#pragma GCC unroll 3
+    for (int j = 0; j < Planes; ++j) {
+      xq[m * Planes + j] = a.xq + (size_t(j) * a.M + m0 + m) * K;
+      xo[m * Planes + j] = a.xoff + (size_t(j) * a.M + m0 + m) * G;
+    }
+    xd[m] = a.xd + (size_t(Planes - 1) * a.M + m0 + m) * (K / 8);
   }
   __m512 acc[MT];
 #pragma GCC unroll 8
@@ -168,7 +200,7 @@ void panel6_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr)
     for (int j = 0; j < kSuper16Groups; ++j) {
       const int g = sb * kSuper16Groups + j;
       const uint8_t* wg = wp + size_t(g) * (Expanded ? kExpandedGroup / 2 : 192);
-      if constexpr (MT <= 3 && !Expanded) { // decode (exact math: one row's three planes)
+      if constexpr (R <= 3 && !Expanded) { // decode (exact math: one row's three planes)
 #pragma GCC unroll 3
         for (int l = 0; l < 3; ++l) {
           _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * l), _MM_HINT_T0);
@@ -183,15 +215,15 @@ void panel6_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr)
       } else {
         c = codes6(wg);
       }
-      __m512i ia[MT];
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) {
+      __m512i ia[R];
+#pragma GCC unroll 12
+      for (int m = 0; m < R; ++m) {
         ia[m] = _mm512_set1_epi32(xo[m][g]);
       }
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 12
+        for (int m = 0; m < R; ++m) {
           int32_t x4;
           __builtin_memcpy(&x4, xq[m] + size_t(g) * 16 + 4 * k, 4);
           ia[m] = _mm512_dpbusd_epi32(ia[m], c.c[k], _mm512_set1_epi32(x4));
@@ -201,7 +233,7 @@ void panel6_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr)
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) { // x's run of 32 holds groups 2i and 2i + 1
         const __m512 u = _mm512_mul_ps(sc, _mm512_set1_ps(xd[m][size_t(g / 2) * 4]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m]), u, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined<Planes>(ia, m * Planes)), u, acc[m]);
       }
     }
   }
@@ -209,52 +241,53 @@ void panel6_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr)
 }
 
 // A tile of MT rows of x against panel p in the format's kernel (Bits 4: Q4_K, 5: Q5_K, 6: Q6_K), on
-// the panel's codes as they are or expanded to ex
-template <int Bits, int MT, bool Expanded>
+// the panel's codes as they are or expanded to ex, x in Planes int8 planes
+template <int Bits, int MT, bool Expanded, int Planes>
 inline void tile(const PanelArgs& a, int p, int m0, const uint8_t* ex) {
   if constexpr (Bits == 6) {
-    panel6_tile<MT, Expanded>(a, p, m0, ex);
+    panel6_tile<MT, Expanded, Planes>(a, p, m0, ex);
   } else {
-    panel_tile<Bits, MT, Expanded>(a, p, m0, ex);
+    panel_tile<Bits, MT, Expanded, Planes>(a, p, m0, ex);
   }
 }
 
 // The last rows of x (fewer than a tile), with the tile that holds exactly them.
-template <int Bits, int MT, bool Expanded>
+template <int Bits, int MT, bool Expanded, int Planes>
 void rest(const PanelArgs& a, int p, int m0, int rows, const uint8_t* ex) {
   if (rows == MT) {
-    tile<Bits, MT, Expanded>(a, p, m0, ex);
+    tile<Bits, MT, Expanded, Planes>(a, p, m0, ex);
   } else if constexpr (MT > 1) {
-    rest<Bits, MT - 1, Expanded>(a, p, m0, rows, ex);
+    rest<Bits, MT - 1, Expanded, Planes>(a, p, m0, rows, ex);
   }
 }
 
-template <int Bits, bool Expanded>
+template <int Bits, bool Expanded, int Planes>
 void panel_rows(const PanelArgs& a, int p, const uint8_t* ex) {
+  constexpr int T = kRowsPerTile<Planes>;
   int m0 = 0;
-  for (; m0 + kTileRows <= a.M; m0 += kTileRows) {
-    tile<Bits, kTileRows, Expanded>(a, p, m0, ex);
+  for (; m0 + T <= a.M; m0 += T) {
+    tile<Bits, T, Expanded, Planes>(a, p, m0, ex);
   }
   if (m0 < a.M) {
-    rest<Bits, kTileRows - 1, Expanded>(a, p, m0, a.M - m0, ex);
+    rest<Bits, T - 1, Expanded, Planes>(a, p, m0, a.M - m0, ex);
   }
 }
 
-template <int Bits>
+template <int Bits, int Planes = 1>
 void panels(const PanelArgs& a, int p0, int p1) {
   if constexpr (Bits != 4) {
-    if (a.M >= kExpandRows) {
+    if (a.M * Planes >= kExpandRows) {
       thread_local std::vector<uint8_t> ex; // 16 bytes a value of a row: 128 KiB at K 8192
       ex.resize(size_t(a.K) * kPanelRows);
       for (int p = p0; p < p1; ++p) {
         expand<Bits>(a, p, ex.data());
-        panel_rows<Bits, true>(a, p, ex.data());
+        panel_rows<Bits, true, Planes>(a, p, ex.data());
       }
       return;
     }
   }
   for (int p = p0; p < p1; ++p) {
-    panel_rows<Bits, false>(a, p, nullptr);
+    panel_rows<Bits, false, Planes>(a, p, nullptr);
   }
 }
 
@@ -270,6 +303,18 @@ void q5_panels(const PanelArgs& a, int p0, int p1) {
 
 void q6_panels(const PanelArgs& a, int p0, int p1) {
   panels<6>(a, p0, p1);
+}
+
+void q8_panels_x3(const PanelArgs& a, int p0, int p1) {
+  panels<4, 3>(a, p0, p1);
+}
+
+void q5_panels_x3(const PanelArgs& a, int p0, int p1) {
+  panels<5, 3>(a, p0, p1);
+}
+
+void q6_panels_x3(const PanelArgs& a, int p0, int p1) {
+  panels<6, 3>(a, p0, p1);
 }
 
 } // namespace avx512

@@ -529,9 +529,19 @@ void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* 
     return;
   }
   const void* rest = static_cast<const uint8_t*>(x) + size_t(whole) * K * mx::size_of(t);
-  x3_in_chunks(quantize_x_fn(), rest, t, M - whole, N, K, 32, 1, y + size_t(whole) * N, [&](const Q8Rows& x3, int rows, float* y3) {
-    panels_on_pool(x3, w, scales, biases, y3, rows, N, K, bits);
-  });
+#if defined(DUET_X86)
+  const int rows = M - whole;
+  const Q8Rows x3 = split_rows_x3(quantize_x_fn(), rest, t, row_starts(rows, K), 1, K, 32);
+  PanelArgs a{x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases, y + size_t(whole) * N, rows, N, K};
+  std::vector<int32_t> offsets;
+  if (bits == 6) { // each plane's offsets, joined in the kernel as its sums are
+    a.xoff = offsets_int8(x3.q, 3 * rows, K, int32_t(kQ6Ratio), offsets);
+  }
+  panel_tasks(a, bits, bits == 6 ? avx512::q6_panels_x3 : bits == 5 ? avx512::q5_panels_x3 : avx512::q8_panels_x3);
+#else
+  (void)rest, (void)w, (void)scales, (void)biases;
+  throw std::logic_error("the panel kernel needs x86-64");
+#endif
 }
 
 void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, bool int8) {

@@ -73,6 +73,12 @@ namespace avx512 {
 void q8_panels(const PanelArgs& a, int p0, int p1);
 void q5_panels(const PanelArgs& a, int p0, int p1);
 void q6_panels(const PanelArgs& a, int p0, int p1);
+// The same with exact math: M rows of x as split_rows_x3's three planes (plane j of row i at row j * M +
+// i of a.xq, a.xd, a.xoff; x's group sums a.xsum on plane 0), each row's planes' int32 sums joined per
+// group (s1 * 2^14 + s2 * 2^7 + s3, exact) and made float once
+void q8_panels_x3(const PanelArgs& a, int p0, int p1);
+void q5_panels_x3(const PanelArgs& a, int p0, int p1);
+void q6_panels_x3(const PanelArgs& a, int p0, int p1);
 } // namespace avx512
 namespace amx {
 // Whether this CPU has AMX tiles with int8 and bfloat16 products (AMX-TILE, AMX-INT8, AMX-BF16; and
@@ -162,9 +168,9 @@ bool panel_kernel_runs(bool int8);
 // whose biases are not read), with int8 math.
 void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 // The same with exact math: each row of x split into three int8 planes (split_rows_x3, as the exact
-// integer kernels split it), the 3M plane rows through the panel kernel, each row's three products
-// added (sum_planes_x3): float32's accuracy, as the row form's exact paths. Whole tiles of 16 rows of a
-// panel layer go on AMX tiles instead where they are on (x in three bfloat16 planes).
+// integer kernels split it), whose int32 sums the panel kernel joins per group exactly before scaling
+// them (avx512::q8_panels_x3): float32's accuracy, as the row form's exact paths. Whole tiles of 16 rows
+// of a panel layer go on AMX tiles instead where they are on (x in three bfloat16 planes).
 void run_panels_x3(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 
 // The rows of a gather over experts (gather_qmm.cpp), sorted by expert: the distinct rows of x (their

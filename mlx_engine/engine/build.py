@@ -73,7 +73,10 @@ def kernel_math(m: LoadedModel) -> str | None:
     # the panel kernel sums in another order than the row kernel: not the same bits, so the types it
     # reads are named (a peer, or an earlier build, with Q6_K in rows computes other KV bits)
     types = panel_types(m.model)
-    math = cpu_math() + (f"+panels({','.join(types)})" if types else "")
+    # exact math's panel kernel joins each row's three int8 planes' sums per group before scaling them
+    # (an earlier build scaled each plane's and added the three products: other bits), said "joined:"
+    joined = "joined:" if cpu_math() == "exact" else ""
+    math = cpu_math() + (f"+panels({joined}{','.join(types)})" if types else "")
     if math.startswith("exact") and types and panel_tiles():
         # exact math keeps the layers in panels on AMX tiles for prefill chunks (x in bfloat16 planes)
         # where a machine without them dequantizes for a float32 GEMM: other bits (int8 math's tiles are
