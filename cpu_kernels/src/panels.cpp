@@ -572,8 +572,11 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
   if (bits == 6) {
     offsets_int8(xq, planes * sorted, K, int32_t(kQ6Ratio), offsets);
   }
-  std::vector<float> y3(int8 ? 0 : size_t(3) * sorted * N); // exact math: the planes' products
-  float* yp = int8 ? y : y3.data();
+  // exact math: the VNNI kernel joins each row's planes itself (avx512::q8_panels_x3); where AMX tiles
+  // are on, the plane rows go through the int8 kernel (on the tiles from 16) and their products are added
+  const bool joined = !int8 && !tiles_on();
+  std::vector<float> y3(int8 || joined ? 0 : size_t(3) * sorted * N);
+  float* yp = int8 || joined ? y : y3.data();
   // units of (expert, run of panels), claimed by the pool's threads as they come free
   struct Unit {
     int e, p0, p1;
@@ -605,21 +608,24 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
          w + e * expert_codes,
          scales + e * expert_scales,
          bits == 6 ? biases : biases + e * expert_scales, // Q6_K's: the ratio, not read
-         yp + q0 * N,
-         planes * g.count[e],
+         (joined ? y + size_t(g.start[e]) * N : yp + q0 * N),
+         joined ? g.count[e] : planes * g.count[e], // joined: plane j of row i at row j * count + i
          N,
          K};
     if (bits == 6) {
       a.xoff = offsets.data() + q0 * (K / 16);
     }
-    tile_rows(a, bits, tiled[size_t(e)]);
+    if (!joined) {
+      tile_rows(a, bits, tiled[size_t(e)]);
+    }
   }
+  const auto kernel = joined ? (bits == 6 ? avx512::q6_panels_x3 : bits == 5 ? avx512::q5_panels_x3 : avx512::q8_panels_x3) : nullptr;
   pool->run(int(units.size()), [&](int i) {
     const Unit& u = units[size_t(i)];
     const PanelArgs& a = args[size_t(u.e)];
-    panel_kernel(bits, a.M)(a, u.p0, u.p1);
+    (joined ? kernel : panel_kernel(bits, a.M))(a, u.p0, u.p1);
   });
-  if (!int8) {
+  if (!int8 && !joined) {
     for (int e = 0; e < E; ++e) {
       const size_t q0 = size_t(g.start[e]);
       sum_planes_x3(y3.data() + 3 * q0 * N, g.count[e], N, y + q0 * N);

@@ -189,7 +189,8 @@ struct GatherRows {
 
 // y (sorted pairs, N) float32: each pair's row of x times its expert's matrix, the E experts' w
 // (E, N, K * bits / 8 bytes), scales and biases in panels (bits 4: Q4_K; 5: Q5_K; 6: Q6_K, biases the ratio),
-// int8 math or exact (x in three int8 planes, as run_panels_x3); the panel kernel must be available.
+// int8 math or exact (x in three int8 planes joined by the kernel, as run_panels_x3; where AMX tiles are
+// on, the plane rows through the int8 kernel and their products added); the panel kernel must be available.
 void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, bool int8);
 
 } // namespace duet_cpu
