@@ -421,6 +421,11 @@ auto panel_kernel(int bits, int M) {
   return bits == 6 ? avx512::q6_panels : bits == 5 ? avx512::q5_panels : avx512::q8_panels;
 }
 
+// The same with exact math on the VNNI kernel: each row's three int8 planes joined per group
+auto joined_kernel(int bits) {
+  return bits == 6 ? avx512::q6_panels_x3 : bits == 5 ? avx512::q5_panels_x3 : avx512::q8_panels_x3;
+}
+
 // a's rows of x laid out for the tiles (into tx) where they go on the tiles: once, before the tasks
 void tile_rows(PanelArgs& a, int bits, amx::TiledX& tx) {
   if (on_tiles(bits, a.M)) {
@@ -537,7 +542,7 @@ void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* 
   if (bits == 6) { // each plane's offsets, joined in the kernel as its sums are
     a.xoff = offsets_int8(x3.q, 3 * rows, K, int32_t(kQ6Ratio), offsets);
   }
-  panel_tasks(a, bits, bits == 6 ? avx512::q6_panels_x3 : bits == 5 ? avx512::q5_panels_x3 : avx512::q8_panels_x3);
+  panel_tasks(a, bits, joined_kernel(bits));
 #else
   (void)rest, (void)w, (void)scales, (void)biases;
   throw std::logic_error("the panel kernel needs x86-64");
@@ -619,11 +624,10 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
       tile_rows(a, bits, tiled[size_t(e)]);
     }
   }
-  const auto kernel = joined ? (bits == 6 ? avx512::q6_panels_x3 : bits == 5 ? avx512::q5_panels_x3 : avx512::q8_panels_x3) : nullptr;
   pool->run(int(units.size()), [&](int i) {
     const Unit& u = units[size_t(i)];
     const PanelArgs& a = args[size_t(u.e)];
-    (joined ? kernel : panel_kernel(bits, a.M))(a, u.p0, u.p1);
+    (joined ? joined_kernel(bits) : panel_kernel(bits, a.M))(a, u.p0, u.p1);
   });
   if (!int8 && !joined) {
     for (int e = 0; e < E; ++e) {
