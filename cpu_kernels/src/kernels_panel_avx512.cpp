@@ -5,7 +5,7 @@
 // byte); each row of x then takes 8 vpdpbusd with 4 of its int8 values broadcast to every lane, and
 // 16 int32 sums (one per weight row) are exact for the group. They become float once per group:
 // y += sum * (scale * d) + bias * xsum, 16 rows at once, where a row at a time needs a horizontal sum
-// per row. The codes are unpacked once per tile of up to 8 rows of x (exact math: 4 rows, 12 planes). One thread, a 1B model's
+// per row. The codes are unpacked once per tile of up to 8 rows of x (exact math: 2 rows, 6 planes). One thread, a 1B model's
 // matrices from L3 (cpu_kernels/panels.py): one row of x 71-77 GMAC/s (the row kernel 35), 8-16 rows
 // 130-147 (62-67), 64 rows 128-133 (the int8 GEMM 107-110). Exact math sends each row of x as three
 // int8 planes (panels.cpp: run_panels_x3), and the tile joins a row's three planes' int32 sums per group
@@ -29,9 +29,10 @@ namespace avx512 {
 namespace {
 
 constexpr int kTileRows = 8; // rows of x per pass over a panel: 8 int32 and 8 float accumulators
-// rows of x per pass with exact math: each row's three planes (split_rows_x3) take 3 int32 accumulators
-// (4 rows: 12 of them and 4 float ones in registers; not tuned against 3 or 5)
-constexpr int kTileRowsX3 = 4;
+// rows of x per pass with exact math: each row's three planes (split_rows_x3) take 3 int32 accumulators.
+// In-process A/B on a 1B model's 112 matrices, two threads, 16 and 128 rows of x: 2 rows a tile against
+// 4 1.15x and 1.21x, against 3 1.03x and 1.04x; 5 rows 0.5x of 4 (the registers run out)
+constexpr int kTileRowsX3 = 2;
 
 // Rows of x per pass over a panel for x in Planes int8 planes
 template <int Planes>
