@@ -169,28 +169,33 @@ def test_exact_math_on_panels_keeps_float32_accuracy(ext, bits):  # noqa: F811
 def test_exact_math_keeps_a_prefill_chunk_of_a_q4k_layer_on_the_panel_kernel(ext, bits, monkeypatch):  # noqa: F811
     """A prefill chunk (128 up to PANEL_X3_ROWS rows) of a Q4_K or Q5_K layer in panels stays on the panel
     kernel with exact math, no float32 copy of the matrix (it beats dequantize + BLAS there), within
-    float32's tolerance of float64; the same layer in rows still dequantizes from X3_GEMM_ROWS."""
+    float32's tolerance of float64; the same layer in rows still dequantizes from X3_GEMM_ROWS. (AMX
+    tiles, which take such chunks where they are on, are turned off here: test_cpu_panel_tiles.py.)"""
     from cpu_kernels import qmm
 
     rng = np.random.default_rng(8)
     (w, s2, b2), (s, b) = _layer(rng, 32, 512, bits)
     panels = ext.panel_layout(w, s2, b2, True)
-    if not qmm.x3_gemm() or qmm.on_tiles(panels[0], panels[1], bits):
-        pytest.skip("exact math here is not the VNNI panel kernel's (AMX tiles, or another instruction set)")
-    assert qmm.dequantize_rows(*panels[:2], bits) == qmm.PANEL_X3_ROWS > qmm.X3_GEMM_ROWS
-    assert qmm.dequantize_rows(w, s2, bits) == qmm.X3_GEMM_ROWS
-    dequantized = []
-    real_run = qmm.run
-    monkeypatch.setattr(
-        qmm, "run", lambda spec_, *a, **kw: (dequantized.append(spec_.name), real_run(spec_, *a, **kw))[1]
-    )
-    x = mx.array(rng.standard_normal((qmm.X3_GEMM_ROWS + 72, 512)).astype(np.float32))
-    y = qmm.quantized_matmul(x, *panels, group_size=32, bits=bits)
-    check_f64(y, x, w, s, b, 32, bits, F32_TOL)
-    assert dequantized == ["quantized_matmul"]
-    dequantized.clear()
-    qmm.quantized_matmul(x, w, s2, b2, group_size=32, bits=bits)
-    assert dequantized == ["dequantize"]
+    tiles = spec.panel_tiles()
+    spec.set_panel_tiles(False)
+    try:
+        assert qmm.x3_gemm() and not qmm.on_tiles(panels[0], panels[1], bits)
+        assert qmm.dequantize_rows(*panels[:2], bits) == qmm.PANEL_X3_ROWS > qmm.X3_GEMM_ROWS
+        assert qmm.dequantize_rows(w, s2, bits) == qmm.X3_GEMM_ROWS
+        called = []
+        real_run = qmm.run
+        monkeypatch.setattr(
+            qmm, "run", lambda spec_, *a, **kw: (called.append(spec_.name), real_run(spec_, *a, **kw))[1]
+        )
+        x = mx.array(rng.standard_normal((qmm.X3_GEMM_ROWS + 72, 512)).astype(np.float32))
+        y = qmm.quantized_matmul(x, *panels, group_size=32, bits=bits)
+        check_f64(y, x, w, s, b, 32, bits, F32_TOL)
+        assert called == ["quantized_matmul"]
+        called.clear()
+        qmm.quantized_matmul(x, w, s2, b2, group_size=32, bits=bits)
+        assert called == ["dequantize"]
+    finally:
+        spec.set_panel_tiles(tiles)
 
 
 def check_hard_rows(rng: np.random.Generator, k: int, product, check) -> None:
