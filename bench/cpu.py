@@ -12,7 +12,8 @@ llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed; cache
   the long context, as the others reuse theirs), with its default adaptive n-gram speculation;
   **duet-nospec** (``--systems duet,duet-nospec,...``): the same with speculation off, one token per
   pass like the others; **duet-int8**: speculation off and ``--cpu-math int8`` (activations in 8
-  bits and integer dot products, as llama.cpp computes);
+  bits and integer dot products, as llama.cpp computes); **duet-int16**: speculation off and
+  ``--cpu-math int16`` (activations to 2^-15 of each run of 32: two int8 planes, exact math three);
 * **llama.cpp**: llama-cpp-python, the same GGUF, ``n_threads`` = ``n_threads_batch`` = threads;
 * **mlx-lm**: mlx-lm cannot read a GGUF (``mlx_lm.load`` takes safetensors only), so its
   generation loop (``generate_step``, under ``mlx_lm.generate``) runs on the model Duet's loader
@@ -262,10 +263,18 @@ class DuetInt8Runner(DuetPlainRunner):
     cpu_math = "int8"
 
 
+class DuetInt16Runner(DuetPlainRunner):
+    """Duet with ``--cpu-math int16`` (activations to 2^-15 of each run of 32: two int8 planes where
+    exact math takes three) and speculation off."""
+
+    cpu_math = "int16"
+
+
 RUNNERS = {
     "duet": DuetRunner,
     "duet-nospec": DuetPlainRunner,
     "duet-int8": DuetInt8Runner,
+    "duet-int16": DuetInt16Runner,
     "llama.cpp": LlamaCppRunner,
     "mlx-lm": MlxLmRunner,
 }

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cpu_kernels.spec import KernelSpec, int8_math, resolve_backend, run
+from cpu_kernels.spec import KernelSpec, resolve_backend, run, x_planes
 
 SPEC = KernelSpec("gather_quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(16, 32, 64, 128))  # 16: Q6_K
 
@@ -79,7 +79,7 @@ def gather_qmm(
         else "reference"
     )
     if chosen == "native":
-        return run(SPEC, x, w, scales, biases, rhs_indices, group_size, bits, int8=int8_math())
+        return run(SPEC, x, w, scales, biases, rhs_indices, group_size, bits, x_planes=x_planes())
     return reference(
         x, w, scales, biases, lhs_indices, rhs_indices, transpose, group_size, bits, mode, sorted_indices
     )

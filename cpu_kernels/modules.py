@@ -36,7 +36,7 @@ from cpu_kernels.qmm import (
 )
 from cpu_kernels.rope import rope
 from cpu_kernels.route import ROUTE_ROWS
-from cpu_kernels.spec import FLOATS, available, extension, int8_math
+from cpu_kernels.spec import FLOATS, available, extension, x_planes
 from cpu_kernels.swiglu import swiglu
 
 
@@ -58,7 +58,7 @@ def _product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> 
             layer["biases"],
             layer.group_size,
             layer.bits,
-            int8=int8_math(),
+            x_planes=x_planes(),
         )
     return quantized_matmul(
         x,
@@ -286,7 +286,7 @@ def _switch_linear(cls: type) -> type | None:
                     indices,
                     self.group_size,
                     self.bits,
-                    int8=int8_math(),
+                    x_planes=x_planes(),
                 )
             else:
                 y = gather_qmm(

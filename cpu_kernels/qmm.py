@@ -29,6 +29,7 @@ from cpu_kernels.spec import (
     panel_tiles,
     resolve_backend,
     run,
+    x_planes,
 )
 
 SPEC = KernelSpec("quantized_matmul", bits=(4, 5, 6, 8), group_sizes=(16, 32, 64, 128))  # 16: Q6_K
@@ -42,7 +43,7 @@ DEQUANTIZE_ROWS_PER_THREAD = 32
 
 
 # With exact math where the int8 GEMM exists (AVX-512 VNNI), x split into three int8 planes goes
-# through it (src/qmm.cpp: run_x3_gemm) up to this many rows, not the float kernel: two threads, a
+# through it (src/qmm.cpp: run_planes_gemm) up to this many rows, not the float kernel: two threads, a
 # 4-bit 8192 x 2048 matrix (bench/qmatmul.py --paths), 16 rows 5.3 ms against the float kernel's 11.4,
 # 64 rows 16 against the dequantize + GEMM path's 39, 128 rows 33 against 44, 256 rows 69 against 58
 # (the GEMM's three passes of int8 products against OpenBLAS's float32 GEMM; both scale alike with
@@ -91,7 +92,8 @@ def on_tiles(w: mx.array, scales: mx.array, bits: int) -> bool:
 
 
 def x3_gemm() -> bool:
-    """Whether exact math multiplies 3 or more rows of x by the int8 GEMM on three planes of x."""
+    """Whether exact (int16) math multiplies 3 or more rows of x by the int8 GEMM on three (two) planes
+    of x."""
     if int8_math():
         return False
     ext = extension()
@@ -141,7 +143,7 @@ def quantized_matmul(
             dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
             out = x.dtype if x.dtype == scales.dtype or scales.dtype == mx.uint8 else mx.float32
             return (x.astype(mx.float32) @ dense.T).astype(out)
-        return run(SPEC, x, w, scales, biases, group_size, bits, int8=int8_math())
+        return run(SPEC, x, w, scales, biases, group_size, bits, x_planes=x_planes())
     return reference(x, w, scales, biases, transpose, group_size, bits, mode)
 
 

@@ -10,11 +10,13 @@ Threads: the extension's pool defaults to the machine's physical cores (``DUET_C
 overrides); ``DUET_CPU_KERNELS=0`` turns the extension off.
 
 Math: :func:`set_cpu_math` (or ``DUET_CPU_MATH``) picks how the quantized products (``quantized_matmul``
-and ``gather_qmm``) treat x: ``"exact"`` (the default) keeps it float32, ``"int8"`` quantizes it to int8
-per run of 32 values with one float scale, as llama.cpp's Q8_0 does, for integer dot products with
-the weights' codes (about 2x the weight bandwidth on AVX-512 VNNI; ~0.3% relative error in each
-product, docs/kernels.md). A product takes the setting in force when it is built (the graph), not
-when it is evaluated.
+and ``gather_qmm``) treat x: ``"exact"`` (the default) keeps float32's accuracy (x in three int8
+planes for the integer kernels, 22 bits a run of 32), ``"int16"`` holds x to within 2^-15 of each run
+of 32's largest value (its first two planes: two thirds of exact math's integer work, its products
+within ~1e-4 relative of exact's), ``"int8"`` quantizes it to int8 per run of 32 values with one float
+scale, as llama.cpp's Q8_0 does, for integer dot products with the weights' codes (about 2x the weight
+bandwidth on AVX-512 VNNI; ~0.3% relative error in each product, docs/kernels.md). A product takes
+the setting in force when it is built (the graph), not when it is evaluated.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import mlx.core as mx
 log = logging.getLogger("duet.cpu_kernels")
 
 BACKENDS: tuple[str, ...] = ("native", "reference")
-CPU_MATHS: tuple[str, ...] = ("exact", "int8")
+CPU_MATHS: tuple[str, ...] = ("exact", "int16", "int8")
+# int8 planes of x each math gives the kernels (their ``x_planes``)
+X_PLANES: dict[str, int] = {"exact": 3, "int16": 2, "int8": 1}
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)  # the dtypes every kernel takes
 STAMP = Path(__file__).resolve().parent / "_ext.stamp"
 
@@ -51,38 +55,47 @@ class KernelSpec:
 _state: dict[str, Any] = {"loaded": False, "ext": None, "reason": None}
 
 
-def _math_from_env() -> bool:
-    """Whether ``DUET_CPU_MATH`` asks for int8 math (anything but "exact"/"int8" is warned about once)."""
-    env = os.environ.get("DUET_CPU_MATH", "exact").strip().lower() or "exact"
+DEFAULT_CPU_MATH = "exact"
+
+
+def _math_from_env() -> str:
+    """What ``DUET_CPU_MATH`` asks for (anything not in CPU_MATHS is warned about once: the default)."""
+    env = os.environ.get("DUET_CPU_MATH", DEFAULT_CPU_MATH).strip().lower() or DEFAULT_CPU_MATH
     if env not in CPU_MATHS:
-        log.warning("DUET_CPU_MATH=%r is not one of %s; using 'exact'", env, CPU_MATHS)
-        return False
-    return env == "int8"
+        log.warning("DUET_CPU_MATH=%r is not one of %s; using %r", env, CPU_MATHS, DEFAULT_CPU_MATH)
+        return DEFAULT_CPU_MATH
+    return env
 
 
-_math: dict[str, bool] = {"int8": _math_from_env()}
+_math: dict[str, str] = {"name": _math_from_env()}
 
 
 def set_cpu_math(math: str | None = None) -> str:
-    """Set how the quantized products treat x: "exact" (float32) or "int8" (int8 per 32 values);
-    None: what ``DUET_CPU_MATH`` says. Returns the setting. Products built afterwards use it."""
+    """Set how the quantized products treat x: "exact" (float32), "int16" (to 2^-15 of each run of
+    32) or "int8" (int8 per 32 values); None: what ``DUET_CPU_MATH`` says. Returns the setting.
+    Products built afterwards use it."""
     if math is None:
-        _math["int8"] = _math_from_env()
+        _math["name"] = _math_from_env()
     elif math in CPU_MATHS:
-        _math["int8"] = math == "int8"
+        _math["name"] = math
     else:
         raise ValueError(f"cpu_math must be one of {CPU_MATHS}, got {math!r}")
     return cpu_math()
 
 
 def cpu_math() -> str:
-    """The quantized products' math now: "exact" or "int8"."""
-    return "int8" if _math["int8"] else "exact"
+    """The quantized products' math now: one of CPU_MATHS."""
+    return _math["name"]
 
 
 def int8_math() -> bool:
     """Whether the quantized products quantize x to int8 (cpu_math "int8"). Cheap: on the decode path."""
-    return _math["int8"]
+    return _math["name"] == "int8"
+
+
+def x_planes() -> int:
+    """The kernels' ``x_planes`` for the math now (3 exact, 2 int16, 1 int8). Cheap: on the decode path."""
+    return X_PLANES[_math["name"]]
 
 
 def panel_tiles() -> bool:

@@ -333,18 +333,19 @@ def test_engine_option_sets_the_math_and_names_it_in_the_numerics(ext, bundled):
     from mlx_engine.errors import ConfigError
     from mlx_engine.request import GenerationRequest, SamplingParams
 
-    with pytest.raises(ConfigError, match="cpu_math must be one of exact, int8"):
+    with pytest.raises(ConfigError, match="cpu_math must be one of exact, int16, int8"):
         EngineConfig(cpu_math="fast").validate()
     profiles = {}
     replies = {}
     try:
-        for math in ("int8", "exact"):
+        for math in ("int8", "int16", "exact"):
             engine = Engine(bundled, EngineConfig(cpu_math=math, speculative="off"))
             try:
                 assert spec.cpu_math() == math
                 profiles[math] = engine.numerics_profile()
                 # what duet generate's first line and the TUI show
                 assert engine.stats().weight_format.endswith(", int8 activations") == (math == "int8")
+                assert engine.stats().weight_format.endswith(", int16 activations") == (math == "int16")
                 prompt = bundled.tokenizer.encode(TEXT)[:200]
                 req = GenerationRequest(
                     prompt=prompt, max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=0)
@@ -358,8 +359,12 @@ def test_engine_option_sets_the_math_and_names_it_in_the_numerics(ext, bundled):
                 engine.shutdown()
     finally:
         spec.set_cpu_math("exact")
-    assert profiles["int8"]["cpu_math"] == "int8" and profiles["exact"]["cpu_math"] == "exact"
-    assert len(replies["int8"]) == len(replies["exact"]) == 24
+    assert {m: p["cpu_math"] for m, p in profiles.items()} == {
+        "int8": "int8",
+        "int16": "int16",
+        "exact": "exact",
+    }
+    assert len(replies["int8"]) == len(replies["int16"]) == len(replies["exact"]) == 24
 
 
 def _isa() -> str:
@@ -421,7 +426,7 @@ def test_prefill_with_int8_math_goes_through_the_gemm_not_a_dequantized_copy(ext
     finally:
         spec.set_cpu_math("exact")
     assert [c[0] for c in calls] == ["quantized_matmul", "dequantize"]
-    assert calls[0][1].get("int8") is True
+    assert calls[0][1].get("x_planes") == 1  # x in one int8 plane
     ref, mag = oracle(x, wq, scales, biases, 32, 4)
     check(y8, ref, mag, "int8 gemm")
     assert float(np.abs(f64(y) - f64(y8)).max()) < 0.05 * float(np.abs(f64(y)).max())

@@ -24,7 +24,10 @@ NB_MODULE(_ext, m) {
   m.doc() = "Duet's CPU kernels: quantized matrix products over MLX's affine layout";
   m.def(
       "quantized_matmul",
-      &duet_cpu::quantized_matmul,
+      [](const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+         int bits, bool int8, int x_planes, mx::StreamOrDevice s) {
+        return duet_cpu::quantized_matmul(x, w, scales, biases, group_size, bits, int8 ? 1 : x_planes, s);
+      },
       "x"_a,
       "w"_a,
       "scales"_a,
@@ -33,12 +36,17 @@ NB_MODULE(_ext, m) {
       "bits"_a,
       nb::kw_only(),
       "int8"_a = false,
+      "x_planes"_a = 3,
       "stream"_a = nb::none(),
       "x @ dequantize(w, scales, biases).T for MLX's affine layout (w packed as mx.quantize packs it); "
-      "int8: x quantized to int8 per 32 values (cpu_math int8).");
+      "x_planes: how x meets the weights, 3 exact (float32's accuracy), 2 int16 (x to within 2^-15 of "
+      "each run of 32's largest value), 1 int8 (x quantized to int8 per 32 values); int8=True: 1.");
   m.def(
       "gather_quantized_matmul",
-      &duet_cpu::gather_quantized_matmul,
+      [](const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+         const mx::array& indices, int group_size, int bits, bool int8, int x_planes, mx::StreamOrDevice s) {
+        return duet_cpu::gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits, int8 ? 1 : x_planes, s);
+      },
       "x"_a,
       "w"_a,
       "scales"_a,
@@ -48,6 +56,7 @@ NB_MODULE(_ext, m) {
       "bits"_a,
       nb::kw_only(),
       "int8"_a = false,
+      "x_planes"_a = 3,
       "stream"_a = nb::none(),
       "x[b, m] @ dequantize(w[indices[b]]).T for stacked affine experts (mx.gather_qmm with rhs_indices, "
       "transpose=True); x (..., M, K), indices broadcasting with x's batch dims, out (batch, M, N).");

@@ -84,7 +84,8 @@ void run_gather(
     mx::array& out,
     int group_size,
     int bits,
-    bool int8) {
+    int planes) {
+  const bool int8 = planes == 1;
   const int E = w.shape(0);
   const int N = w.shape(1);
   const int K = x.shape(-1);
@@ -98,7 +99,7 @@ void run_gather(
   if (panels && !panel_kernel_runs(int8)) {
     // the row form's paths (no AVX-512 VNNI) on a row-form copy of every expert
     const auto [rw, rs, rb] = row_form(w, scales, biases);
-    return run_gather(x, rw, rs, rb, indices, out, group_size, bits, int8);
+    return run_gather(x, rw, rs, rb, indices, out, group_size, bits, planes);
   }
 
   // Distinct rows of x (broadcasting repeats one row for the k experts of a token).
@@ -184,7 +185,7 @@ void run_gather(
         N,
         K,
         bits,
-        int8);
+        planes);
     return write_back();
   }
   std::vector<float> xf(size_t(U) * K);
@@ -296,8 +297,8 @@ void run_gather(
   // An expert with many rows (prefill) takes the int8 GEMM, as quantized_matmul does, its rows side by
   // side as one x: with int8 math x in element order per run of 32 (for 4-bit weights the rows above
   // are in the row kernel's order, so they are quantized again, once per distinct row); with exact
-  // math from kExactGemmRows rows, x split into three planes (split_rows_x3), 3 rows of the GEMM a row
-  // of x, whose products are added.
+  // (or int16) math from kExactGemmRows rows, x split into three (two) planes (split_rows_planes), a
+  // row of the GEMM a plane, whose products are added.
   const Q8GemmFn gemm = q8_gemm_fn();
   const QuantizeXFn split = quantize_x_fn();
   std::vector<char> by_gemm(E, 0);
@@ -305,10 +306,9 @@ void run_gather(
     by_gemm[e] = (int8 ? takes_q8_gemm(gemm, count[e], bits) : takes_x3_gemm(gemm, split, count[e])) ? 1 : 0;
   }
   if (std::any_of(by_gemm.begin(), by_gemm.end(), [](char g) { return g != 0; })) {
-    const int planes = int8 ? 1 : 3;
     Q8Rows e8;
     if (!int8) {
-      e8 = split_rows_x3(split, xdata, x.dtype(), unique, kstep, K, group_size);
+      e8 = split_rows_planes(split, xdata, x.dtype(), unique, kstep, K, group_size, planes);
     } else if (bits != 8) {
       e8 = quantize_rows_q8(q8_quantize_fn(), xdata, x.dtype(), unique, kstep, K, group_size);
     }
@@ -317,7 +317,7 @@ void run_gather(
     const float* usrc = reuse ? ud.data() : e8.unit.data();
     const float* ssrc = reuse ? xs.data() : e8.sum.data();
     std::vector<int8_t> bq;
-    std::vector<float> bu, bs, y3;
+    std::vector<float> bu, bs, yp;
     for (int e = 0; e < E; ++e) {
       if (!by_gemm[e]) {
         continue;
@@ -338,7 +338,7 @@ void run_gather(
       }
       float* ye = y.data() + size_t(start[e]) * N;
       if (planes > 1) {
-        y3.resize(size_t(R) * N);
+        yp.resize(size_t(R) * N);
       }
       q8_gemm_on_pool(
           gemm,
@@ -348,7 +348,7 @@ void run_gather(
            static_cast<const uint8_t*>(wd.data) + size_t(e) * N * row_bytes,
            expert_scales(e),
            expert_biases(e),
-           planes > 1 ? y3.data() : ye,
+           planes > 1 ? yp.data() : ye,
            R,
            N,
            K,
@@ -357,7 +357,7 @@ void run_gather(
            scale_type(scales.dtype(), group_size),
            bd.ratio});
       if (planes > 1) {
-        sum_planes_x3(y3.data(), rows, N, ye);
+        sum_planes(yp.data(), planes, rows, N, ye);
       }
     }
   }
@@ -449,9 +449,10 @@ mx::array gather_quantized_matmul(
     const mx::array& indices,
     int group_size,
     int bits,
-    bool int8,
+    int planes,
     mx::StreamOrDevice s) {
   check_bits_and_groups(bits, group_size);
+  check_planes(planes);
   if (w.dtype() != mx::uint32 || w.ndim() != 3) {
     throw std::invalid_argument("w must be a 3-D uint32 array (experts, N, K * bits / 32)");
   }
@@ -485,7 +486,7 @@ mx::array gather_quantized_matmul(
   return mx::array(
       out_shape,
       mx::promote_types(x.dtype(), scales.dtype()),
-      std::make_shared<GatherQuantizedMatmulCPU>(stream, group_size, bits, int8),
+      std::make_shared<GatherQuantizedMatmulCPU>(stream, group_size, bits, planes),
       {x, w, scales, biases, mx::astype(indices, mx::uint32, stream)});
 }
 
@@ -493,8 +494,8 @@ void GatherQuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, st
   auto& out = outputs[0];
   dispatch_cpu(stream(), inputs, out, [x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3],
                                        indices = inputs[4], out, group_size = group_size_, bits = bits_,
-                                       int8 = int8_]() mutable {
-    run_gather(x, w, scales, biases, indices, out, group_size, bits, int8);
+                                       planes = planes_]() mutable {
+    run_gather(x, w, scales, biases, indices, out, group_size, bits, planes);
   });
 }
 
@@ -504,7 +505,7 @@ void GatherQuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vect
 
 bool GatherQuantizedMatmulCPU::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatherQuantizedMatmulCPU&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_ == o.int8_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && planes_ == o.planes_;
 }
 
 std::vector<mx::Shape> GatherQuantizedMatmulCPU::output_shapes(const std::vector<mx::array>& inputs) {

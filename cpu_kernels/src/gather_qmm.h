@@ -14,8 +14,8 @@ namespace duet_cpu {
 // mx.quantize packs a matrix; scales and biases (E, N, K / group_size); indices integers whose shape
 // broadcasts with x's batch dims (...). Returns (broadcast(..., indices.shape), M, N) in the promoted
 // dtype of x and scales: out[b, m] = x[b, m] @ dequantize(w[indices[b]]).T (mx.gather_qmm with
-// rhs_indices and transpose=True). An index outside [0, E) gives a row of zeros. int8: x quantized to
-// int8 per run of 32 (cpu_math "int8"), as quantized_matmul.
+// rhs_indices and transpose=True). An index outside [0, E) gives a row of zeros. planes: how x meets
+// the weights (1 int8, 2 int16, 3 exact), as quantized_matmul's.
 mx::array gather_quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -24,13 +24,13 @@ mx::array gather_quantized_matmul(
     const mx::array& indices,
     int group_size,
     int bits,
-    bool int8 = false,
+    int planes = 3,
     mx::StreamOrDevice s = {});
 
 class GatherQuantizedMatmulCPU : public mx::Primitive {
  public:
-  GatherQuantizedMatmulCPU(mx::Stream stream, int group_size, int bits, bool int8)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), int8_(int8) {}
+  GatherQuantizedMatmulCPU(mx::Stream stream, int group_size, int bits, int planes)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), planes_(planes) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -44,7 +44,7 @@ class GatherQuantizedMatmulCPU : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
-  bool int8_;
+  int planes_;
 };
 
 } // namespace duet_cpu

@@ -8,7 +8,7 @@
 // per row. The codes are unpacked once per tile of up to 8 rows of x (exact math: 2 rows, 6 planes). One thread, a 1B model's
 // matrices from L3 (cpu_kernels/panels.py): one row of x 71-77 GMAC/s (the row kernel 35), 8-16 rows
 // 130-147 (62-67), 64 rows 128-133 (the int8 GEMM 107-110). Exact math sends each row of x as three
-// int8 planes (panels.cpp: run_panels_x3), and the tile joins a row's three planes' int32 sums per group
+// int8 planes (panels.cpp: run_panels), and the tile joins a row's three planes' int32 sums per group
 // (Planes 3: exact in int32) before the float work, which is then done once a row, not once a plane
 // (one row through a 1B model's layers 1.02x, 128 rows 1.07x, against scaling each plane's sums and
 // adding the three products). Q5_K's codes are Q4_K's nibbles with a fifth bit joined from a fifth load
@@ -29,24 +29,31 @@ namespace avx512 {
 namespace {
 
 constexpr int kTileRows = 8; // rows of x per pass over a panel: 8 int32 and 8 float accumulators
-// rows of x per pass with exact math: each row's three planes (split_rows_x3) take 3 int32 accumulators.
+// rows of x per pass with exact math: each row's three planes (split_rows_planes) take 3 int32 accumulators.
 // In-process A/B on a 1B model's 112 matrices, two threads, 16 and 128 rows of x: 2 rows a tile against
 // 4 1.15x and 1.21x, against 3 1.03x and 1.04x; 5 rows 0.5x of 4 (the registers run out)
 constexpr int kTileRowsX3 = 2;
+// rows of x per pass with int16 math (each row's two planes)
+#ifndef DUET_TILE_ROWS_X2
+#define DUET_TILE_ROWS_X2 4
+#endif
+constexpr int kTileRowsX2 = DUET_TILE_ROWS_X2;
 
 // Rows of x per pass over a panel for x in Planes int8 planes
 template <int Planes>
-constexpr int kRowsPerTile = Planes == 3 ? kTileRowsX3 : kTileRows;
+constexpr int kRowsPerTile = Planes == 3 ? kTileRowsX3 : Planes == 2 ? kTileRowsX2 : kTileRows;
 
 // A row's int32 sums of a group from its planes' (r: its first plane's accumulator): int8 math's own;
-// exact math's three joined as split_rows_x3 weighs them, s1 * 2^14 + s2 * 2^7 + s3, exact in int32:
+// exact math's three joined as split_rows_planes weighs them, s1 * 2^14 + s2 * 2^7 + s3, exact in int32:
 // |s| <= 32 * 31 * 127 * (2^14 + 2^7 + 1) < 2^31 for codes up to 31 (Q6_K's groups of 16, codes less
 // 32: 16 * 32 * 127 * (...)), and a partial sum that wraps does no harm (int32 addition is exact
-// modulo 2^32)
+// modulo 2^32); int16 math's two, s1 * 2^7 + s2
 template <int Planes>
 inline __m512i joined(const __m512i* ia, int r) {
   if constexpr (Planes == 3) {
     return _mm512_add_epi32(_mm512_slli_epi32(ia[r], 14), _mm512_add_epi32(_mm512_slli_epi32(ia[r + 1], 7), ia[r + 2]));
+  } else if constexpr (Planes == 2) {
+    return _mm512_add_epi32(_mm512_slli_epi32(ia[r], 7), ia[r + 1]);
   } else {
     return ia[r];
   }
@@ -75,7 +82,7 @@ constexpr int kExpandRows = 48; // from this many rows of x
 
 // Q4_K and Q5_K (kSuper, groups of 32): a group is 256 bytes of codes (four loads), Q5_K's 64 more of
 // fifth bits; Expanded: the panel's codes as expand wrote them to ex. Planes 3 (exact math): x as
-// split_rows_x3 lays it out, plane j of row m at row j * a.M + m (units unit * 2^14, 2^7 and 1; x's
+// split_rows_planes lays it out, plane j of row m at row j * a.M + m (units unit * 2^14, 2^7 and 1; x's
 // group sums on plane 0), MT rows of x taking 3 * MT int32 accumulators.
 template <int Bits, int MT, bool Expanded = false, int Planes = 1>
 void panel_tile(const PanelArgs& a, int p, int m0, const uint8_t* ex = nullptr) {
@@ -319,6 +326,18 @@ void q5_panels_x3(const PanelArgs& a, int p0, int p1) {
 
 void q6_panels_x3(const PanelArgs& a, int p0, int p1) {
   panels<6, 3>(a, p0, p1);
+}
+
+void q8_panels_x2(const PanelArgs& a, int p0, int p1) {
+  panels<4, 2>(a, p0, p1);
+}
+
+void q5_panels_x2(const PanelArgs& a, int p0, int p1) {
+  panels<5, 2>(a, p0, p1);
+}
+
+void q6_panels_x2(const PanelArgs& a, int p0, int p1) {
+  panels<6, 2>(a, p0, p1);
 }
 
 } // namespace avx512

@@ -421,8 +421,12 @@ auto panel_kernel(int bits, int M) {
   return bits == 6 ? avx512::q6_panels : bits == 5 ? avx512::q5_panels : avx512::q8_panels;
 }
 
-// The same with exact math on the VNNI kernel: each row's three int8 planes joined per group
-auto joined_kernel(int bits) {
+// The same with exact (planes 3) or int16 (2) math on the VNNI kernel: each row's int8 planes joined
+// per group
+auto joined_kernel(int bits, int planes) {
+  if (planes == 2) {
+    return bits == 6 ? avx512::q6_panels_x2 : bits == 5 ? avx512::q5_panels_x2 : avx512::q8_panels_x2;
+  }
   return bits == 6 ? avx512::q6_panels_x3 : bits == 5 ? avx512::q5_panels_x3 : avx512::q8_panels_x3;
 }
 
@@ -481,7 +485,7 @@ void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
 }
 #endif
 
-// y (M, N) = M rows of x8 (quantize_rows_q8's or split_rows_x3's layout) times the panel-form layer
+// y (M, N) = M rows of x8 (quantize_rows_q8's layout) times the panel-form layer
 // (bits 4: Q4_K, 5: Q5_K, 6: Q6_K), the panels split into tasks on the shared pool.
 void panels_on_pool(const Q8Rows& x8, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
 #if defined(DUET_X86)
@@ -518,11 +522,11 @@ bool set_panel_tiles(bool on) {
   return panel_tiles();
 }
 
-void run_panels(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
-  panels_on_pool(quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32), w, scales, biases, y, M, N, K, bits);
-}
-
-void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
+void run_panels(int planes, const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
+  if (planes == 1) {
+    panels_on_pool(quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32), w, scales, biases, y, M, N, K, bits);
+    return;
+  }
   int whole = 0; // rows on the tiles (x in three bfloat16 planes): whole tiles of 16
 #if defined(DUET_X86)
   if (on_tiles_bf16(M)) {
@@ -536,30 +540,30 @@ void run_panels_x3(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* 
   const void* rest = static_cast<const uint8_t*>(x) + size_t(whole) * K * mx::size_of(t);
 #if defined(DUET_X86)
   const int rows = M - whole;
-  const Q8Rows x3 = split_rows_x3(quantize_x_fn(), rest, t, row_starts(rows, K), 1, K, 32);
-  PanelArgs a{x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases, y + size_t(whole) * N, rows, N, K};
+  const Q8Rows xp = split_rows_planes(quantize_x_fn(), rest, t, row_starts(rows, K), 1, K, 32, planes);
+  PanelArgs a{xp.q.data(), xp.unit.data(), xp.sum.data(), w, scales, biases, y + size_t(whole) * N, rows, N, K};
   std::vector<int32_t> offsets;
   if (bits == 6) { // each plane's offsets, joined in the kernel as its sums are
-    a.xoff = offsets_int8(x3.q, 3 * rows, K, int32_t(kQ6Ratio), offsets);
+    a.xoff = offsets_int8(xp.q, planes * rows, K, int32_t(kQ6Ratio), offsets);
   }
-  panel_tasks(a, bits, joined_kernel(bits));
+  panel_tasks(a, bits, joined_kernel(bits, planes));
 #else
   (void)rest, (void)w, (void)scales, (void)biases;
   throw std::logic_error("the panel kernel needs x86-64");
 #endif
 }
 
-void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, bool int8) {
+void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, int planes) {
 #if defined(DUET_X86)
   const int G = K / 32;
   const int sorted = g.start[E];
   const int U = int(g.unique.size());
-  // each distinct row quantized once (element order; exact math: split into three planes, plane j of
-  // distinct row u at row j * U + u), then each expert's rows side by side, plane after plane: expert
-  // e's rows start at planes * start[e], plane j's count[e] rows at planes * start[e] + j * count[e]
-  const int planes = int8 ? 1 : 3;
+  // each distinct row quantized once (element order; exact or int16 math: split into planes, plane j
+  // of distinct row u at row j * U + u), then each expert's rows side by side, plane after plane:
+  // expert e's rows start at planes * start[e], plane j's count[e] rows at planes * start[e] + j * count[e]
+  const bool int8 = planes == 1;
   const Q8Rows u8 = int8 ? quantize_rows_q8(q8_quantize_fn(), g.x, g.t, g.unique, g.kstep, K, 32)
-                         : split_rows_x3(quantize_x_fn(), g.x, g.t, g.unique, g.kstep, K, 32);
+                         : split_rows_planes(quantize_x_fn(), g.x, g.t, g.unique, g.kstep, K, 32, planes);
   std::vector<int8_t> xq(size_t(planes) * sorted * K);
   std::vector<float> xd(size_t(planes) * sorted * (K / 8)), xs(size_t(planes) * sorted * G);
   for (int e = 0; e < E; ++e) {
@@ -577,11 +581,12 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
   if (bits == 6) {
     offsets_int8(xq, planes * sorted, K, int32_t(kQ6Ratio), offsets);
   }
-  // exact math: the VNNI kernel joins each row's planes itself (avx512::q8_panels_x3); where AMX tiles
-  // are on, the plane rows go through the int8 kernel (on the tiles from 16) and their products are added
+  // exact or int16 math: the VNNI kernel joins each row's planes itself (avx512::q8_panels_x3, _x2);
+  // where AMX tiles are on, the plane rows go through the int8 kernel (on the tiles from 16) and their
+  // products are added
   const bool joined = !int8 && !tiles_on();
-  std::vector<float> y3(int8 || joined ? 0 : size_t(3) * sorted * N);
-  float* yp = int8 || joined ? y : y3.data();
+  std::vector<float> yplanes(int8 || joined ? 0 : size_t(planes) * sorted * N);
+  float* yp = int8 || joined ? y : yplanes.data();
   // units of (expert, run of panels), claimed by the pool's threads as they come free
   struct Unit {
     int e, p0, p1;
@@ -627,16 +632,16 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
   pool->run(int(units.size()), [&](int i) {
     const Unit& u = units[size_t(i)];
     const PanelArgs& a = args[size_t(u.e)];
-    (joined ? joined_kernel(bits) : panel_kernel(bits, a.M))(a, u.p0, u.p1);
+    (joined ? joined_kernel(bits, planes) : panel_kernel(bits, a.M))(a, u.p0, u.p1);
   });
   if (!int8 && !joined) {
     for (int e = 0; e < E; ++e) {
       const size_t q0 = size_t(g.start[e]);
-      sum_planes_x3(y3.data() + 3 * q0 * N, g.count[e], N, y + q0 * N);
+      sum_planes(yplanes.data() + planes * q0 * N, planes, g.count[e], N, y + q0 * N);
     }
   }
 #else
-  (void)g, (void)w, (void)scales, (void)biases, (void)y, (void)E, (void)N, (void)K, (void)bits, (void)int8;
+  (void)g, (void)w, (void)scales, (void)biases, (void)y, (void)E, (void)N, (void)K, (void)bits, (void)planes;
   throw std::logic_error("the int8 panel kernel needs x86-64");
 #endif
 }

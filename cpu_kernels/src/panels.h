@@ -73,12 +73,16 @@ namespace avx512 {
 void q8_panels(const PanelArgs& a, int p0, int p1);
 void q5_panels(const PanelArgs& a, int p0, int p1);
 void q6_panels(const PanelArgs& a, int p0, int p1);
-// The same with exact math: M rows of x as split_rows_x3's three planes (plane j of row i at row j * M +
-// i of a.xq, a.xd, a.xoff; x's group sums a.xsum on plane 0), each row's planes' int32 sums joined per
-// group (s1 * 2^14 + s2 * 2^7 + s3, exact) and made float once
+// The same with exact math: M rows of x as split_rows_planes's three planes (plane j of row i at row
+// j * M + i of a.xq, a.xd, a.xoff; x's group sums a.xsum on plane 0), each row's planes' int32 sums
+// joined per group (s1 * 2^14 + s2 * 2^7 + s3, exact) and made float once
 void q8_panels_x3(const PanelArgs& a, int p0, int p1);
 void q5_panels_x3(const PanelArgs& a, int p0, int p1);
 void q6_panels_x3(const PanelArgs& a, int p0, int p1);
+// The same with int16 math: x's first two planes, joined as s1 * 2^7 + s2
+void q8_panels_x2(const PanelArgs& a, int p0, int p1);
+void q5_panels_x2(const PanelArgs& a, int p0, int p1);
+void q6_panels_x2(const PanelArgs& a, int p0, int p1);
 } // namespace avx512
 namespace amx {
 // Whether this CPU has AMX tiles with int8 and bfloat16 products (AMX-TILE, AMX-INT8, AMX-BF16; and
@@ -160,18 +164,18 @@ row_form(const mlx::core::array& w, const mlx::core::array& scales, const mlx::c
 // Whether the int8 panel kernel runs here (AVX-512 VNNI chosen); else a panel-form layer's products
 // take the row form's paths on a row-form copy.
 bool panel_kernel_available();
-// Whether a panel-form layer's products run on the panel kernel with this math (int8, or exact where
-// the variant splits x into three int8 planes); else they take the row form's paths on a row-form copy.
+// Whether a panel-form layer's products run on the panel kernel with this math (int8, or exact/int16
+// where the variant splits x into int8 planes); else they take the row form's paths on a row-form copy.
 bool panel_kernel_runs(bool int8);
 
 // y (M, N) float32 = x (M rows, dtype t) times the panel-form layer (bits 4: Q4_K, 5: Q5_K, 6: Q6_K,
-// whose biases are not read), with int8 math.
-void run_panels(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
-// The same with exact math: each row of x split into three int8 planes (split_rows_x3, as the exact
-// integer kernels split it), whose int32 sums the panel kernel joins per group exactly before scaling
-// them (avx512::q8_panels_x3): float32's accuracy, as the row form's exact paths. Whole tiles of 16 rows
-// of a panel layer go on AMX tiles instead where they are on (x in three bfloat16 planes).
-void run_panels_x3(const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
+// whose biases are not read), x in `planes` int8 planes (quantized_matmul's): 1, int8 math; 3, exact
+// math, each row of x split into three int8 planes (split_rows_planes, as the exact integer kernels
+// split it), whose int32 sums the panel kernel joins per group exactly before scaling them
+// (avx512::q8_panels_x3): float32's accuracy, as the row form's exact paths; 2, int16 math, the first
+// two of those planes (avx512::q8_panels_x2). With 2 or 3 planes, whole tiles of 16 rows go on AMX tiles
+// instead where they are on (x in three bfloat16 planes: exact).
+void run_panels(int planes, const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 
 // The rows of a gather over experts (gather_qmm.cpp), sorted by expert: the distinct rows of x (their
 // element offsets in x, every kstep-th value a row), each sorted pair's distinct row, the pairs' order
@@ -189,8 +193,8 @@ struct GatherRows {
 
 // y (sorted pairs, N) float32: each pair's row of x times its expert's matrix, the E experts' w
 // (E, N, K * bits / 8 bytes), scales and biases in panels (bits 4: Q4_K; 5: Q5_K; 6: Q6_K, biases the ratio),
-// int8 math or exact (x in three int8 planes joined by the kernel, as run_panels_x3; where AMX tiles are
+// x in `planes` int8 planes as run_panels takes them (2 or 3 joined by the kernel; where AMX tiles are
 // on, the plane rows through the int8 kernel and their products added); the panel kernel must be available.
-void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, bool int8);
+void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int E, int N, int K, int bits, int planes);
 
 } // namespace duet_cpu

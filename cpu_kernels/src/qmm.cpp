@@ -148,6 +148,12 @@ void check_bits_and_groups(int bits, int group_size) {
   }
 }
 
+void check_planes(int planes) {
+  if (planes < 1 || planes > 3) {
+    throw std::invalid_argument("x_planes must be 1 (int8), 2 (int16) or 3 (exact), got " + std::to_string(planes));
+  }
+}
+
 void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits) {
   if (group_size == 16) {
     // Q6_K's form (kSuper16): nothing else comes in groups of 16, and it has no biases to store
@@ -249,11 +255,12 @@ Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::
   return r;
 }
 
-Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size) {
+Q8Rows split_rows_planes(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size, int planes) {
   const int M = int(first.size());
   const int G = K / group_size;
   const int runs = K / 32;
-  Q8Rows r{std::vector<int8_t>(size_t(3) * M * K), std::vector<float>(size_t(3) * M * (K / 8)), std::vector<float>(size_t(3) * M * G, 0.0f)};
+  const size_t P = size_t(planes);
+  Q8Rows r{std::vector<int8_t>(P * M * K), std::vector<float>(P * M * (K / 8)), std::vector<float>(P * M * G, 0.0f)};
   rows_on_pool(M, [&](int m0, int m1) {
     std::vector<float> row(static_cast<size_t>(K));
     std::vector<int8_t> pieces(size_t(3) * K);
@@ -262,7 +269,7 @@ Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vect
       // element order (bits 8); the float group sums of x stay as the first plane's (the bias term)
       prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), r.sum.data() + size_t(m) * G);
       qx(row.data(), K, 8, pieces.data(), unit.data()); // per run: [x1 (32), x2 (32), x3 (32)], unit
-      for (int j = 0; j < 3; ++j) {
+      for (int j = 0; j < planes; ++j) { // x2 is rounded to nearest: two planes are x to within 2^-15
         const size_t pr = size_t(j) * M + m; // plane j's row
         const float times = j == 0 ? 16384.0f : (j == 1 ? 128.0f : 1.0f); // exact powers of two
         for (int rr = 0; rr < runs; ++rr) {
@@ -302,10 +309,16 @@ void pair_runs_x8(const int8_t* x8, int K, int8_t* out) {
   }
 }
 
-void sum_planes_x3(const float* y3, int M, int N, float* y) {
+void sum_planes(const float* yp, int planes, int M, int N, float* y) {
   const size_t plane = size_t(M) * N;
+  if (planes == 2) {
+    for (size_t i = 0; i < plane; ++i) {
+      y[i] = yp[i] + yp[plane + i];
+    }
+    return;
+  }
   for (size_t i = 0; i < plane; ++i) {
-    y[i] = y3[i] + (y3[plane + i] + y3[2 * plane + i]); // the small pieces first
+    y[i] = yp[i] + (yp[plane + i] + yp[2 * plane + i]); // the small pieces first
   }
 }
 
@@ -455,13 +468,14 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
   q8_gemm_on_pool(v.q8_gemm, {x8.q.data(), x8.unit.data(), x8.sum.data(), w, scales, biases.data, y, M, N, K, group_size, bits, scale_type, biases.ratio});
 }
 
-// Many rows of x with exact math: the int8 GEMM on three planes of x (split_rows_x3), 3M rows, whose
+// Many rows of x with exact math: the int8 GEMM on three planes of x (split_rows_planes), 3M rows, whose
 // products are added per row. Each plane's dot products are exact in int32 and scaled once per run in
 // float32, as the float kernel's products are rounded; x is held to within 2^-15 of a run's step
 // (quantize_x's split, as in the exact integer row kernel), so the result keeps float32's accuracy.
-void run_x3_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
-  x3_in_chunks(v.quantize_x, xd.data, xt, M, N, K, group_size, kExactGemmRows, y, [&](const Q8Rows& x3, int rows, float* y3) {
-    q8_gemm_on_pool(v.q8_gemm, {x3.q.data(), x3.unit.data(), x3.sum.data(), w, scales, biases.data, y3, rows, N, K, group_size, bits, scale_type, biases.ratio});
+// int16 math (planes 2): x's first two planes, 2M rows, x to within half of 2^-7 of a run's step.
+void run_planes_gemm(const Variant& v, int planes, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
+  planes_in_chunks(v.quantize_x, planes, xd.data, xt, M, N, K, group_size, kExactGemmRows, y, [&](const Q8Rows& xp, int rows, float* yp) {
+    q8_gemm_on_pool(v.q8_gemm, {xp.q.data(), xp.unit.data(), xp.sum.data(), w, scales, biases.data, yp, rows, N, K, group_size, bits, scale_type, biases.ratio});
   });
 }
 
@@ -473,7 +487,7 @@ void run_qmm(
     mx::array& out,
     int group_size,
     int bits,
-    bool int8) {
+    int planes) {
   const int K = x.shape(-1);
   const int M = int(x.size() / std::max(K, 1));
   const int N = w.shape(0);
@@ -481,12 +495,13 @@ void run_qmm(
   if (M == 0 || N == 0) {
     return;
   }
+  const bool int8 = planes == 1;
 
   const bool panels = is_panel_form(w, scales, group_size, bits);
   if (panels && !panel_kernel_runs(int8)) {
     // the row form's paths (no AVX-512 VNNI) on a row-form copy
     const auto [rw, rs, rb] = row_form(w, scales, biases);
-    return run_qmm(x, rw, rs, rb, out, group_size, bits, int8);
+    return run_qmm(x, rw, rs, rb, out, group_size, bits, planes);
   }
   const DenseBytes xd = dense_bytes(x);
   std::vector<float> yf;
@@ -502,7 +517,8 @@ void run_qmm(
     check_panel_biases(biases, bits);
     const DenseBytes sd = dense_bytes(scales);
     const DenseBytes bd = dense_bytes(biases);
-    (int8 ? run_panels : run_panels_x3)(
+    run_panels(
+        planes,
         xd.data,
         x.dtype(),
         static_cast<const uint8_t*>(wd.data),
@@ -529,7 +545,7 @@ void run_qmm(
 
   if (!int8 && takes_x3_gemm(v.q8_gemm, v.quantize_x, M)) {
     const auto* wb = static_cast<const uint8_t*>(wd.data);
-    run_x3_gemm(v, xd, x.dtype(), wb, sd.data, bd, scale_type(scales.dtype(), group_size), y, M, N, K, group_size, bits);
+    run_planes_gemm(v, planes, xd, x.dtype(), wb, sd.data, bd, scale_type(scales.dtype(), group_size), y, M, N, K, group_size, bits);
     write_out(out, yf);
     return;
   }
@@ -720,9 +736,10 @@ mx::array quantized_matmul(
     const mx::array& biases,
     int group_size,
     int bits,
-    bool int8,
+    int planes,
     mx::StreamOrDevice s) {
   check_format(w, scales, biases, group_size, bits);
+  check_planes(planes);
   if (x.ndim() < 1 || !supported_float(x.dtype())) {
     throw std::invalid_argument("x must be float32, float16 or bfloat16 with at least 1 dim");
   }
@@ -740,15 +757,15 @@ mx::array quantized_matmul(
   return mx::array(
       out_shape,
       dtype,
-      std::make_shared<QuantizedMatmulCPU>(mx::to_stream(s, mx::Device::cpu), group_size, bits, int8),
+      std::make_shared<QuantizedMatmulCPU>(mx::to_stream(s, mx::Device::cpu), group_size, bits, planes),
       {x, w, scales, biases});
 }
 
 void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   dispatch_cpu(stream(), inputs, out, [x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3], out,
-                                       group_size = group_size_, bits = bits_, int8 = int8_]() mutable {
-    run_qmm(x, w, scales, biases, out, group_size, bits, int8);
+                                       group_size = group_size_, bits = bits_, planes = planes_]() mutable {
+    run_qmm(x, w, scales, biases, out, group_size, bits, planes);
   });
 }
 
@@ -799,7 +816,7 @@ void QuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx:
 
 bool QuantizedMatmulCPU::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmulCPU&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_ == o.int8_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && planes_ == o.planes_;
 }
 
 std::vector<mx::Shape> QuantizedMatmulCPU::output_shapes(const std::vector<mx::array>& inputs) {

@@ -13,8 +13,10 @@ namespace duet_cpu {
 
 // x (..., K) float32/float16/bfloat16; w uint32 (N, K * bits / 32) as mx.quantize packs it;
 // scales and biases (N, K / group_size). Returns (..., N) in the promoted dtype of x and scales.
-// int8: x quantized to int8 per run of 32 (cpu_math "int8": the int8 kernel, int8_impl.inc), else
-// the float32-accurate kernels.
+// planes: how x meets the weights (cpu_math): 1, quantized to int8 per run of 32 ("int8": the int8
+// kernel, int8_impl.inc); 2, two int8 planes, x to within 2^-15 of a run's largest value ("int16": the
+// integer kernels on two planes where they take many rows, else the float32-accurate ones); 3, the
+// float32-accurate kernels ("exact").
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -22,7 +24,7 @@ mx::array quantized_matmul(
     const mx::array& biases,
     int group_size,
     int bits,
-    bool int8 = false,
+    int planes = 3,
     mx::StreamOrDevice s = {});
 
 // dequantize(w, scales, biases) as float32 (N, K): the operand of a dense GEMM when x has many rows
@@ -42,8 +44,8 @@ void set_isa(const std::string& name);
 
 class QuantizedMatmulCPU : public mx::Primitive {
  public:
-  QuantizedMatmulCPU(mx::Stream stream, int group_size, int bits, bool int8)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), int8_(int8) {}
+  QuantizedMatmulCPU(mx::Stream stream, int group_size, int bits, int planes)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), planes_(planes) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -57,7 +59,7 @@ class QuantizedMatmulCPU : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
-  bool int8_;
+  int planes_;
 };
 
 class DequantizeCPU : public mx::Primitive {

@@ -49,7 +49,7 @@ inline bool takes_q8_gemm(Q8GemmFn gemm, int M, int bits) {
   return gemm != nullptr && M >= gemm_rows(bits);
 }
 // Rows of x from which exact math multiplies by the int8 GEMM on three planes of x (qmm.cpp:
-// run_x3_gemm; fewer take the integer or float row kernels), where the variant has both.
+// run_planes_gemm; fewer take the integer or float row kernels), where the variant has both.
 constexpr int kExactGemmRows = 3;
 inline bool takes_x3_gemm(Q8GemmFn gemm, QuantizeXFn qx, int M) {
   return gemm != nullptr && qx != nullptr && M >= kExactGemmRows;
@@ -61,6 +61,8 @@ bool supported_float(mx::Dtype t);
 // Throws unless bits is 4, 5, 6 or 8 and group_size 32, 64 or 128 (or 16, Q6_K's: check_scale_format
 // holds it to that form).
 void check_bits_and_groups(int bits, int group_size);
+// Throws unless planes (how many int8 planes x takes: quantized_matmul's) is 1, 2 or 3.
+void check_planes(int planes);
 // Throws unless scales and biases are one float dtype, or the two-level uint8 form (kernels.h: kSuper)
 // of 4- or 5-bit weights in groups of 32.
 void check_scale_format(const mx::array& scales, const mx::array& biases, int group_size, int bits);
@@ -94,11 +96,13 @@ inline std::vector<int64_t> row_starts(int M, int K, int m0 = 0) {
   return first;
 }
 Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size);
-// Rows of x for the int8 GEMM under exact math: each row split by qx (quantize_x: per run of 32,
-// x ~= unit * (x1 * 2^14 + x2 * 2^7 + x3), three int8 pieces) into three planes, plane j of row i as
-// row j * M + i with its runs' scales unit * 2^14, unit * 2^7 and unit; the bias term rides on the
-// first plane alone, through x's own float group sums (the others' sums are zero).
-Q8Rows split_rows_x3(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size);
+// Rows of x for the int8 GEMM and the panel kernel in planes of int8: each row split by qx (quantize_x:
+// per run of 32, x ~= unit * (x1 * 2^14 + x2 * 2^7 + x3), three int8 pieces, each rounded to nearest)
+// into its first `planes` pieces (3: exact math, x to within 2^-22 of a run's largest value; 2: int16
+// math, x1 and x2 alone, to within 2^-15), plane j of row i as row j * M + i with its runs' scales
+// unit * 2^14, unit * 2^7 and unit; the bias term rides on the first plane alone, through x's own float
+// group sums (the others' sums are zero).
+Q8Rows split_rows_planes(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size, int planes);
 // One row of x as quantize_x writes it (3 * K bytes: per step of NX 32-byte vectors, NX = 6 for 4-bit
 // weights, 3 for others) into out with each two steps' vectors side by side (QmmArgs::xq_pairs);
 // false (nothing written) unless the row is a whole number of pairs of steps.
@@ -106,24 +110,26 @@ bool pair_steps_x(const int8_t* xq, int K, int bits, int8_t* out);
 // One 4-bit-ordered int8 row of x (K bytes, quantize_row_q8's) into out with the middle 32 bytes of
 // each whole 128 swapped (QmmArgs::x8_pairs).
 void pair_runs_x8(const int8_t* x8, int K, int8_t* out);
-// y = the sum of the three planes' products y3 (3M, N): y3[i] + (y3[M + i] + y3[2M + i]).
-void sum_planes_x3(const float* y3, int M, int N, float* y);
-// The three planes' products (3 floats per output) are held for at most this many bytes: rows of x go
+// y = the sum of the planes' products yp (planes * M, N), the small pieces first: yp[i] + (yp[M + i] +
+// yp[2M + i]) for three planes, yp[i] + yp[M + i] for two.
+void sum_planes(const float* yp, int planes, int M, int N, float* y);
+// The planes' products (2 or 3 floats per output) are held for at most this many bytes: rows of x go
 // in chunks where N is large (a 152K-token vocabulary's LM head under a batch's verification: 80 rows
-// would hold 146 MB).
+// would hold 146 MB in three planes).
 constexpr size_t kX3ProductBytes = size_t(48) << 20;
-// Exact math's products on three planes of x: M contiguous rows of x (dtype t) in chunks of at least
-// min_rows (kX3ProductBytes apart), each chunk split (split_rows_x3, groups of group_size), multiplied
-// by product(planes, 3 * rows, y3) into y3 (3 * rows, N), and its planes added into y's rows.
+// Exact (3) or int16 (2) math's products on planes of x: M contiguous rows of x (dtype t) in chunks of
+// at least min_rows (kX3ProductBytes apart), each chunk split (split_rows_planes, groups of
+// group_size), multiplied by product(split, planes * rows, yp) into yp (planes * rows, N), and its planes
+// added into y's rows.
 template <typename Product>
-void x3_in_chunks(QuantizeXFn qx, const void* x, mx::Dtype t, int M, int N, int K, int group_size, int min_rows, float* y, Product&& product) {
-  const int chunk = int(std::clamp<size_t>(kX3ProductBytes / (size_t(12) * N), size_t(std::min(min_rows, M)), size_t(M)));
-  std::vector<float> y3;
+void planes_in_chunks(QuantizeXFn qx, int planes, const void* x, mx::Dtype t, int M, int N, int K, int group_size, int min_rows, float* y, Product&& product) {
+  const int chunk = int(std::clamp<size_t>(kX3ProductBytes / (size_t(4) * planes * N), size_t(std::min(min_rows, M)), size_t(M)));
+  std::vector<float> yp;
   for (int m0 = 0; m0 < M; m0 += chunk) {
     const int mc = std::min(chunk, M - m0);
-    y3.resize(size_t(3) * mc * N);
-    product(split_rows_x3(qx, x, t, row_starts(mc, K, m0), 1, K, group_size), 3 * mc, y3.data());
-    sum_planes_x3(y3.data(), mc, N, y + size_t(m0) * N);
+    yp.resize(size_t(planes) * mc * N);
+    product(split_rows_planes(qx, x, t, row_starts(mc, K, m0), 1, K, group_size, planes), planes * mc, yp.data());
+    sum_planes(yp.data(), planes, mc, N, y + size_t(m0) * N);
   }
 }
 

@@ -77,8 +77,8 @@ def kernel_math(m: LoadedModel) -> str | None:
     # (an earlier build scaled each plane's and added the three products: other bits), said "joined:"
     joined = "joined:" if cpu_math() == "exact" else ""
     math = cpu_math() + (f"+panels({joined}{','.join(types)})" if types else "")
-    if math.startswith("exact") and types and panel_tiles():
-        # exact math keeps the layers in panels on AMX tiles for prefill chunks (x in bfloat16 planes)
+    if cpu_math() in ("exact", "int16") and types and panel_tiles():
+        # exact (and int16) math keeps the layers in panels on AMX tiles for prefill chunks (x in bfloat16 planes)
         # where a machine without them dequantizes for a float32 GEMM: other bits (int8 math's tiles are
         # the VNNI bits). The types on the tiles are named: an earlier build said "+tiles(bf16)" with
         # Q6_K off them (and "+tiles" with x in int8 planes)

@@ -72,7 +72,7 @@ def _with_math(weight_format: str, cpu_math: str | None, panels: list[str]) -> s
         return weight_format
     return (
         weight_format
-        + (", int8 activations" if cpu_math.startswith("int8") else "")
+        + next((f", {m} activations" for m in ("int8", "int16") if cpu_math.startswith(m)), "")
         + (f", {_and_list(panels)} in 16-row panels" if panels else "")
     )
 
