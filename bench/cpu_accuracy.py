@@ -1,17 +1,19 @@
-"""How far the CPU kernels' int8 math moves a model's next-token predictions from exact math.
+"""How far the CPU kernels' int8 and int16 math move a model's next-token predictions from exact math.
 
     PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python bench/cpu_accuracy.py [--model PATH] [--tokens 801]
-                                                                        [--prompts 64,256,512]
+                                                                        [--prompts 64,256,512] [--maths int8,int16]
 
 Exact math (the default: float32-accurate products) is the reference. The text (docs/architecture.md
 then README.md, tokenized, its first ``--tokens`` tokens) is teacher-forced through mlx-lm's model as
 Duet loads it, with a KV cache:
 
-* **int8**: every product with int8 math, 8 tokens a pass (every product through the fused kernels, as
-  a short prefill chunk or a speculative verification is); every position is compared;
-* **int8 prefill, exact decode** (one row per ``--prompts`` length P): the first P tokens prefilled in
-  one pass with int8 math, the rest decoded one token a pass with exact math, so the KV cache of the
-  prompt is int8 math's; the decoded positions (the first one the prompt's last) are compared;
+* **int8** (and each of ``--maths``): every product with that math, 8 tokens a pass (every product
+  through the fused kernels, as a short prefill chunk or a speculative verification is); every
+  position is compared;
+* **int8 prefill, exact decode** (one row per ``--prompts`` length P and math): the first P tokens
+  prefilled in one pass with that math, the rest decoded one token a pass with exact math, so the KV
+  cache of the prompt is that math's; the decoded positions (the first one the prompt's last) are
+  compared;
 * **exact prefill, exact decode** (the control): the same passes with exact math throughout, so what
   the split of passes alone changes shows.
 
@@ -95,15 +97,19 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF or MLX model (default: the bundled one)")
     ap.add_argument("--tokens", type=int, default=801, help="tokens of text (positions compared: one fewer)")
     ap.add_argument("--prompts", default="64,256,512", help="prompt lengths for int8 prefill + exact decode")
+    ap.add_argument("--maths", default="int8,int16", help="the maths compared with exact math")
     args = ap.parse_args()
     loaded = load_model(args.model or str(bundled_model_path()))
     ids = text_tokens(loaded.tokenizer, args.tokens)
     n = len(ids) - 1  # positions with a next token
     model = loaded.model
     ref = passes(model, ids, chunked(n, 8, "exact"))
-    rows = [("int8, 8 tokens a pass", compare(ref, passes(model, ids, chunked(n, 8, "int8")), ids, 0))]
+    maths = [m for m in args.maths.split(",") if m]
+    rows = [
+        (f"{m}, 8 tokens a pass", compare(ref, passes(model, ids, chunked(n, 8, m)), ids, 0)) for m in maths
+    ]
     for p in (int(v) for v in args.prompts.split(",") if v):
-        for label, math_ in (("int8", "int8"), ("exact (control)", "exact")):
+        for label, math_ in [(m, m) for m in maths] + [("exact (control)", "exact")]:
             got = passes(model, ids, prefill_then_decode(n, p, math_))
             rows.append((f"{label} prefill of {p}, exact decode", compare(ref, got, ids, p - 1)))
     print(f"{loaded.weight_format}; reference: exact math, 8 tokens a pass; {n} positions of text\n")

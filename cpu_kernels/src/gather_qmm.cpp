@@ -244,6 +244,9 @@ void run_gather(
         float* du = xunit.data() + size_t(K) / 8 * q;
         if (done[u] < 0) {
           quantize(xf.data() + size_t(u) * K, K, bits, dq, du);
+          if (planes == 2) { // int16 math, as quantized_matmul's
+            drop_third_piece(dq, K, bits);
+          }
           done[u] = q;
         } else {
           std::memcpy(dq, xq.data() + size_t(3) * K * done[u], size_t(3) * K);

@@ -285,6 +285,18 @@ Q8Rows split_rows_planes(QuantizeXFn qx, const void* x, mx::Dtype t, const std::
   return r;
 }
 
+void drop_third_piece(int8_t* xq, int K, int bits) {
+  if (bits == 4) { // per step of 64 values, 6 vectors of 32 bytes: piece j's at 64j
+    for (int s = 0; s < K / 64; ++s) {
+      std::memset(xq + size_t(s) * 192 + 128, 0, 64);
+    }
+    return;
+  }
+  for (int r = 0; r < K / 32; ++r) { // per run of 32: x1, x2, x3
+    std::memset(xq + size_t(r) * 96 + 64, 0, 32);
+  }
+}
+
 bool pair_steps_x(const int8_t* xq, int K, int bits, int8_t* out) {
   const int nx = bits == 4 ? 6 : 3;
   const int steps = K / (bits == 4 ? 64 : 32);
@@ -607,6 +619,9 @@ void run_qmm(
     xunit.resize(size_t(K) / 8 * M);
     for (int m = 0; m < M; ++m) {
       v.quantize_x(xf.data() + size_t(m) * K, K, bits, xq.data() + size_t(3) * K * m, xunit.data() + size_t(K) / 8 * m);
+      if (planes == 2) { // int16 math: x as its two planes hold it, as the GEMM and panel kernel take it
+        drop_third_piece(xq.data() + size_t(3) * K * m, K, bits);
+      }
     }
     a.xq = xq.data();
     a.xunit = xunit.data();

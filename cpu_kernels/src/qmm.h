@@ -14,9 +14,9 @@ namespace duet_cpu {
 // x (..., K) float32/float16/bfloat16; w uint32 (N, K * bits / 32) as mx.quantize packs it;
 // scales and biases (N, K / group_size). Returns (..., N) in the promoted dtype of x and scales.
 // planes: how x meets the weights (cpu_math): 1, quantized to int8 per run of 32 ("int8": the int8
-// kernel, int8_impl.inc); 2, two int8 planes, x to within 2^-15 of a run's largest value ("int16": the
-// integer kernels on two planes where they take many rows, else the float32-accurate ones); 3, the
-// float32-accurate kernels ("exact").
+// kernel, int8_impl.inc); 2, two int8 planes, x to within 2^-15 of a run's largest value ("int16": every
+// integer kernel on them, the row kernel with x's third piece zeroed; exact math's kernels where the
+// variant has no integer kernels); 3, the float32-accurate kernels ("exact").
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,

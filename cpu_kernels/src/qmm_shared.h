@@ -103,6 +103,9 @@ Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::
 // unit * 2^14, unit * 2^7 and unit; the bias term rides on the first plane alone, through x's own float
 // group sums (the others' sums are zero).
 Q8Rows split_rows_planes(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size, int planes);
+// One row of x as quantize_x writes it (3 * K bytes, its layout for weights of `bits`) with its third
+// piece zeroed, so the integer row kernel multiplies x as int16 math holds it (x1 and x2 alone).
+void drop_third_piece(int8_t* xq, int K, int bits);
 // One row of x as quantize_x writes it (3 * K bytes: per step of NX 32-byte vectors, NX = 6 for 4-bit
 // weights, 3 for others) into out with each two steps' vectors side by side (QmmArgs::xq_pairs);
 // false (nothing written) unless the row is a whole number of pairs of steps.
