@@ -12,8 +12,9 @@ llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed; cache
   the long context, as the others reuse theirs), with its default adaptive n-gram speculation;
   **duet-nospec** (``--systems duet,duet-nospec,...``): the same with speculation off, one token per
   pass like the others; **duet-int8**: speculation off and ``--cpu-math int8`` (activations in 8
-  bits and integer dot products, as llama.cpp computes); **duet-int16**: speculation off and
-  ``--cpu-math int16`` (activations to 2^-15 of each run of 32: two int8 planes, exact math three);
+  bits and integer dot products, as llama.cpp computes); **duet-int16** and **duet-exact**: speculation
+  off and that ``--cpu-math`` (int16, the default: activations to 2^-15 of each run of 32, two int8
+  planes; exact: float32's accuracy, three planes);
 * **llama.cpp**: llama-cpp-python, the same GGUF, ``n_threads`` = ``n_threads_batch`` = threads;
 * **mlx-lm**: mlx-lm cannot read a GGUF (``mlx_lm.load`` takes safetensors only), so its
   generation loop (``generate_step``, under ``mlx_lm.generate``) runs on the model Duet's loader
@@ -95,7 +96,7 @@ def rates(times: list[float], prompt_len: int, t0: float) -> tuple[float, float]
 # --- Duet ------------------------------------------------------------------------------------
 class DuetRunner:
     speculative = "ngram"  # Duet's default: prompt lookup, adaptive (the same tokens as without)
-    cpu_math: str | None = None  # the default (exact, or what DUET_CPU_MATH says)
+    cpu_math: str | None = None  # the default (int16, or what DUET_CPU_MATH says)
 
     def __init__(self, model: str, threads: int):
         from mlx_engine.engine import Engine, EngineConfig
@@ -264,10 +265,16 @@ class DuetInt8Runner(DuetPlainRunner):
 
 
 class DuetInt16Runner(DuetPlainRunner):
-    """Duet with ``--cpu-math int16`` (activations to 2^-15 of each run of 32: two int8 planes where
-    exact math takes three) and speculation off."""
+    """Duet with ``--cpu-math int16`` (the default: activations to 2^-15 of each run of 32, two int8
+    planes where exact math takes three) and speculation off, whatever DUET_CPU_MATH says."""
 
     cpu_math = "int16"
+
+
+class DuetExactRunner(DuetPlainRunner):
+    """Duet with ``--cpu-math exact`` (activations at float32's accuracy) and speculation off."""
+
+    cpu_math = "exact"
 
 
 RUNNERS = {
@@ -275,6 +282,7 @@ RUNNERS = {
     "duet-nospec": DuetPlainRunner,
     "duet-int8": DuetInt8Runner,
     "duet-int16": DuetInt16Runner,
+    "duet-exact": DuetExactRunner,
     "llama.cpp": LlamaCppRunner,
     "mlx-lm": MlxLmRunner,
 }

@@ -100,6 +100,24 @@ def x3_gemm() -> bool:
     return ext is not None and ext.isa() == "avx512"
 
 
+def held_int16(x: mx.array) -> mx.array:
+    """x (..., K) as int16 math holds it, float32: per run of 32, d * (x1 + x2 / 2^7) with d = max|x| / 127,
+    x1 = rint(x / d) and x2 = rint((x - x1 d) * 2^7 / d), the first two pieces of the kernels' split
+    (``quantize_x``, src/kernels_impl.inc; ``hold_two_pieces`` in src/qmm.cpp), so the dequantize + GEMM
+    path multiplies the same x as the integer paths. A run with a NaN or infinity becomes NaN."""
+    shape = x.shape
+    v = x.astype(mx.float32).reshape(-1, shape[-1] // 32, 32)
+    amax = mx.max(mx.abs(v), axis=-1, keepdims=True)
+    d = amax / 127.0
+    inv = mx.where(amax > 0, 127.0 / amax, 0.0)
+    x1 = mx.clip(mx.round(v * inv), -127, 127)
+    # the kernel's fma(-x1, d, v): exact in float64 (x1 d has at most 32 significant bits)
+    r1 = (v.astype(mx.float64) - x1.astype(mx.float64) * d.astype(mx.float64)).astype(mx.float32)
+    x2 = mx.clip(mx.round((r1 * inv) * 128.0), -127, 127)
+    held = (x1 * 128.0 + x2) * (d / 128.0)
+    return mx.where(amax <= 3.4e38, held, mx.nan).reshape(shape)
+
+
 def int8_gemm(bits: int) -> bool:
     """Whether many rows of x with int8 math take the extension's int8 GEMM (AVX-512 VNNI; 4- to 8-bit
     weights: src/kernels_gemm_avx512.cpp) instead of dequantize + a float32 GEMM."""
@@ -142,7 +160,8 @@ def quantized_matmul(
         ):
             dense = run(DEQUANTIZE_SPEC, w, scales, biases, group_size, bits)
             out = x.dtype if x.dtype == scales.dtype or scales.dtype == mx.uint8 else mx.float32
-            return (x.astype(mx.float32) @ dense.T).astype(out)
+            xf = held_int16(x) if x_planes() == 2 and x3_gemm() else x.astype(mx.float32)
+            return (xf @ dense.T).astype(out)
         return run(SPEC, x, w, scales, biases, group_size, bits, x_planes=x_planes())
     return reference(x, w, scales, biases, transpose, group_size, bits, mode)
 

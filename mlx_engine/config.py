@@ -110,11 +110,11 @@ class EngineConfig:
     prefix_cache: bool = True
     cpu_math: str | None = option(
         None,
-        "how the CPU kernels multiply quantized weights: exact (activations at float32's accuracy, the "
-        "default), int16 (activations to 2^-15 of each 32 values' largest, two thirds of exact's integer "
-        "work: faster prefill, logits within ~0.1 of exact's) or int8 (activations in 8 bits per 32 values "
+        "how the CPU kernels multiply quantized weights: int16 (the default: activations to 2^-15 of each "
+        "32 values' largest, two thirds of exact's integer work, logits within ~0.1 of exact's), exact "
+        "(activations at float32's accuracy) or int8 (activations in 8 bits per 32 values "
         "and integer dot products, as llama.cpp: fastest, at llama.cpp's accuracy; docs/kernels.md); "
-        "default: DUET_CPU_MATH, else exact",
+        "default: DUET_CPU_MATH, else int16",
         choices=CPU_MATHS,
     )
     weights: str = option(

@@ -37,6 +37,17 @@ def _user_dirs_in_tmp(tmp_path_factory):
         yield root
 
 
+@pytest.fixture
+def exact_math():
+    """The CPU kernels' exact math (float32's accuracy, the reference of the kernel tests) for one test,
+    then the default again (int16, or what DUET_CPU_MATH says): a test may switch math in between."""
+    from cpu_kernels import spec
+
+    spec.set_cpu_math("exact")
+    yield
+    spec.set_cpu_math()
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """arch -> path of a tiny random-weight HF-style model directory."""

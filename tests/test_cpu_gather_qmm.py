@@ -17,9 +17,12 @@ from cpu_kernels import spec
 from cpu_kernels.gather_qmm import gather_qmm
 from cpu_kernels.modules import use_cpu_kernels
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 BITS = (4, 5, 6, 8)
 GROUPS = (32, 64, 128)

@@ -22,9 +22,12 @@ from cpu_kernels.qmm import dequantize_rows, quantized_matmul
 from cpu_kernels.scales import half_scales
 from tests.test_cpu_kernels import BITS, F32_TOL, case, check, ext, f64, variants  # noqa: F401
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 
 def _half(scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:

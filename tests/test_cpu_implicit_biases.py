@@ -20,9 +20,12 @@ from cpu_kernels.scales import half_scales, implicit_biases
 from tests.test_cpu_kernels import ext, variants  # noqa: F401
 from tests.test_cpu_two_level_scales import quantized_llama
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 
 @pytest.mark.parametrize(("bits", "zero"), [(8, 128), (4, 8), (5, 16), (6, 32)])

@@ -22,9 +22,12 @@ from cpu_kernels import spec
 from cpu_kernels.gather_qmm import gather_qmm
 from cpu_kernels.qmm import quantized_matmul
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 BITS = (4, 5, 6, 8)
 GROUPS = (32, 64, 128)
@@ -39,7 +42,7 @@ def ext():
     yield module
     module.set_isa("")
     spec.set_threads()
-    spec.set_cpu_math("exact")
+    spec.set_cpu_math()
 
 
 def variants(ext) -> list[str]:
@@ -221,7 +224,7 @@ def test_the_setting_selects_the_path_for_both_products(ext, monkeypatch):
         g = gather_qmm(xg, ew, es, eb, rhs_indices=idx, group_size=32, bits=4, backend="native")
         return np.array(y), np.array(g).reshape(1, -1)
 
-    assert spec.cpu_math() == "exact"  # the default
+    assert spec.cpu_math() == "exact"  # the exact_math fixture's
     y, g = both()
     assert np.array_equal(y, exact) and np.array_equal(g, exact)
     assert spec.set_cpu_math("int8") == "int8"
@@ -229,12 +232,14 @@ def test_the_setting_selects_the_path_for_both_products(ext, monkeypatch):
     assert np.array_equal(y, int8) and np.array_equal(g, int8)
     with pytest.raises(ValueError, match="cpu_math"):
         spec.set_cpu_math("fast")
+    monkeypatch.delenv("DUET_CPU_MATH", raising=False)
+    assert spec.set_cpu_math() == spec.DEFAULT_CPU_MATH == "int16"  # the default
     monkeypatch.setenv("DUET_CPU_MATH", "exact")
     assert spec.set_cpu_math() == "exact"
     monkeypatch.setenv("DUET_CPU_MATH", "INT8")
     assert spec.set_cpu_math() == "int8"
     monkeypatch.setenv("DUET_CPU_MATH", "bogus")  # warned about, then the default
-    assert spec.set_cpu_math() == "exact"
+    assert spec.set_cpu_math() == "int16"
 
 
 # Two paragraphs of plain English (~420 tokens for SmolLM2's tokenizer).

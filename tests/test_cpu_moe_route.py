@@ -18,9 +18,12 @@ from cpu_kernels.route import ROUTE_ROWS, moe_route, reference
 from tests.test_cpu_gather_qmm import MOE_CONFIG, logits_and_step, tiny_moe
 from tests.test_cpu_kernels import ext  # noqa: F401
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

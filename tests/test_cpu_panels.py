@@ -30,9 +30,12 @@ from tests.test_cpu_kernels import F32_TOL, ext, variants  # noqa: F401
 from tests.test_cpu_kernels import check as check_f64
 from tests.test_cpu_two_level_scales import _blocks, _tiny_llama
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 needs_vnni = pytest.mark.skipif(
     spec.extension() is None or not spec.extension().panel_kernel(),

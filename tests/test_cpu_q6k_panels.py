@@ -21,9 +21,12 @@ from tests.test_cpu_kernels import F32_TOL, ext, f64, variants  # noqa: F401
 from tests.test_cpu_panels import check_hard_rows, greedy, same_logits
 from tests.test_cpu_q6k_scales import _SHAPES, INT8_TOL, Q6K, _exact_check, _int8_oracle
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 needs_vnni = pytest.mark.skipif(
     spec.extension() is None or not spec.extension().panel_kernel(),

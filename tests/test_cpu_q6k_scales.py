@@ -22,9 +22,12 @@ from mlx_engine.loading.ggml_blocks import pack_codes
 from tests.test_cpu_int8_path import quantize_q8
 from tests.test_cpu_kernels import F32_TOL, ext, f64, variants  # noqa: F401
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 INT8_TOL = 1e-5  # tests/test_cpu_int8_path.py's bound: float32 accumulation against float64
 ROWS = (1, 2, 3, 5, 8, 9, 16)

@@ -21,9 +21,12 @@ from cpu_kernels.qmm import dequantize_rows
 from cpu_kernels.scales import half_scales, two_level_scales
 from tests.test_cpu_kernels import F32_TOL, check, ext, variants  # noqa: F401
 
-pytestmark = pytest.mark.skipif(
-    mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        mx.metal.is_available(), reason="the CPU kernels are for CPU inference (Metal has its own)"
+    ),
+    pytest.mark.usefixtures("exact_math"),  # exact math is these tests' reference (conftest.py)
+]
 
 
 def _blocks(rng: np.random.Generator, lead: tuple[int, ...], sb: int, sign: float, exact16: bool):

@@ -192,7 +192,7 @@ void run_gather(
   std::vector<float> xs(size_t(U) * G);
   const void* xdata = x.data<void>();
   for (int u = 0; u < U; ++u) {
-    prepare_x_row(xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, bits, xf.data() + size_t(u) * K, xs.data() + size_t(u) * G);
+    prepare_x_row(xdata, x.dtype(), size_t(unique[u]), kstep, K, group_size, bits, xf.data() + size_t(u) * K, xs.data() + size_t(u) * G, planes);
   }
 
   // With int8 math every distinct row is quantized to int8 once (quantize_row_q8, which also makes its

@@ -463,7 +463,7 @@ constexpr int kTilesBf16Rows = 256;
 // y (M, N) = M rows of x (M a multiple of 16) times a panel layer (Q4_K, Q5_K, Q6_K) with exact math on
 // the tiles: each chunk of rows split into three bfloat16 planes laid out per tile and group
 // (amx::tile_bf16_row, rows shared among the pool's threads: rows_on_pool), then the panels' tasks
-void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
+void tiles_bf16(int planes, const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
   const int G = K / 32;
   amx::TiledBf16 tiled; // one buffer for every chunk of rows
   for (int m0 = 0; m0 < M; m0 += kTilesBf16Rows) {
@@ -473,7 +473,7 @@ void tiles_bf16(const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* sca
     rows_on_pool(mc, [&](int r0, int r1) {
       std::vector<float> row(static_cast<size_t>(K)), sums(static_cast<size_t>(G));
       for (int m = r0; m < r1; ++m) {
-        prepare_x_row(x, t, size_t(m0 + m) * K, 1, K, 32, 8, row.data(), sums.data());
+        prepare_x_row(x, t, size_t(m0 + m) * K, 1, K, 32, 8, row.data(), sums.data(), planes); // int16: held x
         amx::tile_bf16_row(row.data(), sums.data(), m, K, tiled);
       }
     });
@@ -531,7 +531,7 @@ void run_panels(int planes, const void* x, mx::Dtype t, const uint8_t* w, const 
 #if defined(DUET_X86)
   if (on_tiles_bf16(M)) {
     whole = M / kTileRows * kTileRows;
-    tiles_bf16(x, t, w, scales, biases, y, whole, N, K, bits);
+    tiles_bf16(planes, x, t, w, scales, biases, y, whole, N, K, bits);
   }
 #endif
   if (whole == M) {

@@ -174,7 +174,8 @@ bool panel_kernel_runs(bool int8);
 // split it), whose int32 sums the panel kernel joins per group exactly before scaling them
 // (avx512::q8_panels_x3): float32's accuracy, as the row form's exact paths; 2, int16 math, the first
 // two of those planes (avx512::q8_panels_x2). With 2 or 3 planes, whole tiles of 16 rows go on AMX tiles
-// instead where they are on (x in three bfloat16 planes: exact).
+// instead where they are on (x, held to its two pieces with 2: prepare_x_row, in three bfloat16 planes
+// that sum to it exactly).
 void run_panels(int planes, const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
 
 // The rows of a gather over experts (gather_qmm.cpp), sorted by expert: the distinct rows of x (their

@@ -267,7 +267,7 @@ Q8Rows split_rows_planes(QuantizeXFn qx, const void* x, mx::Dtype t, const std::
     std::vector<float> unit(static_cast<size_t>(runs));
     for (int m = m0; m < m1; ++m) {
       // element order (bits 8); the float group sums of x stay as the first plane's (the bias term)
-      prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), r.sum.data() + size_t(m) * G);
+      prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), r.sum.data() + size_t(m) * G, planes);
       qx(row.data(), K, 8, pieces.data(), unit.data()); // per run: [x1 (32), x2 (32), x3 (32)], unit
       for (int j = 0; j < planes; ++j) { // x2 is rounded to nearest: two planes are x to within 2^-15
         const size_t pr = size_t(j) * M + m; // plane j's row
@@ -377,7 +377,24 @@ void widen_row(const void* x, size_t first, int64_t step, int K, float* out) {
 
 } // namespace
 
-void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum) {
+void hold_two_pieces(float* row, int K) {
+  const QuantizeXFn qx = quantize_x_fn();
+  if (qx == nullptr || K % 32 != 0) {
+    return; // no integer kernels here: int16 math is exact math
+  }
+  std::vector<int8_t> pieces(size_t(3) * K);
+  std::vector<float> unit(size_t(K) / 32);
+  qx(row, K, 8, pieces.data(), unit.data()); // per run: [x1 (32), x2 (32), x3 (32)], unit d / 2^14
+  for (int r = 0; r < K / 32; ++r) {
+    const int8_t* p = pieces.data() + size_t(r) * 96;
+    const float step = unit[size_t(r)] * 128.0f; // d / 2^7, exactly
+    for (int i = 0; i < 32; ++i) {
+      row[size_t(r) * 32 + i] = float(int32_t(p[i]) * 128 + int32_t(p[32 + i])) * step;
+    }
+  }
+}
+
+void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum, int planes) {
   // into row directly, or (4-bit) into a copy that is then permuted into row
   std::vector<float> plain(bits == 4 ? size_t(K) : 0);
   float* dst = bits == 4 ? plain.data() : row;
@@ -387,6 +404,9 @@ void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K
     widen_row<mx::float16_t>(x, first, step, K, dst);
   } else {
     widen_row<mx::bfloat16_t>(x, first, step, K, dst);
+  }
+  if (planes == 2) {
+    hold_two_pieces(dst, K); // per run of 32, so before the 4-bit permutation within runs
   }
   if (bits == 4) {
     for (int base = 0; base < K; base += 32) {
@@ -566,7 +586,7 @@ void run_qmm(
   std::vector<float> xf(size_t(M) * K);
   std::vector<float> xsum(size_t(M) * G);
   for (int m = 0; m < M; ++m) {
-    prepare_x_row(xd.data, x.dtype(), size_t(m) * K, 1, K, group_size, bits, xf.data() + size_t(m) * K, xsum.data() + size_t(m) * G);
+    prepare_x_row(xd.data, x.dtype(), size_t(m) * K, 1, K, group_size, bits, xf.data() + size_t(m) * K, xsum.data() + size_t(m) * G, planes);
   }
 
   QmmArgs a{

@@ -183,8 +183,13 @@ void rows_on_pool(int M, F&& fn) {
 
 // One row of x (K values of dtype t at elements first, first + step, ...) as the kernel reads it:
 // float32, each 4-bit run of 32 permuted to (evens, odds) to match the nibble unpacking, and its
-// K / group_size group sums.
+// K / group_size group sums. With planes 2 (int16 math) x is first held as its first two pieces hold
+// it (hold_two_pieces), so every path, integer or float, multiplies the same x and sums it alike.
 void prepare_x_row(
-    const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum);
+    const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum, int planes = 3);
+// int16 math's x: each run of 32 of a float row (K a multiple of 32) replaced by quantize_x's first two
+// pieces' value, d * (x1 + x2 / 2^7) (within d / 2^8 of it; a NaN or infinity makes its run NaN);
+// nothing where the variant has no quantize_x (no integer kernels: int16 math is exact math there).
+void hold_two_pieces(float* row, int K);
 
 } // namespace duet_cpu
