@@ -13,7 +13,7 @@ Math: :func:`set_cpu_math` (or ``DUET_CPU_MATH``) picks how the quantized produc
 and ``gather_qmm``) treat x: ``"exact"`` keeps float32's accuracy (x in three int8 planes for the
 integer kernels, 22 bits a run of 32), ``"int16"`` (the default) holds x to within 2^-15 of each run
 of 32's largest value (its first two planes: two thirds of exact math's integer work, its products
-within ~1e-4 relative of exact's; top-1 99.75% against exact on the bundled model), ``"int8"`` quantizes it to int8 per run of 32 values with one float
+within ~1e-4 relative of exact's; top-1 100% against exact on the bundled model), ``"int8"`` quantizes it to int8 per run of 32 values with one float
 scale, as llama.cpp's Q8_0 does, for integer dot products with the weights' codes (about 2x the weight
 bandwidth on AVX-512 VNNI; ~0.3% relative error in each product, docs/kernels.md). A product takes
 the setting in force when it is built (the graph), not when it is evaluated.
@@ -55,7 +55,7 @@ class KernelSpec:
 _state: dict[str, Any] = {"loaded": False, "ext": None, "reason": None}
 
 
-# int16: the issue-34 bar for a default (top-1 >= 99% against float32 on the bundled model: 99.75%),
+# int16: the issue-34 bar for a default (top-1 >= 99% against float32 on the bundled model: 100%),
 # and on a Zen 4 1.3x exact math's prefill and 1.4x its batch-16 decode (docs/kernels.md, "Int16 math")
 DEFAULT_CPU_MATH = "int16"
 
