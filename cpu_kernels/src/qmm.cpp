@@ -266,9 +266,13 @@ Q8Rows split_rows_planes(QuantizeXFn qx, const void* x, mx::Dtype t, const std::
     std::vector<int8_t> pieces(size_t(3) * K);
     std::vector<float> unit(static_cast<size_t>(runs));
     for (int m = m0; m < m1; ++m) {
-      // element order (bits 8); the float group sums of x stay as the first plane's (the bias term)
-      prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), r.sum.data() + size_t(m) * G, planes);
+      // element order (bits 8); its float group sums stay as the first plane's (the bias term)
+      float* sums = r.sum.data() + size_t(m) * G;
+      prepare_x_row(x, t, size_t(first[m]), step, K, group_size, 8, row.data(), sums);
       qx(row.data(), K, 8, pieces.data(), unit.data()); // per run: [x1 (32), x2 (32), x3 (32)], unit
+      if (planes == 2) { // int16 math: the held x's sums (hold_two_pieces' values, from these pieces)
+        held_group_sums(pieces.data(), unit.data(), K, group_size, sums);
+      }
       for (int j = 0; j < planes; ++j) { // x2 is rounded to nearest: two planes are x to within 2^-15
         const size_t pr = size_t(j) * M + m; // plane j's row
         const float times = j == 0 ? 16384.0f : (j == 1 ? 128.0f : 1.0f); // exact powers of two
@@ -376,6 +380,17 @@ void widen_row(const void* x, size_t first, int64_t step, int K, float* out) {
 }
 
 } // namespace
+
+void held_group_sums(const int8_t* pieces, const float* unit, int K, int group_size, float* sums) {
+  for (int g = 0; g < K / group_size; ++g) {
+    float s = 0.0f;
+    for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
+      const int8_t* p = pieces + size_t(k / 32) * 96 + k % 32;
+      s += float(int32_t(p[0]) * 128 + int32_t(p[32])) * (unit[size_t(k / 32)] * 128.0f);
+    }
+    sums[g] = s;
+  }
+}
 
 void hold_two_pieces(float* row, int K) {
   const QuantizeXFn qx = quantize_x_fn();
@@ -504,7 +519,7 @@ void run_q8_gemm(const Variant& v, const DenseBytes& xd, mx::Dtype xt, const uin
 // products are added per row. Each plane's dot products are exact in int32 and scaled once per run in
 // float32, as the float kernel's products are rounded; x is held to within 2^-15 of a run's step
 // (quantize_x's split, as in the exact integer row kernel), so the result keeps float32's accuracy.
-// int16 math (planes 2): x's first two planes, 2M rows, x to within half of 2^-7 of a run's step.
+// int16 math (planes 2): the held x's first two planes, 2M rows (x within 2^-15 of a run's largest value).
 void run_planes_gemm(const Variant& v, int planes, const DenseBytes& xd, mx::Dtype xt, const uint8_t* w, const void* scales, const Biases& biases, int scale_type, float* y, int M, int N, int K, int group_size, int bits) {
   planes_in_chunks(v.quantize_x, planes, xd.data, xt, M, N, K, group_size, kExactGemmRows, y, [&](const Q8Rows& xp, int rows, float* yp) {
     q8_gemm_on_pool(v.q8_gemm, {xp.q.data(), xp.unit.data(), xp.sum.data(), w, scales, biases.data, yp, rows, N, K, group_size, bits, scale_type, biases.ratio});

@@ -101,7 +101,7 @@ Q8Rows quantize_rows_q8(Q8QuantizeFn q8, const void* x, mx::Dtype t, const std::
 // into its first `planes` pieces (3: exact math, x to within 2^-22 of a run's largest value; 2: int16
 // math, x1 and x2 alone, to within 2^-15), plane j of row i as row j * M + i with its runs' scales
 // unit * 2^14, unit * 2^7 and unit; the bias term rides on the first plane alone, through x's own float
-// group sums (the others' sums are zero).
+// group sums (the others' sums are zero; int16 math: x held first, prepare_x_row, its sums the held x's).
 Q8Rows split_rows_planes(QuantizeXFn qx, const void* x, mx::Dtype t, const std::vector<int64_t>& first, int64_t step, int K, int group_size, int planes);
 // One row of x as quantize_x writes it (3 * K bytes, its layout for weights of `bits`) with its third
 // piece zeroed, so the integer row kernel multiplies x as int16 math holds it (x1 and x2 alone).
@@ -191,5 +191,8 @@ void prepare_x_row(
 // pieces' value, d * (x1 + x2 / 2^7) (within d / 2^8 of it; a NaN or infinity makes its run NaN);
 // nothing where the variant has no quantize_x (no integer kernels: int16 math is exact math there).
 void hold_two_pieces(float* row, int K);
+// The group sums of that held x from quantize_x's pieces and units of a row (bits 8 layout) into sums:
+// what the bias term multiplies under int16 math, without holding the row first.
+void held_group_sums(const int8_t* pieces, const float* unit, int K, int group_size, float* sums);
 
 } // namespace duet_cpu
