@@ -57,13 +57,23 @@ X3_GEMM_ROWS = 128
 # 512 rows 28.8 against 26.7 (docs/kernels.md). Q6_K's groups of 16 lose from ~256 rows (512: 191
 # against 119), so Q6_K keeps X3_GEMM_ROWS.
 PANEL_X3_ROWS = 1024
+# With int16 math every layer stays on its integer kernel below this many rows: two planes of x beat
+# dequantize + OpenBLAS on the held x (qmm.held_int16, MLX ops: 94 ms for 512 x 8192 values) at every
+# 1B layer measured, two threads on a Zen 4, ms a product at 256 / 512 / 1024 rows (an ad-hoc script):
+# panels gate_proj 26 / 59 / 117-127 against 68 / 125 / 240, Q6_K down_proj 32 / 65 / 147-156 against
+# 110 / 200 / 374, q_proj 7.3 / 14.5 / 29 against 16 / 50 / 96; in rows (the GEMM on planes) gate_proj
+# 39 / 82 / 164 against 72 / 132 / 248, down_proj 49 / 111 / 229 against 107 / 195 / 388, q_proj 19 / 22 / 41
+# against 17 / 43 / 98.
+INT16_ROWS = 1024
 
 
 def dequantize_rows(w: mx.array | None = None, scales: mx.array | None = None, bits: int = 0) -> int:
     """Rows of x from which ``quantized_matmul`` dequantizes and multiplies by a GEMM (never for a layer
     on AMX tiles: ``on_tiles``); given the layer, a Q4_K or Q5_K layer in panels keeps exact math on the
-    panel kernel up to ``PANEL_X3_ROWS``."""
+    panel kernel up to ``PANEL_X3_ROWS``; int16 math keeps every layer on its kernel up to ``INT16_ROWS``."""
     if x3_gemm():
+        if x_planes() == 2:
+            return INT16_ROWS
         if w is not None and scales is not None and bits in (4, 5) and panel_form(w, scales):
             return PANEL_X3_ROWS
         return X3_GEMM_ROWS
