@@ -392,6 +392,30 @@ void held_group_sums(const int8_t* pieces, const float* unit, int K, int group_s
   }
 }
 
+void held_sums_of_pieces(const int8_t* xq, const float* unit, int K, int bits, int group_size, float* sums) {
+  if (bits != 4) { // per run: x1, x2, x3 (32 bytes each) and its unit
+    held_group_sums(xq, unit, K, group_size, sums);
+    return;
+  }
+  // per step of 64 values (two runs), 6 vectors of 32 bytes, piece j's low vector at 64j and high at
+  // 64j + 32; run r's 32 values (permuted) at 16 * (r % 2) of both, its unit at (r / 2) * 8 + (r % 2) * 4
+  const int per = group_size / 32;
+  for (int g = 0; g < K / group_size; ++g) {
+    float s = 0.0f;
+    for (int r = g * per; r < (g + 1) * per; ++r) {
+      const int8_t* step = xq + size_t(r / 2) * 192 + (r % 2) * 16;
+      int32_t run = 0;
+      for (int h = 0; h < 2; ++h) { // the low vectors, then the high
+        for (int i = 0; i < 16; ++i) {
+          run += int32_t(step[32 * h + i]) * 128 + int32_t(step[64 + 32 * h + i]);
+        }
+      }
+      s += float(run) * (unit[size_t(r / 2) * 8 + (r % 2) * 4] * 128.0f);
+    }
+    sums[g] = s;
+  }
+}
+
 void hold_two_pieces(float* row, int K) {
   const QuantizeXFn qx = quantize_x_fn();
   if (qx == nullptr || K % 32 != 0) {
@@ -597,11 +621,14 @@ void run_qmm(
     return;
   }
 
-  // x in float32, 4-bit runs of 32 permuted to (evens, odds) to match the nibble unpacking.
+  // x in float32, 4-bit runs of 32 permuted to (evens, odds) to match the nibble unpacking. The integer
+  // row kernel reads x's pieces alone: with int16 math it takes the held x's sums from them below, so
+  // its rows are not held here (one split a row instead of two)
+  const bool integer_rows = !int8 && v.quantize_x != nullptr && M <= kIntegerRows && K % (bits == 4 ? 64 : 32) == 0;
   std::vector<float> xf(size_t(M) * K);
   std::vector<float> xsum(size_t(M) * G);
   for (int m = 0; m < M; ++m) {
-    prepare_x_row(xd.data, x.dtype(), size_t(m) * K, 1, K, group_size, bits, xf.data() + size_t(m) * K, xsum.data() + size_t(m) * G, planes);
+    prepare_x_row(xd.data, x.dtype(), size_t(m) * K, 1, K, group_size, bits, xf.data() + size_t(m) * K, xsum.data() + size_t(m) * G, integer_rows ? 3 : planes);
   }
 
   QmmArgs a{
@@ -649,13 +676,16 @@ void run_qmm(
     if (integer_offsets(group_size, bd)) {
       a.x8_offset = offsets_int8(xq, M, K, int32_t(bd.ratio), offsets);
     }
-  } else if (v.quantize_x != nullptr && M <= kIntegerRows && K % (bits == 4 ? 64 : 32) == 0) {
+  } else if (integer_rows) {
     xq.resize(size_t(3) * K * M);
     xunit.resize(size_t(K) / 8 * M);
     for (int m = 0; m < M; ++m) {
-      v.quantize_x(xf.data() + size_t(m) * K, K, bits, xq.data() + size_t(3) * K * m, xunit.data() + size_t(K) / 8 * m);
-      if (planes == 2) { // int16 math: x as its two planes hold it, as the GEMM and panel kernel take it
-        drop_third_piece(xq.data() + size_t(3) * K * m, K, bits);
+      int8_t* q = xq.data() + size_t(3) * K * m;
+      float* u = xunit.data() + size_t(K) / 8 * m;
+      v.quantize_x(xf.data() + size_t(m) * K, K, bits, q, u);
+      if (planes == 2) { // int16 math: x as its two pieces hold it, as every other path takes it
+        drop_third_piece(q, K, bits);
+        held_sums_of_pieces(q, u, K, bits, group_size, xsum.data() + size_t(m) * G);
       }
     }
     a.xq = xq.data();

@@ -194,5 +194,8 @@ void hold_two_pieces(float* row, int K);
 // The group sums of that held x from quantize_x's pieces and units of a row (bits 8 layout) into sums:
 // what the bias term multiplies under int16 math, without holding the row first.
 void held_group_sums(const int8_t* pieces, const float* unit, int K, int group_size, float* sums);
+// The same from one row as quantize_x lays it out for weights of `bits` (4: per step of 64 values; else
+// per run, held_group_sums), its units as quantize_x wrote them.
+void held_sums_of_pieces(const int8_t* xq, const float* unit, int K, int bits, int group_size, float* sums);
 
 } // namespace duet_cpu
