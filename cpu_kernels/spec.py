@@ -35,9 +35,9 @@ import mlx.core as mx
 log = logging.getLogger("duet.cpu_kernels")
 
 BACKENDS: tuple[str, ...] = ("native", "reference")
-CPU_MATHS: tuple[str, ...] = ("exact", "int16", "int8")
-# int8 planes of x each math gives the kernels (their ``x_planes``)
+# each math, and the int8 planes of x it gives the kernels (their ``x_planes``)
 X_PLANES: dict[str, int] = {"exact": 3, "int16": 2, "int8": 1}
+CPU_MATHS: tuple[str, ...] = tuple(X_PLANES)
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)  # the dtypes every kernel takes
 STAMP = Path(__file__).resolve().parent / "_ext.stamp"
 

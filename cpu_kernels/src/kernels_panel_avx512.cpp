@@ -316,28 +316,11 @@ void q6_panels(const PanelArgs& a, int p0, int p1) {
   panels<6>(a, p0, p1);
 }
 
-void q8_panels_x3(const PanelArgs& a, int p0, int p1) {
-  panels<4, 3>(a, p0, p1);
-}
-
-void q5_panels_x3(const PanelArgs& a, int p0, int p1) {
-  panels<5, 3>(a, p0, p1);
-}
-
-void q6_panels_x3(const PanelArgs& a, int p0, int p1) {
-  panels<6, 3>(a, p0, p1);
-}
-
-void q8_panels_x2(const PanelArgs& a, int p0, int p1) {
-  panels<4, 2>(a, p0, p1);
-}
-
-void q5_panels_x2(const PanelArgs& a, int p0, int p1) {
-  panels<5, 2>(a, p0, p1);
-}
-
-void q6_panels_x2(const PanelArgs& a, int p0, int p1) {
-  panels<6, 2>(a, p0, p1);
+PanelFn joined_panels(int bits, int planes) {
+  if (planes == 2) {
+    return bits == 6 ? panels<6, 2> : bits == 5 ? panels<5, 2> : panels<4, 2>;
+  }
+  return bits == 6 ? panels<6, 3> : bits == 5 ? panels<5, 3> : panels<4, 3>;
 }
 
 } // namespace avx512

@@ -421,15 +421,6 @@ auto panel_kernel(int bits, int M) {
   return bits == 6 ? avx512::q6_panels : bits == 5 ? avx512::q5_panels : avx512::q8_panels;
 }
 
-// The same with exact (planes 3) or int16 (2) math on the VNNI kernel: each row's int8 planes joined
-// per group
-auto joined_kernel(int bits, int planes) {
-  if (planes == 2) {
-    return bits == 6 ? avx512::q6_panels_x2 : bits == 5 ? avx512::q5_panels_x2 : avx512::q8_panels_x2;
-  }
-  return bits == 6 ? avx512::q6_panels_x3 : bits == 5 ? avx512::q5_panels_x3 : avx512::q8_panels_x3;
-}
-
 // a's rows of x laid out for the tiles (into tx) where they go on the tiles: once, before the tasks
 void tile_rows(PanelArgs& a, int bits, amx::TiledX& tx) {
   if (on_tiles(bits, a.M)) {
@@ -546,7 +537,7 @@ void run_panels(int planes, const void* x, mx::Dtype t, const uint8_t* w, const 
   if (bits == 6) { // each plane's offsets, joined in the kernel as its sums are
     a.xoff = offsets_int8(xp.q, planes * rows, K, int32_t(kQ6Ratio), offsets);
   }
-  panel_tasks(a, bits, joined_kernel(bits, planes));
+  panel_tasks(a, bits, avx512::joined_panels(bits, planes));
 #else
   (void)rest, (void)w, (void)scales, (void)biases;
   throw std::logic_error("the panel kernel needs x86-64");
@@ -581,7 +572,7 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
   if (bits == 6) {
     offsets_int8(xq, planes * sorted, K, int32_t(kQ6Ratio), offsets);
   }
-  // exact or int16 math: the VNNI kernel joins each row's planes itself (avx512::q8_panels_x3, _x2);
+  // exact or int16 math: the VNNI kernel joins each row's planes itself (avx512::joined_panels);
   // where AMX tiles are on, the plane rows go through the int8 kernel (on the tiles from 16) and their
   // products are added
   const bool joined = !int8 && !tiles_on();
@@ -632,7 +623,7 @@ void gather_panels(const GatherRows& g, const uint8_t* w, const uint8_t* scales,
   pool->run(int(units.size()), [&](int i) {
     const Unit& u = units[size_t(i)];
     const PanelArgs& a = args[size_t(u.e)];
-    (joined ? joined_kernel(bits, planes) : panel_kernel(bits, a.M))(a, u.p0, u.p1);
+    (joined ? avx512::joined_panels(bits, planes) : panel_kernel(bits, a.M))(a, u.p0, u.p1);
   });
   if (!int8 && !joined) {
     for (int e = 0; e < E; ++e) {

@@ -73,16 +73,12 @@ namespace avx512 {
 void q8_panels(const PanelArgs& a, int p0, int p1);
 void q5_panels(const PanelArgs& a, int p0, int p1);
 void q6_panels(const PanelArgs& a, int p0, int p1);
-// The same with exact math: M rows of x as split_rows_planes's three planes (plane j of row i at row
-// j * M + i of a.xq, a.xd, a.xoff; x's group sums a.xsum on plane 0), each row's planes' int32 sums
-// joined per group (s1 * 2^14 + s2 * 2^7 + s3, exact) and made float once
-void q8_panels_x3(const PanelArgs& a, int p0, int p1);
-void q5_panels_x3(const PanelArgs& a, int p0, int p1);
-void q6_panels_x3(const PanelArgs& a, int p0, int p1);
-// The same with int16 math: x's first two planes, joined as s1 * 2^7 + s2
-void q8_panels_x2(const PanelArgs& a, int p0, int p1);
-void q5_panels_x2(const PanelArgs& a, int p0, int p1);
-void q6_panels_x2(const PanelArgs& a, int p0, int p1);
+// The same for a format (bits 4: Q4_K, 5: Q5_K, 6: Q6_K) with exact math (planes 3) or int16 math (2):
+// M rows of x as split_rows_planes lays out their planes (plane j of row i at row j * M + i of a.xq,
+// a.xd, a.xoff; x's group sums a.xsum on plane 0), each row's planes' int32 sums joined per group
+// (s1 * 2^14 + s2 * 2^7 + s3, or s1 * 2^7 + s2: exact) and made float once
+using PanelFn = void (*)(const PanelArgs& a, int p0, int p1);
+PanelFn joined_panels(int bits, int planes);
 } // namespace avx512
 namespace amx {
 // Whether this CPU has AMX tiles with int8 and bfloat16 products (AMX-TILE, AMX-INT8, AMX-BF16; and
@@ -172,8 +168,8 @@ bool panel_kernel_runs(bool int8);
 // whose biases are not read), x in `planes` int8 planes (quantized_matmul's): 1, int8 math; 3, exact
 // math, each row of x split into three int8 planes (split_rows_planes, as the exact integer kernels
 // split it), whose int32 sums the panel kernel joins per group exactly before scaling them
-// (avx512::q8_panels_x3): float32's accuracy, as the row form's exact paths; 2, int16 math, the first
-// two of those planes (avx512::q8_panels_x2). With 2 or 3 planes, whole tiles of 16 rows go on AMX tiles
+// (avx512::joined_panels): float32's accuracy, as the row form's exact paths; 2, int16 math, the first
+// two of those planes. With 2 or 3 planes, whole tiles of 16 rows go on AMX tiles
 // instead where they are on (x, held to its two pieces with 2: prepare_x_row, in three bfloat16 planes
 // that sum to it exactly).
 void run_panels(int planes, const void* x, mlx::core::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits);
