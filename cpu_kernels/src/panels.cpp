@@ -14,6 +14,7 @@
 #include "kernels.h"
 #include "pool.h"
 #include "qmm_shared.h"
+#include "reused_rows.h"
 
 namespace mx = mlx::core;
 
@@ -513,9 +514,21 @@ bool set_panel_tiles(bool on) {
   return panel_tiles();
 }
 
+namespace {
+// What reused_rows keys a panel product's rows of x by: the function that quantizes them (a variant's
+// own) and the planes (1: int8 math's quantize_rows_q8, else split_rows_planes'), groups of 32.
+uint64_t preparation(uintptr_t quantizer, int planes) {
+  return uint64_t(quantizer) ^ (uint64_t(planes) << 60);
+}
+} // namespace
+
 void run_panels(int planes, const void* x, mx::Dtype t, const uint8_t* w, const uint8_t* scales, const uint8_t* biases, float* y, int M, int N, int K, int bits) {
   if (planes == 1) {
-    panels_on_pool(quantize_rows_q8(q8_quantize_fn(), x, t, row_starts(M, K), 1, K, 32), w, scales, biases, y, M, N, K, bits);
+    const Q8QuantizeFn q8 = q8_quantize_fn();
+    const auto x8 = reused_rows(preparation(reinterpret_cast<uintptr_t>(q8), 1), x, t, M, K, [&] {
+      return quantize_rows_q8(q8, x, t, row_starts(M, K), 1, K, 32);
+    });
+    panels_on_pool(*x8, w, scales, biases, y, M, N, K, bits);
     return;
   }
   int whole = 0; // rows on the tiles (x in three bfloat16 planes): whole tiles of 16
@@ -531,7 +544,11 @@ void run_panels(int planes, const void* x, mx::Dtype t, const uint8_t* w, const 
   const void* rest = static_cast<const uint8_t*>(x) + size_t(whole) * K * mx::size_of(t);
 #if defined(DUET_X86)
   const int rows = M - whole;
-  const Q8Rows xp = split_rows_planes(quantize_x_fn(), rest, t, row_starts(rows, K), 1, K, 32, planes);
+  const QuantizeXFn qx = quantize_x_fn();
+  const auto split = reused_rows(preparation(reinterpret_cast<uintptr_t>(qx), planes), rest, t, rows, K, [&] {
+    return split_rows_planes(qx, rest, t, row_starts(rows, K), 1, K, 32, planes);
+  });
+  const Q8Rows& xp = *split;
   PanelArgs a{xp.q.data(), xp.unit.data(), xp.sum.data(), w, scales, biases, y + size_t(whole) * N, rows, N, K};
   std::vector<int32_t> offsets;
   if (bits == 6) { // each plane's offsets, joined in the kernel as its sums are

@@ -379,17 +379,47 @@ void widen_row(const void* x, size_t first, int64_t step, int K, float* out) {
   }
 }
 
+// Each group of a row summed in element order, as always (the float kernels' results depend on it),
+// but eight groups side by side: one group's chain of dependent adds alone is latency-bound.
+void group_sums(const float* row, int K, int group_size, float* xsum) {
+  const int G = K / group_size;
+  int g0 = 0;
+  for (; g0 + 8 <= G; g0 += 8) {
+    float s[8] = {};
+    for (int k = 0; k < group_size; ++k) {
+      for (int j = 0; j < 8; ++j) {
+        s[j] += row[(g0 + j) * group_size + k];
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      xsum[g0 + j] = s[j];
+    }
+  }
+  for (int g = g0; g < G; ++g) {
+    float s = 0.0f;
+    for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
+      s += row[k];
+    }
+    xsum[g] = s;
+  }
+}
+
 } // namespace
 
 void held_group_sums(const int8_t* pieces, const float* unit, int K, int group_size, float* sums) {
-  for (int g = 0; g < K / group_size; ++g) {
-    float s = 0.0f;
-    for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
-      const int8_t* p = pieces + size_t(k / 32) * 96 + k % 32;
-      s += float(int32_t(p[0]) * 128 + int32_t(p[32])) * (unit[size_t(k / 32)] * 128.0f);
+  // the held values first (a run's unit * 2^7 once: the same float each element's product used),
+  // then summed as prepare_x_row sums a row
+  thread_local std::vector<float> held;
+  held.resize(size_t(K));
+  for (int r = 0; r < K / 32; ++r) {
+    const int8_t* p = pieces + size_t(r) * 96;
+    const float step = unit[size_t(r)] * 128.0f;
+    float* h = held.data() + size_t(r) * 32;
+    for (int i = 0; i < 32; ++i) {
+      h[i] = float(int32_t(p[i]) * 128 + int32_t(p[32 + i])) * step;
     }
-    sums[g] = s;
   }
+  group_sums(held.data(), K, group_size, sums);
 }
 
 void held_sums_of_pieces(const int8_t* xq, const float* unit, int K, int bits, int group_size, float* sums) {
@@ -455,28 +485,7 @@ void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K
       }
     }
   }
-  // Each group summed in element order of row, as always (the float kernels' results depend on it),
-  // but eight groups side by side: one group's chain of dependent adds alone is latency-bound.
-  const int G = K / group_size;
-  int g0 = 0;
-  for (; g0 + 8 <= G; g0 += 8) {
-    float s[8] = {};
-    for (int k = 0; k < group_size; ++k) {
-      for (int j = 0; j < 8; ++j) {
-        s[j] += row[(g0 + j) * group_size + k];
-      }
-    }
-    for (int j = 0; j < 8; ++j) {
-      xsum[g0 + j] = s[j];
-    }
-  }
-  for (int g = g0; g < G; ++g) {
-    float s = 0.0f;
-    for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
-      s += row[k];
-    }
-    xsum[g] = s;
-  }
+  group_sums(row, K, group_size, xsum);
 }
 
 // qmm_shared.h says what these three compute
