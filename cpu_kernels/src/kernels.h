@@ -115,6 +115,33 @@ struct AttendChunk {
   int n_next = 0;
 };
 
+// One query token of a row (decode) over tokens [t0, t1) of its paged KV, for H KV heads side by side
+// (heads h0 .. h0 + H - 1 of the pool's Hkv), each with its R query rows (GQA: the query heads that
+// share it): scores for the whole stretch, one softmax per query row, then the values, where
+// AttendChunk's online softmax rescales per chunk of 32. Both passes read the pool a block at a
+// time, every head of a token before the next token (front to back), and prefetch the next block's
+// rows as they go. m and l come in as the row's start (a sink: its logit and 1; else -inf and 0) and
+// leave as the max and sum of the stretch's softmax; acc (zeros in) leaves unnormalised, so a
+// stretch of a row split between tasks merges as AttendChunk's results do. D and Dv multiples of 16.
+struct AttendDecode {
+  const float* q; // (H, R, D): scaled by the softmax scale
+  const void* k; // the pool's keys (slots, Hkv, D) of kv_type, from head h0 of slot 0
+  const void* v; // its values (slots, Hkv, Dv), likewise
+  const int32_t* table; // the row's block table
+  int block_size;
+  int Hkv;
+  int H;
+  int R;
+  int D;
+  int Dv;
+  int kv_type;
+  int t0;
+  int t1;
+  float* m; // (H, R)
+  float* l; // (H, R)
+  float* acc; // (H, R, Dv)
+};
+
 // q8_quantize: one float32 row of x (K values, in the 4-bit order when bits == 4) as int8 per run of
 // 32 with one scale each (K bytes into q, K / 8 floats into scale; layout in int8_impl.inc) and each
 // run's d * sum(q) (K / 32 floats into run_sum), the same in every variant. q8_rows: y[:, n0:n1] from them (QmmArgs::x8, x8_scale, xsum).
@@ -149,6 +176,7 @@ void q8_rows(const QmmArgs& a, int n0, int n1);
 // the integer form qmm_rows takes in QmmArgs::xq: q holds 3 * K bytes, unit K / 8 floats.
 void quantize_x(const float* x, int K, int bits, int8_t* q, float* unit);
 void attend_chunk(const AttendChunk& c);
+void attend_decode(const AttendDecode& a);
 void swiglu(const float* g, const float* u, float* y, size_t n);
 void qmm_rows(const QmmArgs& a, int n0, int n1);
 void dequant_rows(const QmmArgs& a, int n0, int n1, float* out);
@@ -159,6 +187,9 @@ void dequant_panels(const QmmArgs& a, int p0, int p1, float* out);
 // one set_isa forced); defined in qmm.cpp.
 using AttendFn = void (*)(const AttendChunk&);
 AttendFn attend_chunk_fn();
+// Its attend_decode (AVX-512 only; nullptr elsewhere, where attend_chunk does decode too)
+using AttendDecodeFn = void (*)(const AttendDecode&);
+AttendDecodeFn attend_decode_fn();
 using SwigluFn = void (*)(const float*, const float*, float*, size_t);
 SwigluFn swiglu_fn();
 

@@ -3,4 +3,5 @@
 #define DUET_MAX_MB 8
 #include "kernels_impl.inc"
 #include "attention_impl.inc"
+#include "attention_decode_impl.inc"
 #include "swiglu_impl.inc"

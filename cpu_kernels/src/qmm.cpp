@@ -32,6 +32,7 @@ struct Variant {
   RowsFn q8_rows = nullptr; // the int8 kernel (cpu_math "int8") and its quantization of x
   Q8QuantizeFn q8_quantize = nullptr;
   Q8GemmFn q8_gemm = nullptr; // the int8 GEMM for many rows of x (4-, 5-, 6- and 8-bit weights)
+  AttendDecodeFn attend_decode = nullptr; // one query token's attention in two passes
 };
 
 // The best variant's name (its functions: variant_named).
@@ -68,7 +69,8 @@ const Variant& variant_named(const std::string& name) {
       avx512::quantize_x,
       avx512::q8_rows,
       avx512::q8_quantize,
-      avx512::q8_gemm};
+      avx512::q8_gemm,
+      avx512::attend_decode};
   if (name == "avx512") {
     return avx512_v;
   }
@@ -92,6 +94,10 @@ const Variant& variant() {
 
 AttendFn attend_chunk_fn() {
   return variant().attend;
+}
+
+AttendDecodeFn attend_decode_fn() {
+  return variant().attend_decode;
 }
 
 SwigluFn swiglu_fn() {
