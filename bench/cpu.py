@@ -182,7 +182,13 @@ class LlamaCppRunner:
             self.llm.reset()  # no KV reuse from the previous run
         times: list[float] = []
         t0 = time.perf_counter()
-        for _ in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        # reset=False goes through: llama-cpp-python's own default (True) compares the prompt with the
+        # tokens it holds and, finding no common prefix with decode_long's one token, clears the
+        # restored context, so that "ctx 1024" decoded from an empty one (runs before 2026-12-07's J2)
+        stream = self.llm.generate(
+            prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=reset
+        )
+        for _ in stream:
             times.append(time.perf_counter())
             if len(times) == n:
                 break
@@ -196,7 +202,12 @@ class LlamaCppRunner:
 
     def decode_long(self, n: int) -> tuple[float, list[float]]:
         self.llm.load_state(self.long_state)  # the first 1023 tokens' KV: one token left to eval
-        return self.generate(self.long[-1:], n, reset=False)
+        t0, times = self.generate(self.long[-1:], n, reset=False)
+        if self.llm.n_tokens != len(self.long) + len(times) - 1:  # the context was kept, not cleared
+            raise RuntimeError(
+                f"llama.cpp decoded from {self.llm.n_tokens - len(times)} tokens, not {len(self.long)}"
+            )
+        return t0, times
 
     def shutdown(self) -> None:
         self.llm.close()
