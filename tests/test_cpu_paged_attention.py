@@ -180,6 +180,24 @@ def test_float32_queries_over_a_16_bit_pool_match_float64(kv_dtype, lens, L, Hq,
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("Hq, Hkv, D", [(32, 8, 64), (24, 8, 128), (9, 3, 64), (16, 2, 80)])
+@pytest.mark.parametrize("window, sinks", [(None, False), (20, True)])
+def test_a_verification_pass_gives_each_token_what_decoding_it_gives(kv_dtype, Hq, Hkv, D, window, sinks):
+    """Speculative decoding checks 1 + k proposed tokens in one pass, and its output must be plain
+    decoding's token for token: each query token of the pass must get, bit for bit, what a decode step
+    at its position computes (GQA groups of 4, 3 and 8; with a window, the tokens' ranges differ at
+    both ends)."""
+    L = 5
+    case = make_case([200, 37, L], Hq, Hkv, D, D, 16, seed=Hq + D, sinks=sinks, L=L)
+    q, k, v, table, lens, s = case
+    whole = run_kernel(case, mx.float32, D**-0.5, 16, window, kv_dtype=kv_dtype)
+    for i in range(L):
+        step = (q[:, :, i : i + 1], k, v, table, lens - (L - 1 - i), s)
+        one = run_kernel(step, mx.float32, D**-0.5, 16, window, kv_dtype=kv_dtype)
+        assert np.array_equal(whole[:, :, i : i + 1], one), i
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_and_a_long_context_give_the_same_result(threads):
     case = make_case([2048, 1000, 5, 1500], 9, 3, 64, 64, 16, seed=3, L=3)

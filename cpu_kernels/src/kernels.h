@@ -115,14 +115,17 @@ struct AttendChunk {
   int n_next = 0;
 };
 
-// One query token of a row (decode) over tokens [t0, t1) of its paged KV, for H KV heads side by side
-// (heads h0 .. h0 + H - 1 of the pool's Hkv), each with its R query rows (GQA: the query heads that
-// share it): scores for the whole stretch, one softmax per query row, then the values, where
-// AttendChunk's online softmax rescales per chunk of 32. Both passes read the pool a block at a
-// time, every head of a token before the next token (front to back), and prefetch the next block's
-// rows as they go. m and l come in as the row's start (a sink: its logit and 1; else -inf and 0) and
-// leave as the max and sum of the stretch's softmax; acc (zeros in) leaves unnormalised, so a
-// stretch of a row split between tasks merges as AttendChunk's results do. D and Dv multiples of 16.
+// A few query tokens of a row (decode: one; a verification pass: 1 + the proposed tokens) over its
+// paged KV, for H KV heads side by side (heads h0 .. h0 + H - 1 of the pool's Hkv), each with its R
+// query rows (a token's GQA heads, token after token), row r seeing tokens [lo[r], hi[r]) within [t0,
+// t1): scores for the stretch, one softmax per query row over its own tokens, then the values, where
+// AttendChunk's online softmax rescales per chunk of 32. A row's result does not depend on the other
+// rows (the same floats in the same order as the row alone), so a verification pass gives each token
+// what decoding it would. Both passes read the pool a block at a time, every head of a token before
+// the next token (front to back), and prefetch the next block's rows as they go. m and l come in as
+// the row's start (a sink: its logit and 1; else -inf and 0) and leave as the max and sum of the
+// stretch's softmax; acc (zeros in) leaves unnormalised, so a stretch of a row split between tasks
+// merges as AttendChunk's results do. D and Dv multiples of 16.
 struct AttendDecode {
   const float* q; // (H, R, D): scaled by the softmax scale
   const void* k; // the pool's keys (slots, Hkv, D) of kv_type, from head h0 of slot 0
@@ -137,6 +140,8 @@ struct AttendDecode {
   int kv_type;
   int t0;
   int t1;
+  const int* lo; // (R,): row r's first token (>= t0)
+  const int* hi; // (R,): one past its last (<= t1)
   float* m; // (H, R)
   float* l; // (H, R)
   float* acc; // (H, R, Dv)

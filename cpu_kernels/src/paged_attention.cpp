@@ -38,9 +38,9 @@ constexpr int kQueryTile = 16; // query tokens of one row that share each key an
 // a slot sit side by side in the pool, so taking every head of a chunk before the next chunk reads
 // the pool's blocks front to back (one head at a time read every Hkv-th row of scattered blocks:
 // decode at a 1K context ran at ~4 GB/s), and attend_chunk prefetches the next chunk's rows as it goes.
-// One query token (decode) goes to attend_decode where the variant has it (AVX-512): its rows all see
-// the same keys, so it scores the whole stretch, takes one softmax per row and then adds up the
-// values (synthetic 3B model, decode at a 1K context: 68.8 -> 64.0 ms a token).
+// A pass of one tile (decode, verification) goes to attend_decode where the variant has it (AVX-512):
+// it scores the whole stretch, takes one softmax per query row over its own tokens and then adds up
+// the values (synthetic 3B model, decode at a 1K context: 68.8 -> 64.0 ms a token).
 // The call's operands, as attend and run_split read them.
 template <typename T, typename KV>
 struct Operands {
@@ -116,9 +116,14 @@ void attend(
   t_end = std::min(t_end, tb);
   const int32_t* row_table = table + size_t(b) * s.max_blocks;
   const AttendDecodeFn decode = attend_decode_fn();
-  if (i1 - i0 == 1 && decode != nullptr && D % 16 == 0 && Dv % 16 == 0) {
-    // one query token: every row of a head sees the same keys, in two passes (AttendDecode)
+  if (s.L <= kQueryTile && decode != nullptr && D % 16 == 0 && Dv % 16 == 0) {
+    // decode and verification (a pass of one tile): in two passes (AttendDecode), each query token's
+    // rows as decoding that token alone would take them, so a verified token's logits are decode's
     if (t_begin < t_end) {
+      for (int r = 0; r < R; ++r) { // within this task's stretch
+        lo[r] = std::clamp(lo[r], t_begin, t_end);
+        hi[r] = std::clamp(hi[r], t_begin, t_end);
+      }
       decode(AttendDecode{
           qf.data(),
           k + size_t(h0) * D,
@@ -133,6 +138,8 @@ void attend(
           s.kv_type,
           t_begin,
           t_end,
+          lo.data(),
+          hi.data(),
           m.data(),
           l.data(),
           acc.data()});
