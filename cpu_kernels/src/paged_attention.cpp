@@ -62,6 +62,87 @@ struct Partial {
   float* acc;
 };
 
+// A task's query rows: per KV head h (0..H), its R rows (row h * R + r; query token (r / G)'s head g = r
+// % G), scaled, and their state (running max m, sum l, unnormalised accumulator acc); row r sees the
+// row's tokens [lo[r], hi[r]), all within the task's stretch [t_begin, t_end).
+struct TaskRows {
+  int H, R;
+  std::vector<float> q, acc, m, l;
+  std::vector<int> lo, hi;
+  int t_begin, t_end;
+};
+
+// The rows' keys and values a chunk of kChunk tokens at a time (AttendChunk: online softmax).
+template <typename T, typename KV>
+void attend_in_chunks(const Operands<T, KV>& op, const Shape& s, const int32_t* row_table, int h0, TaskRows& rows) {
+  const int D = s.D, Dv = s.Dv, R = rows.R, t_end = rows.t_end;
+  // every chunk hands over kChunk row pointers into the pool; rows past its n point at zeros
+  // (attend_chunk scores whole blocks of 8 keys and masks the lanes outside each query's range)
+  const std::vector<float> zeros(size_t(std::max(D, Dv)), 0.0f);
+  const void* kv_rows[kChunk];
+  const void* vv_rows[kChunk];
+  const void* k_next[kChunk]; // the next chunk's rows, which attend_chunk prefetches
+  const void* v_next[kChunk];
+  std::vector<int> j0(R), j1(R);
+  const AttendFn attend_chunk = attend_chunk_fn();
+  // the pool slots of a chunk's tokens, this chunk's and the next's
+  size_t slots[2][kChunk];
+  auto locate = [&](int t0, size_t* out_slots) {
+    const int n = std::min(kChunk, t_end - t0);
+    int blk = t0 / s.block_size, off = t0 % s.block_size; // walked, not divided, per token
+    for (int j = 0; j < n; ++j, ++off) {
+      if (off == s.block_size) {
+        ++blk;
+        off = 0;
+      }
+      out_slots[j] = size_t(row_table[blk]) * s.block_size + off;
+    }
+  };
+  locate(rows.t_begin, slots[0]);
+  for (int t0 = rows.t_begin, c = 0; t0 < t_end; t0 += kChunk, c ^= 1) {
+    const int n = std::min(kChunk, t_end - t0);
+    const int n_next = std::max(0, std::min(kChunk, t_end - t0 - kChunk));
+    if (n_next > 0) {
+      locate(t0 + kChunk, slots[c ^ 1]);
+    }
+    for (int r = 0; r < R; ++r) {
+      j0[r] = std::max(rows.lo[r] - t0, 0);
+      j1[r] = std::min(rows.hi[r] - t0, n);
+    }
+    for (int j = n; j < kChunk; ++j) {
+      kv_rows[j] = vv_rows[j] = zeros.data();
+    }
+    for (int hk = h0; hk < h0 + rows.H; ++hk) {
+      for (int j = 0; j < n; ++j) {
+        kv_rows[j] = op.k + (slots[c][j] * s.Hkv + hk) * D;
+        vv_rows[j] = op.v + (slots[c][j] * s.Hkv + hk) * Dv;
+      }
+      for (int j = 0; j < n_next; ++j) {
+        k_next[j] = op.k + (slots[c ^ 1][j] * s.Hkv + hk) * D;
+        v_next[j] = op.v + (slots[c ^ 1][j] * s.Hkv + hk) * Dv;
+      }
+      const size_t row0 = size_t(hk - h0) * R;
+      attend_chunk(AttendChunk{
+          rows.q.data() + row0 * D,
+          kv_rows,
+          vv_rows,
+          j0.data(),
+          j1.data(),
+          rows.m.data() + row0,
+          rows.l.data() + row0,
+          rows.acc.data() + row0 * Dv,
+          n,
+          R,
+          D,
+          Dv,
+          s.kv_type,
+          k_next,
+          v_next,
+          n_next});
+    }
+  }
+}
+
 // Only tokens [ta, tb) of the row are attended (all of them: 0, INT_MAX); with `part` the result is
 // left unnormalised there instead of written to out, and a sink counts only where `with_sinks`.
 template <typename T, typename KV>
@@ -84,139 +165,71 @@ void attend(
   const int H = h1 - h0;
   const int len = std::min(lens[b], s.max_blocks * s.block_size); // never past the table
   const int first = len - s.L; // position of query token 0
-  // per head h (0..H), its R rows: row h * R + r
-  std::vector<float> qf(size_t(H) * R * D), acc(size_t(H) * R * Dv, 0.0f), m(size_t(H) * R), l(size_t(H) * R);
-  std::vector<int> lo(R), hi(R);
-  int t_begin = len, t_end = 0;
+  TaskRows rows{H, R, std::vector<float>(size_t(H) * R * D), std::vector<float>(size_t(H) * R * Dv, 0.0f),
+      std::vector<float>(size_t(H) * R), std::vector<float>(size_t(H) * R), std::vector<int>(R), std::vector<int>(R), len, 0};
   for (int i = i0; i < i1; ++i) {
     const int p = first + i;
     const int hi_i = std::max(0, std::min(len, p + 1));
     const int lo_i = s.window > 0 ? std::max(0, p + 1 - s.window) : 0;
-    t_begin = std::min(t_begin, lo_i);
-    t_end = std::max(t_end, hi_i);
+    rows.t_begin = std::min(rows.t_begin, lo_i);
+    rows.t_end = std::max(rows.t_end, hi_i);
     for (int g = 0; g < G; ++g) {
       const int r = (i - i0) * G + g;
-      lo[r] = lo_i;
-      hi[r] = hi_i;
+      rows.lo[r] = lo_i;
+      rows.hi[r] = hi_i;
       for (int hk = h0; hk < h1; ++hk) {
         const int h = hk * G + g;
         const size_t row = size_t(hk - h0) * R + r;
         const T* qr = q + ((size_t(b) * s.Hq + h) * s.L + i) * D;
         for (int d = 0; d < D; ++d) {
-          qf[row * D + d] = static_cast<float>(qr[d]) * s.scale;
+          rows.q[row * D + d] = static_cast<float>(qr[d]) * s.scale;
         }
         // a sink is a logit with no value: it starts the running max and sum
         const bool sink = sinks != nullptr && with_sinks;
-        m[row] = sink ? sinks[h] : -std::numeric_limits<float>::infinity();
-        l[row] = sink ? 1.0f : 0.0f;
+        rows.m[row] = sink ? sinks[h] : -std::numeric_limits<float>::infinity();
+        rows.l[row] = sink ? 1.0f : 0.0f;
       }
     }
   }
-  t_begin = std::max(t_begin, ta);
-  t_end = std::min(t_end, tb);
+  rows.t_begin = std::max(rows.t_begin, ta);
+  rows.t_end = std::min(rows.t_end, tb);
+  for (int r = 0; r < R; ++r) { // within this task's stretch (empty where the row sees none of it)
+    rows.lo[r] = std::clamp(rows.lo[r], rows.t_begin, std::max(rows.t_begin, rows.t_end));
+    rows.hi[r] = std::clamp(rows.hi[r], rows.t_begin, std::max(rows.t_begin, rows.t_end));
+  }
   const int32_t* row_table = table + size_t(b) * s.max_blocks;
   const AttendDecodeFn decode = attend_decode_fn();
-  if (s.L <= kQueryTile && decode != nullptr && D % 16 == 0 && Dv % 16 == 0) {
+  if (rows.t_begin >= rows.t_end) {
+    // nothing of the row in this stretch: the rows keep their start
+  } else if (s.L <= kQueryTile && decode != nullptr && D % 16 == 0 && Dv % 16 == 0) {
     // decode and verification (a pass of one tile): in two passes (AttendDecode), each query token's
     // rows as decoding that token alone would take them, so a verified token's logits are decode's
-    if (t_begin < t_end) {
-      for (int r = 0; r < R; ++r) { // within this task's stretch
-        lo[r] = std::clamp(lo[r], t_begin, t_end);
-        hi[r] = std::clamp(hi[r], t_begin, t_end);
-      }
-      decode(AttendDecode{
-          qf.data(),
-          k + size_t(h0) * D,
-          v + size_t(h0) * Dv,
-          row_table,
-          s.block_size,
-          s.Hkv,
-          H,
-          R,
-          D,
-          Dv,
-          s.kv_type,
-          t_begin,
-          t_end,
-          lo.data(),
-          hi.data(),
-          m.data(),
-          l.data(),
-          acc.data()});
-    }
+    decode(AttendDecode{
+        rows.q.data(),
+        k + size_t(h0) * D,
+        v + size_t(h0) * Dv,
+        row_table,
+        s.block_size,
+        s.Hkv,
+        H,
+        R,
+        D,
+        Dv,
+        s.kv_type,
+        rows.t_begin,
+        rows.t_end,
+        rows.lo.data(),
+        rows.hi.data(),
+        rows.m.data(),
+        rows.l.data(),
+        rows.acc.data()});
   } else {
-    // every chunk hands over kChunk row pointers into the pool; rows past its n point at zeros
-    // (attend_chunk scores whole blocks of 8 keys and masks the lanes outside each query's range)
-    const std::vector<float> zeros(size_t(std::max(D, Dv)), 0.0f);
-    const void* kv_rows[kChunk];
-    const void* vv_rows[kChunk];
-    const void* k_next[kChunk]; // the next chunk's rows, which attend_chunk prefetches
-    const void* v_next[kChunk];
-    std::vector<int> j0(R), j1(R);
-    const AttendFn attend_chunk = attend_chunk_fn();
-    // the pool slots of a chunk's tokens, this chunk's and the next's
-    size_t slots[2][kChunk];
-    auto locate = [&](int t0, size_t* out_slots) {
-      const int n = std::min(kChunk, t_end - t0);
-      int blk = t0 / s.block_size, off = t0 % s.block_size; // walked, not divided, per token
-      for (int j = 0; j < n; ++j, ++off) {
-        if (off == s.block_size) {
-          ++blk;
-          off = 0;
-        }
-        out_slots[j] = size_t(row_table[blk]) * s.block_size + off;
-      }
-    };
-    if (t_begin < t_end) {
-      locate(t_begin, slots[0]);
-    }
-    for (int t0 = t_begin, c = 0; t0 < t_end; t0 += kChunk, c ^= 1) {
-      const int n = std::min(kChunk, t_end - t0);
-      const int n_next = std::max(0, std::min(kChunk, t_end - t0 - kChunk));
-      if (n_next > 0) {
-        locate(t0 + kChunk, slots[c ^ 1]);
-      }
-      for (int r = 0; r < R; ++r) {
-        j0[r] = std::max(lo[r] - t0, 0);
-        j1[r] = std::min(hi[r] - t0, n);
-      }
-      for (int j = n; j < kChunk; ++j) {
-        kv_rows[j] = vv_rows[j] = zeros.data();
-      }
-      for (int hk = h0; hk < h1; ++hk) {
-        for (int j = 0; j < n; ++j) {
-          kv_rows[j] = k + (slots[c][j] * s.Hkv + hk) * D;
-          vv_rows[j] = v + (slots[c][j] * s.Hkv + hk) * Dv;
-        }
-        for (int j = 0; j < n_next; ++j) {
-          k_next[j] = k + (slots[c ^ 1][j] * s.Hkv + hk) * D;
-          v_next[j] = v + (slots[c ^ 1][j] * s.Hkv + hk) * Dv;
-        }
-        const size_t row0 = size_t(hk - h0) * R;
-        attend_chunk(AttendChunk{
-            qf.data() + row0 * D,
-            kv_rows,
-            vv_rows,
-            j0.data(),
-            j1.data(),
-            m.data() + row0,
-            l.data() + row0,
-            acc.data() + row0 * Dv,
-            n,
-            R,
-            D,
-            Dv,
-            s.kv_type,
-            k_next,
-            v_next,
-            n_next});
-      }
-    }
+    attend_in_chunks(op, s, row_table, h0, rows);
   }
   if (part != nullptr) {
-    std::copy(m.begin(), m.end(), part->m);
-    std::copy(l.begin(), l.end(), part->l);
-    std::copy(acc.begin(), acc.end(), part->acc);
+    std::copy(rows.m.begin(), rows.m.end(), part->m);
+    std::copy(rows.l.begin(), rows.l.end(), part->l);
+    std::copy(rows.acc.begin(), rows.acc.end(), part->acc);
     return;
   }
   for (int hk = h0; hk < h1; ++hk) {
@@ -224,8 +237,8 @@ void attend(
       for (int g = 0; g < G; ++g) {
         const size_t row = size_t(hk - h0) * R + (i - i0) * G + g;
         T* o = out + ((size_t(b) * s.Hq + hk * G + g) * s.L + i) * Dv;
-        const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
-        const float* ag = acc.data() + row * Dv;
+        const float inv = rows.l[row] > 0.0f ? 1.0f / rows.l[row] : 0.0f;
+        const float* ag = rows.acc.data() + row * Dv;
         for (int d = 0; d < Dv; ++d) {
           o[d] = static_cast<T>(ag[d] * inv);
         }

@@ -410,21 +410,25 @@ void group_sums(const float* row, int K, int group_size, float* xsum) {
   }
 }
 
+// The values x's first two pieces hold (quantize_x's bits-8 layout: per run of 32, x1, x2, x3 and its
+// unit d / 2^14) into out: d * (x1 + x2 / 2^7) = (x1 * 2^7 + x2) * (unit * 2^7), exactly as int16 math
+// takes x everywhere.
+void held_values(const int8_t* pieces, const float* unit, int K, float* out) {
+  for (int r = 0; r < K / 32; ++r) {
+    const int8_t* p = pieces + size_t(r) * 96;
+    const float step = unit[size_t(r)] * 128.0f; // d / 2^7, exactly
+    for (int i = 0; i < 32; ++i) {
+      out[size_t(r) * 32 + i] = float(int32_t(p[i]) * 128 + int32_t(p[32 + i])) * step;
+    }
+  }
+}
+
 } // namespace
 
 void held_group_sums(const int8_t* pieces, const float* unit, int K, int group_size, float* sums) {
-  // the held values first (a run's unit * 2^7 once: the same float each element's product used),
-  // then summed as prepare_x_row sums a row
-  thread_local std::vector<float> held;
+  thread_local std::vector<float> held; // the held values, then summed as prepare_x_row sums a row
   held.resize(size_t(K));
-  for (int r = 0; r < K / 32; ++r) {
-    const int8_t* p = pieces + size_t(r) * 96;
-    const float step = unit[size_t(r)] * 128.0f;
-    float* h = held.data() + size_t(r) * 32;
-    for (int i = 0; i < 32; ++i) {
-      h[i] = float(int32_t(p[i]) * 128 + int32_t(p[32 + i])) * step;
-    }
-  }
+  held_values(pieces, unit, K, held.data());
   group_sums(held.data(), K, group_size, sums);
 }
 
@@ -460,13 +464,7 @@ void hold_two_pieces(float* row, int K) {
   std::vector<int8_t> pieces(size_t(3) * K);
   std::vector<float> unit(size_t(K) / 32);
   qx(row, K, 8, pieces.data(), unit.data()); // per run: [x1 (32), x2 (32), x3 (32)], unit d / 2^14
-  for (int r = 0; r < K / 32; ++r) {
-    const int8_t* p = pieces.data() + size_t(r) * 96;
-    const float step = unit[size_t(r)] * 128.0f; // d / 2^7, exactly
-    for (int i = 0; i < 32; ++i) {
-      row[size_t(r) * 32 + i] = float(int32_t(p[i]) * 128 + int32_t(p[32 + i])) * step;
-    }
-  }
+  held_values(pieces.data(), unit.data(), K, row);
 }
 
 void prepare_x_row(const void* x, mx::Dtype t, size_t first, int64_t step, int K, int group_size, int bits, float* row, float* xsum, int planes) {
