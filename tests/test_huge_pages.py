@@ -84,3 +84,48 @@ def test_an_unloaded_models_buffers_lose_the_mark() -> None:
     assert _smaps_entry(middle).get("THPeligible") == "1"
     assert huge_pages.release_huge_pages([a]) >= 28 << 20
     assert _smaps_entry(middle).get("THPeligible") == "0"
+
+
+@linux_thp
+def test_a_background_move_returns_at_once_and_an_unload_waits_for_it() -> None:
+    """The engine's way (``background=True``): the call marks the buffers and returns while a thread
+    of its own moves them; the values never change; ``release_huge_pages`` (a server unloading the
+    model) returns only once that thread is done, so no collapse outlives the unload."""
+    arrays = [mx.random.normal((4096, 2048)) for _ in range(3)]  # 3 x 32 MiB
+    mx.eval(*arrays)
+    before = [np.array(a) for a in arrays]
+    advised = huge_pages.use_huge_pages(arrays, background=True)
+    assert advised >= 3 * (28 << 20)
+    middles = [np.asarray(memoryview(a)).ctypes.data + a.nbytes // 2 for a in arrays]  # type: ignore[arg-type]
+    assert all(_smaps_entry(m).get("THPeligible") == "1" for m in middles)  # marked before it returned
+    total = mx.sum(arrays[0]).item()  # the buffers stay readable while they move
+    huge_pages.wait_for_huge_pages()
+    assert not any(t.is_alive() for t in huge_pages._collapses)
+    for a, b in zip(arrays, before, strict=True):
+        np.testing.assert_array_equal(np.array(a), b)
+    assert mx.sum(arrays[0]).item() == total
+    fresh = mx.random.normal((32768, 2048))  # 256 MiB on small pages: a move of a good fraction of a second
+    mx.eval(fresh)
+    moved = huge_pages.use_huge_pages([fresh], background=True)
+    assert moved >= 250 << 20
+    if huge_pages.thp_mode() == "madvise":
+        assert huge_pages.release_huge_pages([fresh]) >= 250 << 20
+        assert not any(t.is_alive() for t in huge_pages._collapses)  # it waited for the move
+
+
+@linux_thp
+def test_the_engine_moves_its_weights_itself() -> None:
+    """``Engine.load`` asks the loader for no move (it would copy arrays the panel layout replaces)
+    and moves every weight of the model as the engine keeps it, in the background."""
+    from mlx_engine.config import EngineConfig
+    from mlx_engine.engine.api import Engine
+    from mlx_engine.mlx_tree import flat_parameters
+
+    engine = Engine.load(None, config=EngineConfig(speculative="off"))
+    try:
+        huge_pages.wait_for_huge_pages()
+        big = max((v for _, v in flat_parameters(engine.loaded.model)), key=lambda v: v.nbytes)
+        middle = np.asarray(memoryview(big)).ctypes.data + big.nbytes // 2  # type: ignore[arg-type]
+        assert _smaps_entry(middle).get("THPeligible") == "1"
+    finally:
+        engine.shutdown()

@@ -386,7 +386,9 @@ class ModelRegistry:
         log.info("unloading model %s (%s)", loaded.model.name, why)
         await asyncio.to_thread(loaded.state.engine.shutdown)
         # its buffers' heap ranges back to small pages (mlx_engine/huge_pages.py)
-        release_huge_pages(v for _, v in flat_parameters(loaded.state.engine.loaded.model))
+        # (off the event loop: it first waits for a collapse still moving them, seconds for a big model)
+        weights = [v for _, v in flat_parameters(loaded.state.engine.loaded.model)]
+        await asyncio.to_thread(release_huge_pages, weights)
         self._signal()
 
     # --- the reaper -------------------------------------------------------------------------------

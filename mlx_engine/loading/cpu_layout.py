@@ -16,10 +16,11 @@ from mlx_engine.backend import backend_name
 from mlx_engine.huge_pages import use_huge_pages
 
 
-def use_panel_layout(model: nn.Module) -> int:
+def use_panel_layout(model: nn.Module, *, huge_pages: bool = True) -> int:
     """Put ``model``'s eligible layers in 16-row panels, the layout the CPU kernels read fastest on
     AVX-512 VNNI with either math; returns how many layers changed (0 off the CPU, without the kernels
-    or the panel kernel, or with nothing to change)."""
+    or the panel kernel, or with nothing to change). ``huge_pages``: the new arrays onto 2 MiB pages
+    before returning, as the loader's were (the engine moves them itself, in the background)."""
     if backend_name() != "cpu":
         return 0
     from cpu_kernels.panels import use_panels
@@ -29,7 +30,8 @@ def use_panel_layout(model: nn.Module) -> int:
         # the replaced arrays go back to the system; the new ones get huge pages as the loader's had
         mx.clear_cache()
         heap.release_free()
-        use_huge_pages(layer[k] for layer in changed for k in ("weight", "scales", "biases"))
+        if huge_pages:
+            use_huge_pages(layer[k] for layer in changed for k in ("weight", "scales", "biases"))
     return len(changed)
 
 

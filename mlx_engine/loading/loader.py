@@ -86,7 +86,12 @@ def _cpu_kernels_built() -> bool:
     return available()
 
 
-def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") -> LoadedModel:
+def load_model(
+    spec: str | os.PathLike | None = None, *, weights: str = "auto", huge_pages: bool = True
+) -> LoadedModel:
+    """Load a model (``spec``: an HF repo id, a local directory or GGUF, None for the bundled one).
+    ``huge_pages`` (CPU): move the weights onto 2 MiB pages before returning; the engine passes False
+    and moves them itself once its own layout is in place (``Engine``), in the background."""
     t0 = time.perf_counter()
     src = resolve_model(spec)
     dense = _want_dense(weights)
@@ -120,7 +125,8 @@ def load_model(spec: str | os.PathLike | None = None, *, weights: str = "auto") 
             # glibc's heap (the synthetic 1B Q8_0 model: 1622 -> 1290 MB resident after the load)
             mx.clear_cache()
             heap.release_free()
-        use_huge_pages(v for _, v in flat_parameters(model))  # fewer TLB misses per decode step
+        if huge_pages:
+            use_huge_pages(v for _, v in flat_parameters(model))  # fewer TLB misses per decode step
     _evaluate_constants(model)
     layers, kv, hd = _attention_shape(model)
     from mlx_engine.loading.catalogue import record_use
