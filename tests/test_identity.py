@@ -80,3 +80,64 @@ def test_system_fingerprint_names_model_and_numerics(tiny_dirs):
     finally:
         plain.shutdown()
         quantized.shutdown()
+
+
+def test_a_fingerprint_is_remembered_across_starts_until_the_file_changes(tmp_path, monkeypatch):
+    """The next process reads a model's fingerprint from the 0600 store instead of hashing the
+    file again; a file rewritten in place, with its size and modification time put back, is hashed
+    again (its change time moved) and gets its new fingerprint."""
+    import os
+    import stat
+
+    import xxhash
+
+    from mlx_engine.loading import identity
+
+    monkeypatch.setenv("DUET_DATA_DIR", str(tmp_path / "data"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(os.urandom(1 << 20))
+    first = model_fingerprint(f)
+    store = tmp_path / "data" / "fingerprints.json"
+    assert stat.S_IMODE(store.stat().st_mode) == 0o600
+
+    hashed: list[int] = []
+    real = xxhash.xxh3_128
+
+    def counting(*args):
+        hashed.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(identity.xxhash, "xxh3_128", counting)
+    identity._memo.clear()  # as a new process starts
+    assert model_fingerprint(f) == first and not hashed  # from the store: the file is not read
+
+    before = f.stat()
+    data = bytearray(f.read_bytes())
+    data[100] ^= 1
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))  # its old modification time put back
+    while f.stat().st_ctime_ns == before.st_ctime_ns:  # a coarse clock: wait for the change time to move
+        os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert f.stat().st_size == before.st_size and f.stat().st_mtime_ns == before.st_mtime_ns
+    identity._memo.clear()
+    second = model_fingerprint(f)
+    assert hashed and second != first
+    identity._memo.clear()
+    assert model_fingerprint(f) == second  # the store now holds the new one
+
+
+def test_a_broken_or_foreign_store_is_not_trusted(tmp_path, monkeypatch):
+    """A store that is not JSON, or holds something else, is ignored (the file hashed) and replaced."""
+    from mlx_engine.loading import identity
+
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    monkeypatch.setenv("DUET_DATA_DIR", str(data))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(4096))
+    expected = model_fingerprint(f)
+    for junk in ("not json", '["a list"]', '{"%s": "sha1:deadbeef"}'):
+        key = next(iter(identity._read_store(data / "fingerprints.json")))
+        (data / "fingerprints.json").write_text(junk.replace("%s", key))
+        identity._memo.clear()
+        assert model_fingerprint(f) == expected
