@@ -90,7 +90,7 @@ class Engine:
         self.draft = self._load_draft()  # the draft model (speculative="draft"), else None
         for m in (loaded, self.draft):
             if m is not None:
-                use_panel_layout(m.model, huge_pages=False)  # Q4_K, Q6_K layers in 16-row panels
+                use_panel_layout(m.model)  # Q4_K, Q6_K layers in 16-row panels
                 if backend_name() == "cpu":
                     # every weight onto 2 MiB pages (fewer TLB misses a decode step), moved by a thread
                     # of its own while the first request runs: the move costs the CPU ~3.6 s a GB, and

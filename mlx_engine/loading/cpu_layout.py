@@ -13,25 +13,21 @@ import mlx.nn as nn
 
 from mlx_engine import heap
 from mlx_engine.backend import backend_name
-from mlx_engine.huge_pages import use_huge_pages
 
 
-def use_panel_layout(model: nn.Module, *, huge_pages: bool = True) -> int:
+def use_panel_layout(model: nn.Module) -> int:
     """Put ``model``'s eligible layers in 16-row panels, the layout the CPU kernels read fastest on
     AVX-512 VNNI with either math; returns how many layers changed (0 off the CPU, without the kernels
-    or the panel kernel, or with nothing to change). ``huge_pages``: the new arrays onto 2 MiB pages
-    before returning, as the loader's were (the engine moves them itself, in the background)."""
+    or the panel kernel, or with nothing to change). The new arrays are on small pages: the engine
+    moves every weight onto huge pages once its layout is in place (``Engine``)."""
     if backend_name() != "cpu":
         return 0
     from cpu_kernels.panels import use_panels
 
     changed = use_panels(model, True)
-    if changed:
-        # the replaced arrays go back to the system; the new ones get huge pages as the loader's had
+    if changed:  # the replaced arrays go back to the system
         mx.clear_cache()
         heap.release_free()
-        if huge_pages:
-            use_huge_pages(layer[k] for layer in changed for k in ("weight", "scales", "biases"))
     return len(changed)
 
 

@@ -51,12 +51,9 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 
 def _store_path() -> Path:
     """Where fingerprints are remembered across processes: beside the converted weights' cache."""
-    base = os.environ.get("DUET_DATA_DIR")
-    if base:
-        return Path(base) / "fingerprints.json"
-    from platformdirs import user_cache_dir
+    from mlx_engine.loading.weight_cache import cache_dir  # it imports this module
 
-    return Path(user_cache_dir("duet", appauthor=False)) / "fingerprints.json"
+    return cache_dir().parent / "fingerprints.json"
 
 
 def _read_store(store: Path) -> dict[str, str]:
